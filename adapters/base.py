@@ -1,0 +1,178 @@
+"""The adapter interface: what a training stack must provide to run under the harness.
+
+An adapter has two halves, both in the backend's one file:
+
+* the class itself is declarative and cheap to import (no DeepSpeed/Megatron/MindSpore at module
+  level): its ``Options`` dataclass (the typed ``backend.*`` keys), its ``capabilities``, its
+  availability diagnosis for ``bench env``, how it splits the world into parallel dimensions, and
+  the checks that must pass before any process starts;
+* ``create_engine`` runs inside a worker process only. It may import the framework, apply the
+  framework's monkeypatches (scoped to that process), and returns an :class:`Engine` that trains the
+  canonical model on this rank.
+
+The harness never branches on the backend's name: everything backend-specific lives here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
+
+from parabench.errors import SpecError
+from parabench.spec import JobSpec, ModelSpec, ParallelDims
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from parabench.devices import Device
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend supports; checked against the job before launch."""
+
+    devices: frozenset[str]
+    precisions: frozenset[str]
+    launcher: str = "torchrun"  # how its workers are started: torchrun | msrun
+    shards_model_states: bool = False  # ZeRO/FSDP-style sharding of params/grads/optimizer states
+    multi_node: bool = True
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether a backend can run here, and if not, exactly why (shown by ``bench env``)."""
+
+    available: bool
+    reason: str
+    versions: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """Bytes of model state actually held by one rank (storage counted once, padding included)."""
+
+    params: int
+    grads: int
+    optimizer: int  # moments (and fp32 master copies where the backend keeps them separately)
+    optimizer_other: int = 0  # step counters and other non-per-parameter state
+    host: int = 0  # of the above, bytes that live in host memory while the device is an accelerator
+    detail: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.optimizer_other
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["total"] = self.total
+        return d
+
+
+@dataclass(frozen=True)
+class StateFormula:
+    """A predicted per-rank model-state size, with the formula and its source."""
+
+    bytes: float
+    formula: str
+    source: str
+
+
+@dataclass
+class WorkerContext:
+    """Everything a worker-side engine gets: the spec and where in the world it sits."""
+
+    job: JobSpec
+    rank: int
+    world_size: int
+    local_rank: int
+    device: "Device"
+    run_dir: Path
+
+
+class Engine(ABC):
+    """One rank's training state for one backend (worker side)."""
+
+    @abstractmethod
+    def train_step(self, micro_batches: Sequence[tuple["torch.Tensor", "torch.Tensor"]]) -> "torch.Tensor":
+        """Forward/backward over the micro-batches (gradient accumulation), then one optimizer step.
+
+        Returns a 0-dim tensor: the mean token loss over this rank's micro-batches (on every rank
+        that takes part in the step, including all tensor/pipeline ranks of a replica)."""
+
+    @abstractmethod
+    def full_state_dict(self) -> dict[str, "torch.Tensor"]:
+        """The full, unsharded weights under canonical (Hugging Face) names, as fp32 CPU tensors.
+        Collective: every rank calls it."""
+
+    @abstractmethod
+    def model_state_bytes(self) -> ModelStateBytes:
+        """Bytes of parameters, gradients and optimizer states this rank holds."""
+
+    def data_parallel(self) -> tuple[int, int]:
+        """(data-parallel rank, data-parallel size) of this rank: which slice of the batch it takes."""
+        import torch.distributed as dist
+
+        return dist.get_rank(), dist.get_world_size()
+
+    def extra_metrics(self) -> dict[str, float]:
+        """Backend-specific per-rank numbers (e.g. a measured pipeline bubble)."""
+        return {}
+
+    def artifacts(self) -> dict[str, Any]:
+        """Backend-specific documents for rank 0 to log (e.g. the effective DeepSpeed config)."""
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class Adapter(ABC):
+    """A training stack. Subclasses set the ClassVars and implement ``create_engine``."""
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+    Options: ClassVar[type]
+
+    @classmethod
+    @abstractmethod
+    def availability(cls) -> Availability:
+        """Can this backend run here? Must not import heavy frameworks in-process if that can fail."""
+
+    @classmethod
+    def parallel_dims(cls, options: Any, world_size: int, model: ModelSpec) -> ParallelDims:
+        """Split the world; pure data parallelism unless overridden."""
+        return ParallelDims(world_size=world_size, dp=world_size)
+
+    @classmethod
+    def validate(cls, job: JobSpec) -> None:
+        """Backend-specific checks before launch; raise SpecError naming the key."""
+
+    @classmethod
+    def launch_env(cls, job: JobSpec) -> dict[str, str]:
+        """Extra environment for the workers (logged with the run)."""
+        return {}
+
+    @classmethod
+    def expected_model_state(cls, job: JobSpec) -> StateFormula | None:
+        """The per-rank model-state bytes a published formula predicts for this job, if any."""
+        return None
+
+    @classmethod
+    @abstractmethod
+    def create_engine(cls, ctx: WorkerContext) -> Engine:
+        """Build the canonical model with the canonical weights on this rank (worker only)."""
+
+
+def check_capabilities(adapter: type[Adapter], job: JobSpec) -> None:
+    """Refuse a job the backend declares it cannot run (before any process starts)."""
+    caps = adapter.capabilities
+    if job.device.type != "auto" and job.device.type not in caps.devices:
+        raise SpecError("device", f"backend {adapter.name} does not run on {job.device.type} (supported: {', '.join(sorted(caps.devices))})")
+    if job.run.precision not in caps.precisions:
+        raise SpecError("run.precision", f"backend {adapter.name} does not support {job.run.precision} (supported: {', '.join(sorted(caps.precisions))})")
+    if job.launch.nnodes > 1 and not caps.multi_node:
+        raise SpecError("launcher.nnodes", f"backend {adapter.name} runs on a single node only")

@@ -1,0 +1,79 @@
+"""DDP: PyTorch DistributedDataParallel. Every rank holds the full model states.
+
+Model states per rank, fp32 AdamW (params 4 + grads 4 + two moments 8 bytes per parameter):
+16 * Psi bytes, where Psi = parameter count (Rajbhandari et al. 2019, arXiv 1910.02054, section 3.1,
+with K = 8 for fp32 Adam). bf16 here is autocast: fp32 weights stay, so still 16 * Psi.
+Gradients are views into DDP's communication buckets (``gradient_as_bucket_view``), so they are
+held once, not twice.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass
+
+import torch
+
+from parabench.adapters.base import Adapter, Availability, Capabilities, StateFormula, WorkerContext
+from parabench.adapters.torch_common import TorchEngine
+from parabench.errors import SpecError
+from parabench.model import build_llama, set_activation_checkpointing
+from parabench.spec import JobSpec
+
+
+@dataclass(frozen=True)
+class DDPOptions:
+    bucket_cap_mb: float = 25.0  # gradient all-reduce bucket size (torch default)
+    gradient_as_bucket_view: bool = True  # grads alias the buckets: one copy, not two
+    static_graph: bool = False
+    activation_checkpointing: bool = False
+
+
+class DDPEngine(TorchEngine):
+    def full_state_dict(self):
+        return {n: p.detach().float().cpu() for n, p in self.model.module.named_parameters()}
+
+
+class DDPAdapter(Adapter):
+    name = "ddp"
+    description = "PyTorch DistributedDataParallel (replicated model states)"
+    capabilities = Capabilities(devices=frozenset({"cpu", "cuda", "npu"}), precisions=frozenset({"fp32", "bf16"}))
+    Options = DDPOptions
+
+    @classmethod
+    def availability(cls) -> Availability:
+        return Availability(True, "built into torch", {"torch": importlib.metadata.version("torch")})
+
+    @classmethod
+    def validate(cls, job: JobSpec) -> None:
+        if job.backend.options.bucket_cap_mb <= 0:
+            raise SpecError("backend.bucket_cap_mb", f"must be > 0, got {job.backend.options.bucket_cap_mb}")
+
+    @classmethod
+    def expected_model_state(cls, job: JobSpec) -> StateFormula:
+        psi = job.model.num_params()
+        return StateFormula(16.0 * psi, "(4 + 4 + 8) * Psi: fp32 params, grads, Adam moments, replicated",
+                            "Rajbhandari et al. 2019 (ZeRO, arXiv 1910.02054) sec. 3.1, K=8 for fp32 Adam")
+
+    @classmethod
+    def create_engine(cls, ctx: WorkerContext) -> DDPEngine:
+        from torch.nn.parallel import DistributedDataParallel
+
+        job, opts = ctx.job, ctx.job.backend.options
+        model = build_llama(job.model, seed=job.run.seed).to(ctx.device.torch_device)
+        set_activation_checkpointing(model, opts.activation_checkpointing)
+        ddp = DistributedDataParallel(model, bucket_cap_mb=opts.bucket_cap_mb,
+                                      gradient_as_bucket_view=opts.gradient_as_bucket_view,
+                                      static_graph=opts.static_graph)
+
+        def sync(last: bool):
+            return ddp.no_sync() if not last else _null()
+
+        autocast = torch.bfloat16 if job.run.precision == "bf16" else None
+        return DDPEngine(ctx, ddp, list(model.named_parameters()), sync, autocast)
+
+
+def _null():
+    import contextlib
+
+    return contextlib.nullcontext()

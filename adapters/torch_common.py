@@ -1,0 +1,60 @@
+"""Pieces shared by the adapters that train the canonical torch Llama directly (ddp, fsdp)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager, Sequence
+
+import torch
+
+from parabench.adapters.base import Engine, ModelStateBytes, WorkerContext
+from parabench.metrics import torch_model_state
+from parabench.model import causal_lm_loss, decay_mask
+from parabench.spec import OptimSpec
+
+
+def make_adamw(named_params: Sequence[tuple[str, torch.nn.Parameter]], spec: OptimSpec) -> torch.optim.AdamW:
+    """torch.optim.AdamW with decay on 2-D weights only; the same algorithm every backend uses."""
+    decay = [p for n, p in named_params if decay_mask(n, p)]
+    no_decay = [p for n, p in named_params if not decay_mask(n, p)]
+    groups = [{"params": decay, "weight_decay": spec.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=spec.lr, betas=spec.betas, eps=spec.eps)
+
+
+class TorchEngine(Engine):
+    """Gradient accumulation over micro-batches, global-norm clipping, AdamW step.
+
+    ``sync_context(last)`` is entered around each micro-batch's forward/backward: backends use it to
+    skip gradient communication on all but the last micro-batch (DDP no_sync, FSDP2 requires_grad_sync).
+    """
+
+    def __init__(self, ctx: WorkerContext, model: torch.nn.Module, named_params: Sequence[tuple[str, torch.nn.Parameter]],
+                 sync_context: Callable[[bool], ContextManager], autocast_dtype: torch.dtype | None):
+        self.ctx = ctx
+        self.model = model
+        self.named_params = list(named_params)
+        self.params = [p for _, p in self.named_params]
+        self.optimizer = make_adamw(self.named_params, ctx.job.optim)
+        self.sync_context = sync_context
+        device_type = torch.device(ctx.device.torch_device).type
+        self.autocast = (lambda: torch.autocast(device_type, dtype=autocast_dtype)) if autocast_dtype else contextlib.nullcontext
+
+    def train_step(self, micro_batches):
+        n = len(micro_batches)
+        total = torch.zeros((), device=self.ctx.device.torch_device)
+        for i, (inputs, targets) in enumerate(micro_batches):
+            with self.sync_context(i == n - 1):
+                with self.autocast():
+                    loss = causal_lm_loss(self.model(inputs), targets) / n
+                loss.backward()
+            total += loss.detach()
+        if self.ctx.job.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.ctx.job.optim.grad_clip)
+        self.optimizer.step()
+        # Keep gradient buffers allocated (as DDP buckets and DeepSpeed do): memory stays steady
+        # and the model-state accounting sees the gradients a rank really holds.
+        self.optimizer.zero_grad(set_to_none=False)
+        return total
+
+    def model_state_bytes(self) -> ModelStateBytes:
+        return torch_model_state(self.params, self.optimizer)

@@ -1,0 +1,243 @@
+"""Device kinds (cpu, cuda, npu): detection, the collective backend, timing sync and memory stats.
+
+Detection is separate from the backends (Lightning Fabric's lesson): an adapter says which device
+kinds it supports; this module says which are present here and, when one is not, exactly why.
+torch_npu is probed in a subprocess, because importing it without the CANN runtime can fail or
+abort the interpreter (and, with device-backend autoload, even breaks ``import torch``).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import resource
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+# With torch_npu installed but no CANN, ``import torch`` itself fails unless device-backend
+# autoload is off (REFERENCE.md section 6). Workers that want torch_npu import it explicitly.
+AUTOLOAD_ENV = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+
+
+@dataclass(frozen=True)
+class Presence:
+    available: bool
+    reason: str  # "N x <name>" when available, else why not
+    count: int = 0
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+class Device:
+    """One device kind. Subclasses are registered in ``DEVICES`` by ``kind``."""
+
+    kind: ClassVar[str]
+    dist_backend: ClassVar[str]
+
+    @classmethod
+    def presence(cls) -> Presence:
+        raise NotImplementedError
+
+    # -- worker side -------------------------------------------------------------------------
+    def __init__(self, local_rank: int = 0):
+        self.local_rank = local_rank
+
+    @property
+    def torch_device(self) -> str:
+        return f"{self.kind}:{self.local_rank}"
+
+    def setup(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def reset_peak_memory(self) -> None:
+        pass
+
+    def peak_memory(self) -> tuple[int, str]:
+        """(bytes, what was measured)."""
+        raise NotImplementedError
+
+    def name(self) -> str:
+        raise NotImplementedError
+
+    @classmethod
+    def peak(cls, precision: str, threads: int, cache_dir: Path, device_name: str):
+        """Peak dense FLOP/s of one device for MFU: the datasheet table; None when unknown."""
+        from parabench.flops import table_peak
+
+        return table_peak(device_name, precision)
+
+
+class CPUDevice(Device):
+    kind = "cpu"
+    dist_backend = "gloo"
+
+    @classmethod
+    def presence(cls) -> Presence:
+        return Presence(True, f"{os.cpu_count()} cores ({cpu_model()})", 1)
+
+    @property
+    def torch_device(self) -> str:
+        return "cpu"
+
+    def peak_memory(self) -> tuple[int, str]:
+        # ru_maxrss is KiB on Linux: the process's peak resident set (includes libraries and
+        # the Python heap, not only tensors; CPU has no allocator statistics comparable to CUDA's).
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "peak RSS of the rank process"
+
+    def name(self) -> str:
+        return cpu_model()
+
+    @classmethod
+    def peak(cls, precision: str, threads: int, cache_dir: Path, device_name: str):
+        """No datasheet for 'a CPU': measure a GEMM at the rank's thread count (cached)."""
+        from parabench.flops import cpu_gemm_peak
+
+        return cpu_gemm_peak(threads, precision, cache_dir, device_name)
+
+
+class CUDADevice(Device):
+    kind = "cuda"
+    dist_backend = "nccl"
+
+    @classmethod
+    def presence(cls) -> Presence:
+        if _version("torch") is None:
+            return Presence(False, "torch is not installed")
+        import torch
+
+        if torch.version.cuda is None:
+            return Presence(False, f"this torch build ({torch.__version__}) has no CUDA support")
+        if not torch.cuda.is_available():
+            return Presence(False, f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device")
+        n = torch.cuda.device_count()
+        return Presence(True, f"{n} x {torch.cuda.get_device_name(0)}", n)
+
+    def setup(self) -> None:
+        import torch
+
+        torch.cuda.set_device(self.local_rank)
+
+    def synchronize(self) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+
+    def reset_peak_memory(self) -> None:
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+
+    def peak_memory(self) -> tuple[int, str]:
+        import torch
+
+        return torch.cuda.max_memory_allocated(), "torch.cuda.max_memory_allocated"
+
+    def name(self) -> str:
+        import torch
+
+        return torch.cuda.get_device_name(self.local_rank)
+
+
+def cann_library() -> Path | None:
+    """Where libhccl.so of the CANN toolkit is, if anywhere we know to look."""
+    dirs = [os.environ.get(v) for v in ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_OPP_PATH")]
+    candidates = [Path(d) / "lib64" for d in dirs if d]
+    candidates += [Path(p) for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if p]
+    candidates += [Path("/usr/local/Ascend/ascend-toolkit/latest/lib64"), Path("/usr/local/Ascend/cann/lib64")]
+    for c in candidates:
+        if (c / "libhccl.so").exists():
+            return c / "libhccl.so"
+    return None
+
+
+class NPUDevice(Device):
+    kind = "npu"
+    dist_backend = "hccl"
+
+    @classmethod
+    def presence(cls) -> Presence:
+        version = _version("torch-npu") or _version("torch_npu")
+        if version is None or importlib.util.find_spec("torch_npu") is None:
+            return Presence(False, "torch_npu is not installed (pip install torch-npu, on a machine with the CANN toolkit)")
+        if cann_library() is None:
+            return Presence(
+                False,
+                f"torch_npu {version} is installed but the CANN runtime (libhccl.so) is not found: install CANN and "
+                "`source /usr/local/Ascend/ascend-toolkit/set_env.sh`; until then `import torch` needs "
+                "TORCH_DEVICE_BACKEND_AUTOLOAD=0 (parabench sets it)",
+            )
+        probe = "import torch, torch_npu; print(torch.npu.device_count(), torch.npu.get_device_name(0) if torch.npu.device_count() else '')"
+        try:
+            out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                                 env={**os.environ, **AUTOLOAD_ENV})
+        except subprocess.TimeoutExpired:
+            return Presence(False, f"torch_npu {version}: probing the NPU timed out after 120 s")
+        if out.returncode != 0:
+            last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+            return Presence(False, f"torch_npu {version} failed to import: {last}")
+        count, _, name = out.stdout.strip().partition(" ")
+        if int(count or 0) == 0:
+            return Presence(False, f"torch_npu {version} with CANN sees no NPU (check ASCEND_RT_VISIBLE_DEVICES and npu-smi)")
+        return Presence(True, f"{count} x {name or 'Ascend NPU'}", int(count))
+
+    def setup(self) -> None:
+        import torch
+        import torch_npu  # noqa: F401  (registers torch.npu; worker process only)
+
+        torch.npu.set_device(self.local_rank)
+
+    def synchronize(self) -> None:
+        import torch
+
+        torch.npu.synchronize()
+
+    def reset_peak_memory(self) -> None:
+        import torch
+
+        torch.npu.reset_peak_memory_stats()
+
+    def peak_memory(self) -> tuple[int, str]:
+        import torch
+
+        return torch.npu.max_memory_allocated(), "torch.npu.max_memory_allocated"
+
+    def name(self) -> str:
+        import torch
+
+        return torch.npu.get_device_name(self.local_rank)
+
+
+DEVICES: dict[str, type[Device]] = {d.kind: d for d in (CPUDevice, CUDADevice, NPUDevice)}
+
+
+def resolve(kind: str) -> str:
+    """``auto`` -> cuda if present, else npu if present, else cpu."""
+    if kind != "auto":
+        return kind
+    for candidate in ("cuda", "npu"):
+        if DEVICES[candidate].presence().available:
+            return candidate
+    return "cpu"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

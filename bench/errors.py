@@ -1,0 +1,22 @@
+"""Errors that end a command with a one-line message (exit 2), never a traceback."""
+
+
+class UserError(Exception):
+    """Bad input from the user: printed as one line, exit status 2."""
+
+    exit_code = 2
+
+
+class SpecError(UserError):
+    """An invalid configuration value; ``key`` is the dotted config key the user can override."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        self.message = message
+        super().__init__(f"{key}: {message}" if key else message)
+
+
+class RunFailed(Exception):
+    """A launched job failed (worker crash, hang, timeout): exit status 1, run recorded as FAILED."""
+
+    exit_code = 1

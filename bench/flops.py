@@ -1,0 +1,102 @@
+"""Model FLOPs per token, device peaks, and MFU.
+
+MFU follows PaLM (Chowdhery et al. 2022, arXiv 2204.02311, Appendix B):
+    model FLOPs per token = 6 N + 12 L H Q T
+with N the parameters that take part in matrix multiplies (we exclude the input-embedding lookup,
+which is a gather; lm_head is counted), L layers, H attention heads, Q head dim, T sequence length.
+No causal halving of the attention term (as in PaLM and torchtitan); recomputation is not counted
+(that would be HFU). MFU = achieved model FLOP/s per device / peak FLOP/s per device.
+
+The peak is never assumed: a known accelerator table (below, with sources), a CPU GEMM calibration
+measured on this machine, or a user-supplied ``device.peak_tflops``. Unknown -> no MFU, said plainly.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from parabench.spec import ModelSpec
+
+FORMULA = "PaLM: 6N + 12*L*H*Q*T per token (N = matmul parameters: input embedding excluded, lm_head included; no recompute)"
+
+
+def flops_per_token(model: ModelSpec, seq_len: int) -> float:
+    n = model.num_matmul_params()
+    attention = 12 * model.num_hidden_layers * model.num_attention_heads * model.head_dim * seq_len
+    return 6.0 * n + attention
+
+
+@dataclass(frozen=True)
+class Peak:
+    tflops: float  # per device, dense
+    source: str
+    uncertain: bool = False
+
+
+# Dense peak TFLOP/s per device. Keys are matched against the device name (longest match first).
+# NVIDIA: A100 datasheet (312 bf16/fp16 tensor core, 19.5 fp32 non-tensor), H100 SXM / H200
+# datasheets (989 bf16 dense, 67 fp32); H100 PCIe 756 bf16, 51 fp32. Ascend 910B: MindSpeed's
+# auto-tuning defaults (363.7 fp16/bf16), marked uncertain (REFERENCE.md section 3).
+PEAKS: dict[str, dict[str, Peak]] = {
+    "A100": {"bf16": Peak(312, "NVIDIA A100 datasheet"), "fp16": Peak(312, "NVIDIA A100 datasheet"),
+             "fp32": Peak(19.5, "NVIDIA A100 datasheet (fp32 without TF32)")},
+    "H100 PCIe": {"bf16": Peak(756, "NVIDIA H100 datasheet (PCIe)"), "fp16": Peak(756, "NVIDIA H100 datasheet (PCIe)"),
+                  "fp32": Peak(51, "NVIDIA H100 datasheet (PCIe)")},
+    "H100": {"bf16": Peak(989, "NVIDIA H100 datasheet (SXM)"), "fp16": Peak(989, "NVIDIA H100 datasheet (SXM)"),
+             "fp32": Peak(67, "NVIDIA H100 datasheet (SXM)")},
+    "H200": {"bf16": Peak(989, "NVIDIA H200 datasheet"), "fp16": Peak(989, "NVIDIA H200 datasheet"),
+             "fp32": Peak(67, "NVIDIA H200 datasheet")},
+    "910B": {"bf16": Peak(363.7, "MindSpeed auto-tuning default for 910B", True),
+             "fp16": Peak(363.7, "MindSpeed auto-tuning default for 910B", True)},
+}
+
+
+def table_peak(device_name: str, precision: str) -> Peak | None:
+    for key in sorted(PEAKS, key=len, reverse=True):
+        if key.lower() in device_name.lower():
+            return PEAKS[key].get(precision)
+    return None
+
+
+def cpu_gemm_peak(threads: int, precision: str, cache_dir: Path, cpu_name: str) -> Peak:
+    """Best-of-5 torch.mm throughput at ``threads`` intra-op threads, cached per machine setup.
+
+    A 1024^3 GEMM costs 2 * 1024^3 FLOPs. Measured in the runner before workers start, so nothing
+    else competes for the cores; ranks that share a machine may each reach less than this.
+    """
+    import torch
+
+    key = f"{cpu_name}|threads={threads}|{precision}|torch={torch.__version__}"
+    cache = cache_dir / "cpu_gemm_peak.json"
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key not in known:
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            n = 1024
+            a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+            for _ in range(3):
+                torch.mm(a, b)
+            best = 0.0
+            for _ in range(5):
+                reps, t0 = 0, time.perf_counter()
+                while True:
+                    torch.mm(a, b)
+                    reps += 1
+                    elapsed = time.perf_counter() - t0
+                    if elapsed > 0.15:
+                        break
+                best = max(best, 2 * n**3 * reps / elapsed)
+        finally:
+            torch.set_num_threads(previous)
+        known[key] = best / 1e12
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(known, indent=2, sort_keys=True))
+    return Peak(known[key], f"measured: torch.mm 1024^3 {precision}, {threads} thread(s), best of 5 (cached in {cache})")

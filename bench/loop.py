@@ -1,0 +1,69 @@
+"""The backend-agnostic measured loop: warm-up steps, then measured steps.
+
+Burn-in is separated from measurement (nanoGPT's bench.py): the first ``run.warmup_steps`` steps
+(allocator growth, lazy initialisation, JIT builds) are run but not recorded. Each step's wall time
+is taken with the device synchronised before and after; the batch is prepared before the clock
+starts, as a data loader with prefetching would have it ready. After each step, outside the timed
+region, one all-reduce gives the mean loss over ranks and one the slowest rank's step time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from parabench.adapters.base import Engine, WorkerContext
+from parabench.data import TokenSource
+
+
+def write_json_atomic(path: Path, payload: dict) -> None:
+    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(payload))
+    os.replace(tmp, path)
+
+
+def train(engine: Engine, ctx: WorkerContext, on_step: Callable[[int, int, float, float], None] | None = None) -> dict:
+    job, device = ctx.job, ctx.device
+    source = TokenSource(job.data, job.model.vocab_size)
+    dp_rank, dp_size = engine.data_parallel()
+    total = job.run.warmup_steps + job.run.steps
+    step_times: list[float] = []
+    losses: list[float] = []
+    for step in range(total):
+        batches = [
+            (torch.from_numpy(x).to(device.torch_device), torch.from_numpy(y).to(device.torch_device))
+            for x, y in source.rank_micro_batches(step, dp_rank, dp_size)
+        ]
+        device.synchronize()
+        t0 = time.perf_counter()
+        loss = engine.train_step(batches)
+        device.synchronize()
+        elapsed = time.perf_counter() - t0
+
+        stats = torch.tensor([float(loss), elapsed], dtype=torch.float64, device=device.torch_device)
+        loss_sum = stats[:1].clone()
+        dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
+        slowest = stats[1:].clone()
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        mean_loss = float(loss_sum) / dist.get_world_size()
+        losses.append(mean_loss)  # every step, warm-up included: step 0 is the parity anchor
+        if step >= job.run.warmup_steps:
+            step_times.append(elapsed)
+        if on_step is not None:
+            on_step(step, total, mean_loss, float(slowest))
+    peak, peak_kind = device.peak_memory()
+    return {
+        "rank": ctx.rank,
+        "step_times": step_times,
+        "losses": losses,
+        "peak_memory_bytes": peak,
+        "peak_memory_kind": peak_kind,
+        "model_state": engine.model_state_bytes().as_dict(),
+        "extra": engine.extra_metrics(),
+    }

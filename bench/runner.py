@@ -1,0 +1,371 @@
+"""Compose once -> validate -> run dir -> spawn workers (torchrun) -> watch -> collect -> track.
+
+One call of :func:`execute` is one job. The run directory
+``<results_dir>/runs/<experiment>/<timestamp>/<job>/`` holds ``config.resolved.yaml`` (what was
+composed), ``spec.json`` (what workers read), ``launch.sh`` (the exact command and environment),
+``logs/rank<R>.log``, ``ranks/rank<R>.json``, ``summary.json`` and ``env.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from parabench import __version__
+from parabench.adapters.base import check_capabilities
+from parabench.adapters.registry import get_adapter
+from parabench.devices import DEVICES, resolve
+from parabench.errors import RunFailed, SpecError
+from parabench.spec import JobSpec, from_config, resolve_device
+
+POLL_S = 0.2
+TAIL_LINES = 25
+
+
+# --------------------------------------------------------------------------------------------
+# Pre-flight: everything that can be refused before a process starts.
+# --------------------------------------------------------------------------------------------
+def prepare(plain: dict[str, Any]) -> JobSpec:
+    job = from_config(plain)
+    adapter = get_adapter(job.backend.name)
+    check_capabilities(adapter, job)
+    if job.launch.dry_run:
+        # A launch bundle is written for another machine: no local backend or device needed.
+        return resolve_device(job, job.device.type if job.device.type != "auto" else "cpu")
+    available = adapter.availability()
+    if not available.available:
+        raise SpecError("backend", f"{adapter.name} cannot run here: {available.reason}")
+    kind = resolve(job.device.type)
+    presence = DEVICES[kind].presence()
+    if not presence.available:
+        raise SpecError("device", f"{kind} requested but not usable here: {presence.reason}")
+    if job.launch.nnodes == 1 and kind != "cpu" and job.launch.nproc_per_node > presence.count:
+        raise SpecError("launcher.nproc_per_node", f"{job.launch.nproc_per_node} ranks but only {presence.count} {kind} device(s)")
+    job = resolve_device(job, kind)
+    check_capabilities(adapter, job)
+    return job
+
+
+# --------------------------------------------------------------------------------------------
+# Launch.
+# --------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def threads_per_rank(job: JobSpec) -> int:
+    if job.device.threads_per_rank:
+        return job.device.threads_per_rank
+    return max(1, (os.cpu_count() or 1) // job.launch.nproc_per_node)
+
+
+def launch_env(job: JobSpec) -> dict[str, str]:
+    """Environment the workers get on top of the caller's (logged, secrets excluded)."""
+    adapter = get_adapter(job.backend.name)
+    env = {
+        "PYTHONUNBUFFERED": "1",
+        # torch_npu without CANN breaks `import torch` (and torchrun) unless autoload is off;
+        # the NPU worker imports torch_npu explicitly (REFERENCE.md section 6).
+        "TORCH_DEVICE_BACKEND_AUTOLOAD": "0",
+        "OMP_NUM_THREADS": str(threads_per_rank(job)),
+    }
+    env.update(adapter.launch_env(job))
+    return env
+
+
+def torchrun_args(job: JobSpec, port: int) -> list[str]:
+    la = job.launch
+    return [
+        f"--nnodes={la.nnodes}", f"--nproc-per-node={la.nproc_per_node}", f"--node-rank={la.node_rank}",
+        f"--master-addr={la.master_addr}", f"--master-port={port}", "--max-restarts=0",
+    ]
+
+
+def write_bundle(job: JobSpec, run_dir: Path, env: dict[str, str], port: int) -> Path:
+    """``launch.sh``: the exact, relocatable command a user can run on the target machine."""
+    from parabench.tracking import is_secret
+
+    lines = [
+        "#!/usr/bin/env bash",
+        f"# parabench {__version__} launch bundle: backend={job.backend.name} model={job.model.name} "
+        f"device={job.device.type} nnodes={job.launch.nnodes} nproc_per_node={job.launch.nproc_per_node}",
+        "# Needs parabench installed; reads spec.json from this directory. On node N of a multi-node",
+        "# job run it with NODE_RANK=N (and MASTER_ADDR of node 0).",
+        "set -euo pipefail",
+        'RUN_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
+    ]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items()) if not is_secret(k)]
+    args = [a for a in torchrun_args(job, port) if not a.startswith(("--node-rank", "--master-addr"))]
+    lines.append(
+        "exec torchrun " + " ".join(args)
+        + f' --node-rank="${{NODE_RANK:-{job.launch.node_rank}}}" --master-addr="${{MASTER_ADDR:-{job.launch.master_addr}}}"'
+        + ' -m parabench.worker "$RUN_DIR"'
+    )
+    path = run_dir / "launch.sh"
+    path.write_text("\n".join(lines) + "\n")
+    path.chmod(0o755)
+    return path
+
+
+class _Progress:
+    """tqdm bar driven by rank 0's progress file."""
+
+    def __init__(self, total: int, desc: str):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True, leave=True)
+        self.step = 0
+
+    def update(self, info: dict) -> None:
+        step = int(info.get("step", 0))
+        if step > self.step:
+            self.bar.update(step - self.step)
+            self.step = step
+            self.bar.set_postfix(loss=f"{info['loss']:.4f}", step_s=f"{info['step_time']:.3f}")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _tail(path: Path, n: int = TAIL_LINES) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join(lines[-n:])
+
+
+def launch(job: JobSpec, run_dir: Path, env: dict[str, str], port: int) -> tuple[int, str]:
+    """Run torchrun and watch it. Returns (exit code, reason)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(job, port), "-m", "parabench.worker", str(run_dir)]
+    (run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
+    progress_file = run_dir / "progress.json"
+    total = job.run.warmup_steps + job.run.steps
+    bar = _Progress(total, f"{job.backend.name} x{job.launch.world_size}")
+    with open(run_dir / "logs" / "launcher.log", "w") as log:
+        proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    last_change, last_step, reason = time.monotonic(), -1, ""
+    try:
+        while proc.poll() is None:
+            time.sleep(POLL_S)
+            try:
+                info = json.loads(progress_file.read_text())
+            except (OSError, ValueError):
+                info = None
+            if info and info.get("step", 0) != last_step:
+                last_step, last_change = info["step"], time.monotonic()
+                bar.update(info)
+            if time.monotonic() - last_change > job.launch.hang_timeout_s:
+                reason = f"no step finished for {job.launch.hang_timeout_s:.0f} s (launcher.hang_timeout_s): killed"
+                _kill(proc)
+                break
+    except KeyboardInterrupt:
+        _kill(proc)
+        bar.close()
+        raise
+    bar.close()
+    rc = proc.wait()
+    if rc != 0 and not reason:
+        reason = f"a worker failed (torchrun exit code {rc})"
+    return rc, reason
+
+
+# --------------------------------------------------------------------------------------------
+# One job.
+# --------------------------------------------------------------------------------------------
+def execute(job: JobSpec, plain: dict[str, Any], run_dir: Path) -> dict[str, Any] | None:
+    import yaml
+
+    from parabench import envreport
+    from parabench.tracking import JobRun, flatten, git_sha, is_secret
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs").mkdir(exist_ok=True)
+    (run_dir / "config.resolved.yaml").write_text(yaml.safe_dump(plain, sort_keys=False))
+    (run_dir / "spec.json").write_text(job.to_json())
+    env = launch_env(job)
+    port = job.launch.master_port or free_port()
+    bundle = write_bundle(job, run_dir, env, job.launch.master_port or 29500)
+    if job.launch.dry_run:
+        print(f"dry run: launch bundle written to {bundle} (with spec.json and config.resolved.yaml beside it)")
+        return None
+
+    versions = envreport.versions()
+    env_doc = {"versions": versions, "launch_env": {k: v for k, v in env.items() if not is_secret(k)},
+               "host": socket.gethostname(), "cpu": envreport.cpu_info(), "python": sys.version}
+    (run_dir / "env.json").write_text(json.dumps(env_doc, indent=2))
+    adapter = get_adapter(job.backend.name)
+    tags = {
+        "backend": job.backend.name, "device": job.device.type, "world_size": job.parallel.world_size,
+        "model": job.model.name, "precision": job.run.precision, "host": socket.gethostname(),
+        "git_sha": git_sha(), "parabench_version": __version__, "experiment": job.experiment,
+        "run_dir": str(run_dir), "parabench.kind": "job",
+        **{f"version.{k}": v for k, v in versions.items() if v},
+    }
+    params = flatten(plain)
+    params.update({"derived.grad_accum": str(job.grad_accum), "derived.num_params": str(job.model.num_params()),
+                   "derived.dp": str(job.parallel.dp), "derived.tp": str(job.parallel.tp), "derived.pp": str(job.parallel.pp),
+                   "derived.threads_per_rank": env.get("OMP_NUM_THREADS", "")})
+    tracker = JobRun(job.tracking, job.run.results_dir)
+    tracker.start(f"{job.backend.name}-{job.model.name}-x{job.parallel.world_size}", params, tags)
+    status = "FAILED"
+    try:
+        rc, reason = launch(job, run_dir, env, port)
+        ranks = sorted((run_dir / "ranks").glob("rank*.json")) if (run_dir / "ranks").exists() else []
+        if rc != 0 or len(ranks) != job.parallel.world_size:
+            reason = reason or f"{len(ranks)} of {job.parallel.world_size} ranks reported results"
+            _report_failure(run_dir, reason, tracker)
+            raise RunFailed(f"run failed: {reason}; logs in {run_dir / 'logs'}")
+        results = [json.loads(p.read_text()) for p in ranks]
+        summary = build_summary(job, adapter, results)
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        _log_results(tracker, summary, results)
+        status = "FINISHED"
+        print_summary(job, summary, tracker, run_dir)
+        return summary
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        tracker.log_artifacts(_artifact_files(run_dir), run_dir)
+        tracker.end(status)
+
+
+def _artifact_files(run_dir: Path) -> list[Path]:
+    names = ["config.resolved.yaml", "spec.json", "env.json", "summary.json", "launch.sh", "command.txt", "backend_artifacts.json"]
+    files = [run_dir / n for n in names]
+    files += sorted((run_dir / "ranks").glob("*.json")) if (run_dir / "ranks").exists() else []
+    files += sorted((run_dir / "logs").glob("*.log"))
+    return [f for f in files if f.is_file()]
+
+
+def _report_failure(run_dir: Path, reason: str, tracker) -> None:
+    print(f"\nparabench: run FAILED: {reason}", file=sys.stderr)
+    for log in sorted((run_dir / "logs").glob("rank*.log")) + [run_dir / "logs" / "launcher.log"]:
+        print(f"---- last lines of {log} ----\n{_tail(log)}", file=sys.stderr)
+    tracker.set_tags({"failure_reason": reason[:5000]})
+
+
+def build_summary(job: JobSpec, adapter, results: list[dict]) -> dict[str, Any]:
+    from parabench.flops import FORMULA, Peak, flops_per_token
+    from parabench.metrics import summarize
+
+    results = sorted(results, key=lambda r: r["rank"])
+    fpt = flops_per_token(job.model, job.data.seq_len)
+    peak = _peak(job, results[0]["device_name"])
+    summary = summarize(results, job.tokens_per_step, fpt, peak.tflops if peak else None)
+    checksums = {r["initial_checksum"] for r in results}
+    expected = adapter.expected_model_state(job)
+    state_per_rank = [r["model_state"] for r in results]
+    core = [s["params"] + s["grads"] + s["optimizer"] for s in state_per_rank]
+    summary.update({
+        "backend": job.backend.name, "model": job.model.name, "device": job.device.type,
+        "device_name": results[0]["device_name"], "precision": job.run.precision,
+        "num_params": job.model.num_params(), "matmul_params": job.model.num_matmul_params(),
+        "tokens_per_step": job.tokens_per_step, "grad_accum": job.grad_accum,
+        "flops_per_token": fpt, "flops_formula": FORMULA,
+        "peak_tflops_per_device": peak.tflops if peak else None,
+        "peak_source": peak.source if peak else "unknown device peak: MFU not computed",
+        "peak_uncertain": bool(peak and peak.uncertain),
+        "initial_checksum": checksums.pop() if len(checksums) == 1 else f"MISMATCH {sorted(checksums)}",
+        "losses": results[0]["losses"], "step_times_max": [max(r["step_times"][i] for r in results) for i in range(len(results[0]["step_times"]))],
+        "model_state_per_rank": state_per_rank,
+        "model_state_bytes_per_param": max(core) / job.model.num_params(),
+        "peak_memory_kind": results[0]["peak_memory_kind"],
+        "peak_memory_bytes_per_rank": [r["peak_memory_bytes"] for r in results],
+    })
+    if expected is not None:
+        summary["model_state_expected_bytes"] = expected.bytes
+        summary["model_state_expected_formula"] = expected.formula
+        summary["model_state_expected_source"] = expected.source
+        summary["model_state_diff_bytes"] = max(core) - expected.bytes
+    extra = {k: v for r in results for k, v in r.get("extra", {}).items()}
+    summary.update({f"extra.{k}": v for k, v in extra.items()})
+    return summary
+
+
+def _peak(job: JobSpec, device_name: str):
+    from parabench.flops import Peak
+
+    if job.device.peak_tflops:
+        return Peak(job.device.peak_tflops, "user-supplied (device.peak_tflops)")
+    return DEVICES[job.device.type].peak(job.run.precision, threads_per_rank(job), Path(job.run.results_dir) / ".cache", device_name)
+
+
+def _log_results(tracker, summary: dict[str, Any], results: list[dict]) -> None:
+    warm = len(summary["losses"]) - summary["measured_steps"]
+    metrics = [("loss", v, i) for i, v in enumerate(summary["losses"])]
+    metrics += [("step_time_s", v, warm + i) for i, v in enumerate(summary["step_times_max"])]
+    scalar = {k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    metrics += [(k, v, 0) for k, v in scalar.items()]
+    for r in results:
+        ms = r["model_state"]
+        metrics += [(f"rank{r['rank']}.{k}", ms[k], 0) for k in ("params", "grads", "optimizer", "optimizer_other", "total")]
+        metrics += [(f"rank{r['rank']}.peak_memory_bytes", r["peak_memory_bytes"], 0)]
+    tracker.log_metrics(metrics)
+    tracker.set_tags({k: summary[k] for k in ("flops_formula", "peak_source", "initial_checksum", "device_name",
+                                              "peak_memory_kind", "model_state_expected_formula") if k in summary})
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+    return str(n)
+
+
+def print_summary(job: JobSpec, s: dict[str, Any], tracker, run_dir: Path) -> None:
+    mfu = (f"{100 * s['mfu']:.1f}% of {s['peak_tflops_per_device']:.4g} TFLOP/s per device ({s['peak_source']})"
+           if s["mfu"] is not None else f"not computed: {s['peak_source']}")
+    lines = [
+        f"\nparabench | {s['backend']} | {s['model']} ({s['num_params'] / 1e6:.1f}M params) | {s['device']} "
+        f"({s['device_name']}) x{s['world_size']} | {s['precision']} | {s['measured_steps']} measured steps "
+        f"after {job.run.warmup_steps} warm-up",
+        f"  tokens/s       {s['tokens_per_s']:.1f} global, {s['tokens_per_s_per_device']:.1f} per device "
+        f"({s['tokens_per_step']} tokens/step / slowest rank's step time)",
+        f"  step time      {s['step_time_median_s']:.4f} s median (min {s['step_time_min_s']:.4f}, max {s['step_time_max_s']:.4f};"
+        f" rank spread {s['rank_step_time_spread_s']:.4f} s)",
+        f"  achieved       {s['achieved_tflops_per_device']:.4g} TFLOP/s per device; {s['flops_formula']}",
+        f"  MFU            {mfu}",
+        f"  memory         {_fmt_bytes(s['peak_memory_bytes_max'])} max over ranks ({s['peak_memory_kind']})",
+        f"  model states   {_fmt_bytes(s['model_state_bytes_max'])} per rank (max) = {s['model_state_bytes_per_param']:.3f} bytes/param",
+    ]
+    if "model_state_expected_bytes" in s:
+        exp = s["model_state_expected_bytes"]
+        lines.append(f"                 formula {s['model_state_expected_formula']} = {_fmt_bytes(exp)}; "
+                     f"measured - formula = {s['model_state_diff_bytes']:+.0f} B")
+    lines += [
+        f"  loss           {s['loss_first']:.6f} (step 0) -> {s['loss_final']:.6f} (step {len(s['losses']) - 1})",
+        f"  init checksum  {s['initial_checksum']}",
+        f"  run dir        {run_dir}",
+    ]
+    if tracker.run_id:
+        from parabench.tracking import store_uri
+
+        lines.append(f"  MLflow run     {tracker.run_id} in {store_uri(job.tracking, job.run.results_dir)}")
+    print("\n".join(lines))

@@ -1,0 +1,434 @@
+"""Frozen, typed job specs: the only place that reads the composed Hydra config.
+
+The runner composes the config once, converts it here (validating everything that can be checked
+before a process starts), and writes the result to ``spec.json`` in the run directory. Workers read
+that file; adapters and the training loop only ever see these dataclasses, never a DictConfig.
+
+Every validation error names the dotted key the user can override, e.g.
+``data.global_batch_size: 6 is not divisible by micro_batch_size x data-parallel size = 4 x 2``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from parabench.errors import SpecError
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+DEVICE_TYPES = ("auto", "cpu", "cuda", "npu")
+
+
+# --------------------------------------------------------------------------------------------
+# Generic conversion: mapping -> frozen dataclass, with the offending key named on error.
+# --------------------------------------------------------------------------------------------
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except SpecError as exc:
+                errors.append(exc.message)
+        raise SpecError(key, errors[0] if errors else f"invalid value {value!r}")
+    if origin is typing.Literal:
+        if value not in args:
+            choices = ", ".join(repr(a) for a in args)
+            raise SpecError(key, f"{value!r} is not one of {choices}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise SpecError(key, f"expected a list, got {value!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise SpecError(key, f"expected {len(args)} values, got {len(value)}")
+        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        return build(tp, value, key)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise SpecError(key, f"expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SpecError(key, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SpecError(key, f"expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise SpecError(key, f"expected a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported spec field type {tp!r} at {key}")  # a bug in a spec class
+
+
+def build(cls: type, node: Mapping[str, Any] | None, prefix: str) -> Any:
+    """Build dataclass ``cls`` from ``node``; unknown or ill-typed keys raise SpecError(prefix.key)."""
+    node = dict(node or {})
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    for name in names:
+        if name in node:
+            kwargs[name] = _coerce(node.pop(name), hints[name], f"{prefix}.{name}")
+    if node:
+        unknown = sorted(node)[0]
+        raise SpecError(f"{prefix}.{unknown}", f"unknown key (valid keys: {', '.join(names)})")
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # a required field is missing
+        missing = [n for n in names if n not in kwargs]
+        raise SpecError(f"{prefix}.{missing[0] if missing else ''}", f"required ({exc})") from None
+
+
+def to_dict(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, tuple):
+        return [to_dict(v) for v in obj]
+    return obj
+
+
+# --------------------------------------------------------------------------------------------
+# The specs.
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelSpec:
+    """A Llama-architecture decoder. Field names follow Hugging Face's Llama ``config.json``."""
+
+    name: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.02  # std of the normal init (HF name)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Canonical (Hugging Face) parameter names and full, unsharded shapes."""
+        h, i, v, d = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
+        kv = self.num_key_value_heads * d
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
+        for layer in range(self.num_hidden_layers):
+            p = f"model.layers.{layer}."
+            shapes[p + "input_layernorm.weight"] = (h,)
+            shapes[p + "self_attn.q_proj.weight"] = (self.num_attention_heads * d, h)
+            shapes[p + "self_attn.k_proj.weight"] = (kv, h)
+            shapes[p + "self_attn.v_proj.weight"] = (kv, h)
+            shapes[p + "self_attn.o_proj.weight"] = (h, self.num_attention_heads * d)
+            shapes[p + "post_attention_layernorm.weight"] = (h,)
+            shapes[p + "mlp.gate_proj.weight"] = (i, h)
+            shapes[p + "mlp.up_proj.weight"] = (i, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, i)
+        shapes["model.norm.weight"] = (h,)
+        if not self.tie_word_embeddings:
+            shapes["lm_head.weight"] = (v, h)
+        return shapes
+
+    def num_params(self) -> int:
+        return sum(math.prod(s) for s in self.parameter_shapes().values())
+
+    def num_matmul_params(self) -> int:
+        """Parameters that take part in matrix multiplies: all but the input embedding lookup
+        (a gather, no FLOPs). With tied embeddings the shared matrix is the lm_head matmul."""
+        if self.tie_word_embeddings:
+            return self.num_params()
+        return self.num_params() - self.vocab_size * self.hidden_size
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Token source and batch geometry (sequence length and batch sizes live here, not in model)."""
+
+    source: typing.Literal["synthetic", "text"] = "synthetic"
+    path: str | None = None  # text source: a local UTF-8/bytes file, tokenized byte-level
+    seq_len: int = 256
+    global_batch_size: int = 4  # sequences per optimizer step, all data-parallel ranks together
+    micro_batch_size: int = 2  # sequences per forward/backward on one rank
+    seed: int = 1234
+
+
+@dataclass(frozen=True)
+class OptimSpec:
+    """AdamW, identical algorithm and hyper-parameters on every backend."""
+
+    name: typing.Literal["adamw"] = "adamw"
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # applied to 2-D weights only (Megatron/nanoGPT convention)
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    type: typing.Literal["auto", "cpu", "cuda", "npu"] = "auto"
+    peak_tflops: float | None = None  # override of the per-device peak used for MFU (logged as user-supplied)
+    threads_per_rank: int = 0  # CPU: intra-op threads per rank; 0 = cores / local ranks
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """torchrun-style launch; names follow torchrun's flags."""
+
+    nnodes: int = 1
+    nproc_per_node: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0 = pick a free port (single node)
+    dry_run: bool = False  # write the launch bundle (script + env + resolved config) and stop
+    collective_timeout_s: float = 180.0  # process-group timeout: a hung collective fails after this
+    hang_timeout_s: float = 600.0  # runner watchdog: no progress for this long -> kill, FAILED
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    name: str = "run"
+    seed: int = 1234  # weight-initialisation seed
+    warmup_steps: int = 2  # not measured
+    steps: int = 10  # measured
+    precision: typing.Literal["fp32", "bf16", "fp16"] = "fp32"
+    checksum: bool = True  # gather the loaded weights and checksum them (identical start proof)
+    results_dir: str = "results"
+
+
+@dataclass(frozen=True)
+class TrackingSpec:
+    enabled: bool = True
+    uri: str | None = None  # None: sqlite:///<results_dir>/mlflow.db
+    experiment: str = "parabench"
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """How the world is split. dp is derived: world / (tp * pp * cp)."""
+
+    world_size: int
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp_shard: int = 1  # ranks a data-parallel replica's model states are sharded over (ZeRO/FSDP)
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    name: str
+    options: Any  # the adapter's own frozen Options dataclass
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    model: ModelSpec
+    data: DataSpec
+    optim: OptimSpec
+    device: DeviceSpec
+    launch: LaunchSpec
+    run: RunSpec
+    tracking: TrackingSpec
+    backend: BackendSpec
+    parallel: ParallelDims
+    experiment: str | None = None  # +experiment=NAME, when one was used
+
+    @property
+    def grad_accum(self) -> int:
+        return self.data.global_batch_size // (self.data.micro_batch_size * self.parallel.dp)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.data.global_batch_size * self.data.seq_len
+
+    # -- serialisation for workers ----------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps(to_dict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "JobSpec":
+        from parabench.adapters.registry import get_adapter
+
+        raw = json.loads(text)
+        backend_raw = raw.pop("backend")
+        adapter = get_adapter(backend_raw["name"])
+        backend = BackendSpec(backend_raw["name"], build(adapter.Options, backend_raw["options"], "backend"))
+        return cls(
+            model=build(ModelSpec, raw["model"], "model"),
+            data=build(DataSpec, raw["data"], "data"),
+            optim=build(OptimSpec, raw["optim"], "optim"),
+            device=build(DeviceSpec, raw["device"], "device"),
+            launch=build(LaunchSpec, raw["launch"], "launcher"),
+            run=build(RunSpec, raw["run"], "run"),
+            tracking=build(TrackingSpec, raw["tracking"], "tracking"),
+            backend=backend,
+            parallel=build(ParallelDims, raw["parallel"], "parallel"),
+            experiment=raw.get("experiment"),
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> "JobSpec":
+        return cls.from_json(Path(path).read_text())
+
+
+# --------------------------------------------------------------------------------------------
+# Conversion from the composed config + validation.
+# --------------------------------------------------------------------------------------------
+def from_config(cfg: Mapping[str, Any]) -> JobSpec:
+    """Convert a composed, resolved config (plain dict) into a validated JobSpec."""
+    from parabench.adapters.registry import get_adapter
+
+    cfg = dict(cfg)
+    if "model" not in cfg or cfg.get("model") is None:
+        from parabench.confutil import available_options
+
+        raise SpecError("model", f"no model chosen: add +model=NAME (available: {', '.join(available_options('model'))})")
+    model = build(ModelSpec, cfg["model"], "model")
+    data = build(DataSpec, cfg.get("data"), "data")
+    optim = build(OptimSpec, cfg.get("optim"), "optim")
+    device = build(DeviceSpec, cfg.get("device"), "device")
+    launch = build(LaunchSpec, cfg.get("launcher"), "launcher")
+    run = build(RunSpec, cfg.get("run"), "run")
+    tracking = build(TrackingSpec, cfg.get("tracking"), "tracking")
+
+    backend_node = dict(cfg.get("backend") or {})
+    name = backend_node.pop("name", None)
+    if not name:
+        raise SpecError("backend", "no backend chosen: add backend=NAME")
+    adapter = get_adapter(name)  # raises SpecError listing the choices
+    options = build(adapter.Options, backend_node, "backend")
+    extra = sorted(set(cfg) - {"model", "data", "optim", "device", "launcher", "run", "tracking", "backend", "experiment"})
+    if extra:
+        raise SpecError(extra[0], "unknown top-level key")
+
+    _validate_common(model, data, optim, device, launch, run)
+    parallel = adapter.parallel_dims(options, launch.world_size, model)
+    _validate_parallel(parallel, model, data)
+    job = JobSpec(
+        model=model, data=data, optim=optim, device=device, launch=launch, run=run,
+        tracking=tracking, backend=BackendSpec(name, options), parallel=parallel,
+        experiment=cfg.get("experiment") if isinstance(cfg.get("experiment"), str) else None,
+    )
+    adapter.validate(job)
+    return job
+
+
+def _positive(key: str, value: int | float) -> None:
+    if value <= 0:
+        raise SpecError(key, f"must be > 0, got {value}")
+
+
+def _validate_common(model: ModelSpec, data: DataSpec, optim: OptimSpec, device: DeviceSpec,
+                     launch: LaunchSpec, run: RunSpec) -> None:
+    for key, value in [
+        ("model.hidden_size", model.hidden_size), ("model.intermediate_size", model.intermediate_size),
+        ("model.num_hidden_layers", model.num_hidden_layers), ("model.num_attention_heads", model.num_attention_heads),
+        ("model.num_key_value_heads", model.num_key_value_heads), ("model.vocab_size", model.vocab_size),
+        ("model.rope_theta", model.rope_theta), ("model.rms_norm_eps", model.rms_norm_eps),
+        ("model.initializer_range", model.initializer_range),
+        ("data.seq_len", data.seq_len), ("data.global_batch_size", data.global_batch_size),
+        ("data.micro_batch_size", data.micro_batch_size), ("optim.lr", optim.lr), ("optim.eps", optim.eps),
+        ("launcher.nnodes", launch.nnodes), ("launcher.nproc_per_node", launch.nproc_per_node),
+        ("launcher.collective_timeout_s", launch.collective_timeout_s), ("launcher.hang_timeout_s", launch.hang_timeout_s),
+        ("run.steps", run.steps),
+    ]:
+        _positive(key, value)
+    if model.hidden_size % model.num_attention_heads:
+        raise SpecError("model.num_attention_heads", f"hidden_size {model.hidden_size} is not divisible by {model.num_attention_heads} heads")
+    if model.head_dim % 2:
+        raise SpecError("model.num_attention_heads", f"head_dim {model.head_dim} must be even for rotary embeddings")
+    if model.num_attention_heads % model.num_key_value_heads:
+        raise SpecError("model.num_key_value_heads", f"{model.num_attention_heads} attention heads are not divisible by {model.num_key_value_heads} key/value heads")
+    if data.seq_len > model.max_position_embeddings:
+        raise SpecError("data.seq_len", f"{data.seq_len} exceeds model.max_position_embeddings={model.max_position_embeddings}")
+    if data.source == "text":
+        if not data.path:
+            raise SpecError("data.path", "the text source needs a local file: data.path=/path/to/file.txt")
+        p = Path(data.path)
+        if not p.is_file():
+            raise SpecError("data.path", f"no such file: {data.path}")
+        if p.stat().st_size < data.seq_len + 2:
+            raise SpecError("data.path", f"{data.path} holds {p.stat().st_size} bytes; need more than seq_len+1 = {data.seq_len + 1}")
+        if model.vocab_size < 256:
+            raise SpecError("model.vocab_size", "the byte-level tokenizer needs vocab_size >= 256")
+    elif data.path:
+        raise SpecError("data.path", "only the text source reads a file; set data=text or drop data.path")
+    if not (0.0 <= optim.betas[0] < 1.0 and 0.0 <= optim.betas[1] < 1.0):
+        raise SpecError("optim.betas", f"each beta must be in [0, 1), got {list(optim.betas)}")
+    if optim.weight_decay < 0:
+        raise SpecError("optim.weight_decay", f"must be >= 0, got {optim.weight_decay}")
+    if optim.grad_clip < 0:
+        raise SpecError("optim.grad_clip", f"must be >= 0 (0 disables), got {optim.grad_clip}")
+    if run.warmup_steps < 0:
+        raise SpecError("run.warmup_steps", f"must be >= 0, got {run.warmup_steps}")
+    if not 0 <= launch.node_rank < launch.nnodes:
+        raise SpecError("launcher.node_rank", f"{launch.node_rank} is not in [0, nnodes={launch.nnodes})")
+    if not 0 <= launch.master_port < 65536:
+        raise SpecError("launcher.master_port", f"{launch.master_port} is not a TCP port")
+    if launch.nnodes > 1 and launch.master_port == 0:
+        raise SpecError("launcher.master_port", "multi-node runs need an explicit port shared by all nodes")
+    if device.threads_per_rank < 0:
+        raise SpecError("device.threads_per_rank", f"must be >= 0 (0 = automatic), got {device.threads_per_rank}")
+    if device.peak_tflops is not None and device.peak_tflops <= 0:
+        raise SpecError("device.peak_tflops", f"must be > 0 or null, got {device.peak_tflops}")
+
+
+def _validate_parallel(parallel: ParallelDims, model: ModelSpec, data: DataSpec) -> None:
+    per_step = data.micro_batch_size * parallel.dp
+    if data.global_batch_size % per_step:
+        raise SpecError(
+            "data.global_batch_size",
+            f"{data.global_batch_size} is not divisible by micro_batch_size x data-parallel size = "
+            f"{data.micro_batch_size} x {parallel.dp}",
+        )
+
+
+def tracking_from_config(cfg: Mapping[str, Any]) -> tuple[TrackingSpec, str]:
+    """The tracking spec and results directory alone (for the multirun parent run)."""
+    tracking = build(TrackingSpec, cfg.get("tracking"), "tracking")
+    return tracking, str((cfg.get("run") or {}).get("results_dir", "results"))
+
+
+def resolve_device(job: JobSpec, device_type: str) -> JobSpec:
+    """Return ``job`` with ``device.type`` made concrete (auto -> what is present)."""
+    return dataclasses.replace(job, device=dataclasses.replace(job.device, type=device_type))
+
+
+__all__ = [
+    "BackendSpec", "DataSpec", "DeviceSpec", "JobSpec", "LaunchSpec", "ModelSpec", "OptimSpec",
+    "ParallelDims", "RunSpec", "TrackingSpec", "build", "from_config", "resolve_device", "to_dict",
+    "tracking_from_config",
+]

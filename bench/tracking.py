@@ -1,0 +1,181 @@
+"""MLflow logging: one run per job; a parent run with a child per job for multirun sweeps.
+
+Default store: embedded and local, ``sqlite:///<results_dir>/mlflow.db`` with artifacts under
+``<results_dir>/mlartifacts`` (open it with ``mlflow ui --backend-store-uri sqlite:///results/mlflow.db``).
+Nothing is written to MLflow before a job has passed validation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from hydra.experimental.callback import Callback
+
+from parabench.spec import TrackingSpec
+
+PARENT_ENV = "PARABENCH_PARENT_RUN_ID"
+SECRET = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+MAX_PARAM_LEN = 6000  # MLflow's param value limit
+
+
+def is_secret(name: str) -> bool:
+    return bool(SECRET.search(name))
+
+
+def store_uri(tracking: TrackingSpec, results_dir: str) -> str:
+    if tracking.uri:
+        return tracking.uri
+    return f"sqlite:///{(Path(results_dir).resolve() / 'mlflow.db')}"
+
+
+def artifact_root(results_dir: str) -> str:
+    return (Path(results_dir).resolve() / "mlartifacts").as_uri()
+
+
+def _client(tracking: TrackingSpec, results_dir: str):
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    uri = store_uri(tracking, results_dir)
+    if uri.startswith("sqlite:///"):
+        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+    mlflow.set_tracking_uri(uri)
+    return MlflowClient(tracking_uri=uri)
+
+
+def _experiment_id(client, name: str, results_dir: str) -> str:
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        if exp.lifecycle_stage == "deleted":
+            client.restore_experiment(exp.experiment_id)
+        return exp.experiment_id
+    uri = client.tracking_uri if hasattr(client, "tracking_uri") else ""
+    artifacts = artifact_root(results_dir) + "/" + name if not str(uri).startswith("http") else None
+    return client.create_experiment(name, artifact_location=artifacts)
+
+
+def flatten(node: Any, prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    if isinstance(node, Mapping):
+        for k, v in node.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+    else:
+        key = prefix[:-1]
+        if not is_secret(key.rsplit(".", 1)[-1]):
+            out[key] = json.dumps(node) if isinstance(node, (list, tuple)) else str(node)
+    return out
+
+
+def git_sha() -> str | None:
+    here = Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+class JobRun:
+    """The MLflow run of one job. Use ``start``, log, then ``end(status)``."""
+
+    def __init__(self, tracking: TrackingSpec, results_dir: str):
+        self.tracking = tracking
+        self.results_dir = results_dir
+        self.client = None
+        self.run_id: str | None = None
+
+    def start(self, run_name: str, params: Mapping[str, str], tags: Mapping[str, str]) -> str | None:
+        if not self.tracking.enabled:
+            return None
+        from mlflow.entities import Param, RunTag
+
+        self.client = _client(self.tracking, self.results_dir)
+        exp = _experiment_id(self.client, self.tracking.experiment, self.results_dir)
+        all_tags = {k: str(v) for k, v in tags.items() if v is not None}
+        parent = os.environ.get(PARENT_ENV)
+        if parent:
+            all_tags["mlflow.parentRunId"] = parent
+        run = self.client.create_run(exp, run_name=run_name, tags=all_tags)
+        self.run_id = run.info.run_id
+        items = [Param(k, v[:MAX_PARAM_LEN]) for k, v in sorted(params.items())]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i:i + 100])
+        return self.run_id
+
+    def log_metrics(self, metrics: Iterable[tuple[str, float, int]]) -> None:
+        if not self.run_id:
+            return
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for k, v, step in metrics if v is not None]
+        for i in range(0, len(batch), 500):
+            self.client.log_batch(self.run_id, metrics=batch[i:i + 500])
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        if not self.run_id:
+            return
+        from mlflow.entities import RunTag
+
+        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items() if v is not None])
+
+    def log_artifacts(self, paths: Iterable[Path], run_dir: Path) -> None:
+        if not self.run_id:
+            return
+        for p in paths:
+            if p.is_file():
+                rel = p.parent.relative_to(run_dir)
+                self.client.log_artifact(self.run_id, str(p), None if str(rel) == "." else str(rel))
+
+    def end(self, status: str) -> None:
+        if self.run_id:
+            self.client.set_terminated(self.run_id, status)
+
+
+class MultirunCallback(Callback):
+    """Hydra callback: a parent MLflow run around a multirun sweep; children attach to it."""
+
+    def __init__(self) -> None:
+        self._parent: JobRun | None = None
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        from omegaconf import OmegaConf
+
+        from parabench.spec import tracking_from_config
+
+        raw = {k: OmegaConf.to_container(config[k], resolve=True) for k in ("tracking", "run") if k in config}
+        raw["experiment"] = config.get("experiment")
+        tracking, results_dir = tracking_from_config(raw)
+        if not tracking.enabled:
+            return
+        sweep = config.hydra.sweep.dir
+        overrides = list(config.hydra.overrides.task)
+        self._parent = JobRun(tracking, results_dir)
+        experiment = raw.get("experiment") if isinstance(raw.get("experiment"), str) else None
+        run_id = self._parent.start(
+            run_name=f"sweep {experiment or ' '.join(overrides)}"[:250],
+            params={"sweep.overrides": " ".join(overrides), "sweep.dir": str(sweep)},
+            tags={"parabench.kind": "sweep", "host": socket.gethostname(), "git_sha": git_sha(), "experiment": experiment},
+        )
+        os.environ[PARENT_ENV] = run_id or ""
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        parent = self._parent
+        os.environ.pop(PARENT_ENV, None)
+        if parent is None or not parent.run_id:
+            return
+        children = parent.client.search_runs(
+            [parent.client.get_run(parent.run_id).info.experiment_id],
+            filter_string=f"tags.mlflow.parentRunId = '{parent.run_id}'",
+        )
+        failed = [c for c in children if c.info.status != "FINISHED"]
+        parent.set_tags({"children": len(children), "children_failed": len(failed)})
+        parent.end("FAILED" if failed or not children else "FINISHED")

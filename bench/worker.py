@@ -1,0 +1,102 @@
+"""Per-rank entry point: ``python -m parabench.worker RUN_DIR`` (started by torchrun).
+
+Reads the resolved spec the runner wrote (no Hydra here), joins the process group, asks the
+adapter for an engine, runs the measured loop, and writes ``ranks/rank<R>.json``. Its output goes
+to ``logs/rank<R>.log``; its pid to ``pids/rank<R>`` (the runner prints log tails on failure).
+Everything backend-specific, including framework monkeypatches, happens inside
+``adapter.create_engine`` in this process only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+
+def _redirect_output(run_dir: Path, rank: int) -> None:
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    fd = os.open(logs / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    run_dir = Path(argv[0])
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    _redirect_output(run_dir, rank)
+    (run_dir / "pids").mkdir(exist_ok=True)
+    (run_dir / "pids" / f"rank{rank}").write_text(str(os.getpid()))
+    print(f"[parabench worker] rank {rank}/{world} local_rank {local_rank} pid {os.getpid()}", flush=True)
+    try:
+        return _run(run_dir, rank, local_rank, world)
+    except Exception:
+        traceback.print_exc()
+        sys.stderr.flush()
+        return 1
+
+
+def _run(run_dir: Path, rank: int, local_rank: int, world: int) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from parabench.adapters.base import WorkerContext
+    from parabench.adapters.registry import get_adapter
+    from parabench.devices import DEVICES
+    from parabench.loop import train, write_json_atomic
+    from parabench.model import weights_checksum
+    from parabench.spec import JobSpec
+
+    job = JobSpec.load(run_dir / "spec.json")
+    device = DEVICES[job.device.type](local_rank)
+    device.setup()
+    if os.environ.get("OMP_NUM_THREADS"):  # the runner sets it per rank on CPU
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    dist.init_process_group(backend=device.dist_backend,
+                            timeout=datetime.timedelta(seconds=job.launch.collective_timeout_s))
+    torch.manual_seed(job.run.seed)  # nothing random should depend on it; belt and braces
+    adapter = get_adapter(job.backend.name)
+    ctx = WorkerContext(job=job, rank=rank, world_size=world, local_rank=local_rank, device=device, run_dir=run_dir)
+
+    t0 = time.perf_counter()
+    engine = adapter.create_engine(ctx)
+    setup_s = time.perf_counter() - t0
+    checksum = weights_checksum(engine.full_state_dict()) if job.run.checksum else None
+    print(f"[parabench worker] engine ready in {setup_s:.1f}s, initial weights checksum {checksum}", flush=True)
+
+    progress_path = run_dir / "progress.json"
+
+    def on_step(step: int, total: int, loss: float, step_time: float) -> None:
+        print(f"step {step + 1}/{total} loss {loss:.6f} step_time {step_time:.4f}s", flush=True)
+        if rank == 0:
+            write_json_atomic(progress_path, {"step": step + 1, "total": total, "loss": loss, "step_time": step_time,
+                                              "time": time.time()})
+
+    result = train(engine, ctx, on_step)
+    result.update(initial_checksum=checksum, setup_s=setup_s, device_name=device.name(), pid=os.getpid())
+    if rank == 0:
+        artifacts = engine.artifacts()
+        if artifacts:
+            write_json_atomic(run_dir / "backend_artifacts.json", artifacts)
+    (run_dir / "ranks").mkdir(exist_ok=True)
+    write_json_atomic(run_dir / "ranks" / f"rank{rank}.json", result)
+    engine.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Hydra configuration tree shipped as package data (searched as pkg://parabench.conf)."""

@@ -1,0 +1,1 @@
+"""Migration rules: one rule per file."""
