@@ -72,6 +72,7 @@ CUDA graphs, MemPool, ExternalStream, ``torch.Generator(device="cuda")``, FSDP `
 from __future__ import annotations
 
 import collections
+import collections.abc
 import contextlib
 import copyreg
 import importlib.abc
@@ -296,6 +297,21 @@ class _DeviceCtx:
         self._state.device = self._old
 
 
+class _Generators(collections.abc.Sequence):
+    """``torch.cuda.default_generators``: the host generator under every device index."""
+
+    def __init__(self, gen: Any, count: Callable[[], int]) -> None:
+        self._gen, self._count = gen, count
+
+    def __len__(self) -> int:
+        return self._count()
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return tuple(self._gen for _ in range(len(self)))[i]
+        return self._gen  # any ordinal: set_device() accepts indices beyond device_count()
+
+
 class _CpuState:
     """Runtime API of an emulated accelerator whose memory and RNG are the host's."""
 
@@ -367,7 +383,7 @@ class _CpuState:
             "set_rng_state": set_rng_state,
             "get_rng_state_all": lambda: [torch.get_rng_state() for _ in range(state.count())],
             "set_rng_state_all": set_rng_state_all,
-            "default_generators": tuple(gen for _ in range(state.count())),
+            "default_generators": _Generators(gen, state.count),
             "memory_allocated": zero,
             "max_memory_allocated": zero,
             "memory_reserved": zero,

@@ -352,3 +352,127 @@ def test_not_applied_at_import():
     assert rt.current() is None
     assert not torch.cuda.is_available() and not hasattr(torch, "npu")
     assert os.environ.get("PARABENCH_SMOKE_REDIRECT") is None
+
+
+# --- Megatron-Core 0.16.1 on the cpu (REFERENCE.md section 6) ------------------------------------
+
+_MEGATRON_BUILD = '''
+import torch, torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def build_gpt(tp, dropout=0.0, bf16=False):
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    model_parallel_cuda_manual_seed(123)
+    cfg = TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+        normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        use_cpu_initialization=True, bias_activation_fusion=False, apply_rope_fusion=False,
+        masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        hidden_dropout=dropout, attention_dropout=dropout, tensor_model_parallel_size=tp,
+        bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+    )
+    model = GPTModel(
+        config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=128,
+        max_sequence_length=16, position_embedding_type="rope", share_embeddings_and_output_weights=False,
+    ).cuda()
+    return cfg, model
+
+
+def batch():
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 128, (2, 16), generator=g).cuda()
+    labels = torch.randint(0, 128, (2, 16), generator=g).cuda()
+    pos = torch.arange(16, device="cuda").unsqueeze(0).expand(2, -1)
+    return tokens, pos, labels
+'''
+
+_MEGATRON_TP = _MEGATRON_BUILD + '''
+import json, sys
+import torch.multiprocessing as mp
+from parabench.migrate.runtime import redirect
+
+
+def run(rank, world, port, q):
+    torch.set_num_threads(1)
+    with redirect("cuda", "cpu"):
+        torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        torch.cuda.set_device(rank)
+        cfg, model = build_gpt(world)
+        tokens, pos, labels = batch()
+        loss = model(tokens, pos, None, labels=labels).mean()
+        loss.backward()
+        q.put(loss.item())
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    out = {}
+    for world, port in ((1, int(sys.argv[1])), (2, int(sys.argv[2]))):
+        q = mp.get_context("fork").SimpleQueue()
+        mp.start_processes(run, args=(world, port, q), nprocs=world, start_method="fork")
+        out[world] = [q.get() for _ in range(world)]
+    print(json.dumps(out))
+'''
+
+
+@pytest.mark.megatron
+def test_megatron_gpt_tp1_forward_backward_step():
+    """Tiny GPTModel, gloo world of 1: forward+backward with dropout (RNG tracker), bf16 params
+    through Megatron's DDP and mixed-precision optimizer (which compares Tensor.type() strings)."""
+    pytest.importorskip("megatron.core")
+    namespace: dict = {}
+    exec(compile(_MEGATRON_BUILD, "megatron_build", "exec"), namespace)  # noqa: S102 - test helper text
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    with redirect("cuda", "cpu"):
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        try:
+            cfg, model = namespace["build_gpt"](1, dropout=0.1, bf16=True)
+            model = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+            opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True), [model])
+            tokens, pos, labels = namespace["batch"]()
+            losses = []
+            for _ in range(2):
+                model.zero_grad_buffer()
+                opt.zero_grad()
+                loss = model(tokens, pos, None, labels=labels).float().mean()
+                loss.backward()
+                model.finish_grad_sync()
+                ok, grad_norm, _ = opt.step()
+                assert ok and grad_norm > 0
+                losses.append(loss.item())
+            assert all(p.device.type == "cpu" for p in model.parameters())
+            assert 4.0 < losses[0] < 5.5 and losses[1] != losses[0]
+        finally:
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+    assert rt.current() is None
+
+
+@pytest.mark.megatron
+@pytest.mark.slow
+def test_megatron_gpt_tp2_matches_tp1(tmp_path):
+    """TP=2 over two forked gloo ranks gives the TP=1 loss (Megatron splits the same cpu-initialised
+    master weights); both ranks agree."""
+    pytest.importorskip("megatron.core")
+    script = tmp_path / "tp.py"
+    script.write_text(_MEGATRON_TP)
+    res = subprocess.run(
+        [sys.executable, "-W", "ignore", str(script), str(_free_port()), str(_free_port())],
+        capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    import json
+
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    (tp1,), (a, b) = out["1"], out["2"]
+    assert a == b
+    assert abs(a - tp1) < 1e-4 * abs(tp1)
