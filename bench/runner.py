@@ -39,7 +39,9 @@ def prepare(plain: dict[str, Any]) -> JobSpec:
     check_capabilities(adapter, job)
     if job.launch.dry_run:
         # A launch bundle is written for another machine: no local backend or device needed.
-        return resolve_device(job, job.device.type if job.device.type != "auto" else "cpu")
+        job = resolve_device(job, job.device.type if job.device.type != "auto" else "cpu")
+        adapter.validate(job)
+        return job
     available = adapter.availability()
     if not available.available:
         raise SpecError("backend", f"{adapter.name} cannot run here: {available.reason}")
@@ -51,6 +53,7 @@ def prepare(plain: dict[str, Any]) -> JobSpec:
         raise SpecError("launcher.nproc_per_node", f"{job.launch.nproc_per_node} ranks but only {presence.count} {kind} device(s)")
     job = resolve_device(job, kind)
     check_capabilities(adapter, job)
+    adapter.validate(job)
     return job
 
 

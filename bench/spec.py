@@ -308,7 +308,9 @@ class JobSpec:
 # Conversion from the composed config + validation.
 # --------------------------------------------------------------------------------------------
 def from_config(cfg: Mapping[str, Any]) -> JobSpec:
-    """Convert a composed, resolved config (plain dict) into a validated JobSpec."""
+    """Convert a composed, resolved config (plain dict) into a JobSpec, validating everything
+    that does not depend on this machine (the runner's ``prepare`` then resolves the device and
+    runs the adapter's own checks)."""
     from parabench.adapters.registry import get_adapter
 
     cfg = dict(cfg)
@@ -342,7 +344,6 @@ def from_config(cfg: Mapping[str, Any]) -> JobSpec:
         tracking=tracking, backend=BackendSpec(name, options), parallel=parallel,
         experiment=cfg.get("experiment") if isinstance(cfg.get("experiment"), str) else None,
     )
-    adapter.validate(job)
     return job
 
 

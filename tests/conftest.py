@@ -1,0 +1,44 @@
+"""Shared helpers: run the real `bench` CLI in a subprocess against a temporary results dir."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Small, fast geometry for end-to-end tests: the llama model, shorter sequences.
+FAST = ["+model=llama", "data.seq_len=64", "run.warmup_steps=0"]
+
+
+def bench(args: list[str], results: Path, timeout: float = 600, env: dict | None = None, cwd: Path | None = None):
+    cmd = [sys.executable, "-m", "parabench", *args]
+    if args and args[0] == "run":
+        cmd.append(f"run.results_dir={results}")
+    full_env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or REPO)
+
+
+def summaries(results: Path) -> dict[str, dict]:
+    """run-dir name -> summary.json for every finished job under ``results``."""
+    out = {}
+    for p in sorted(results.glob("runs/*/*/*/summary.json")):
+        out[p.parent.name] = json.loads(p.read_text())
+    return out
+
+
+def mlflow_runs(results: Path, experiment: str = "parabench"):
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{results / 'mlflow.db'}")
+    return mlflow.search_runs(experiment_names=[experiment])
+
+
+@pytest.fixture
+def results(tmp_path: Path) -> Path:
+    return tmp_path / "results"

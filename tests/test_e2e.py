@@ -1,0 +1,114 @@
+"""End to end through the real CLI: torchrun workers on gloo, MLflow store in a temp dir."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import FAST, REPO, bench, mlflow_runs, summaries
+
+pytestmark = pytest.mark.slow
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(a), abs(b))
+
+
+def test_readme_main_command_records_a_finished_mlflow_run(results):
+    proc = bench(["run", "+model=llama"], results)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tokens/s" in proc.stdout and "MFU" in proc.stdout
+    runs = mlflow_runs(results)
+    assert len(runs) == 1
+    run = runs.iloc[0]
+    assert run["status"] == "FINISHED"
+    for metric in ("tokens_per_s", "tokens_per_s_per_device", "step_time_median_s", "mfu", "peak_tflops_per_device",
+                   "achieved_tflops_per_device", "peak_memory_bytes_max", "model_state_bytes_max", "loss_final", "loss"):
+        assert run[f"metrics.{metric}"] > 0, metric
+    assert "PaLM" in run["tags.flops_formula"] and "measured" in run["tags.peak_source"]
+    assert run["tags.backend"] == "ddp" and run["tags.world_size"] == "1" and run["tags.version.torch"].startswith("2.13")
+    assert run["params.model.hidden_size"] == "256"
+    summary = next(iter(summaries(results).values()))
+    assert summary["measured_steps"] == 10 and len(summary["losses"]) == 12
+    assert summary["losses"][-1] < summary["losses"][0]  # it trains
+
+
+@pytest.fixture(scope="module")
+def sweeps(tmp_path_factory):
+    """ddp and fsdp, 11 fp32 steps each (10 updates), at world sizes 1 and 2."""
+    out = {}
+    for world in (1, 2):
+        results = tmp_path_factory.mktemp(f"w{world}")
+        proc = bench(["run", "-m", *FAST, "backend=ddp,fsdp", "run.steps=11", f"launcher.nproc_per_node={world}"], results)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[world] = (results, {s["backend"]: s for s in summaries(results).values()})
+    return out
+
+
+def test_identical_initial_weights_for_every_backend_and_world_size(sweeps):
+    checksums = {(w, b): s["initial_checksum"] for w, (_, by) in sweeps.items() for b, s in by.items()}
+    assert len(checksums) == 4 and len(set(checksums.values())) == 1, checksums
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_ddp_fsdp_loss_parity(sweeps, world):
+    ddp, fsdp = sweeps[world][1]["ddp"]["losses"], sweeps[world][1]["fsdp"]["losses"]
+    assert len(ddp) == len(fsdp) == 11
+    assert rel(ddp[0], fsdp[0]) <= 1e-6
+    assert rel(ddp[10], fsdp[10]) <= 1e-4  # after 10 optimizer steps
+    assert ddp[10] < ddp[0] - 0.1
+
+
+def test_world_size_does_not_change_the_math(sweeps):
+    # Same global batch, same data: DDP on 1 rank (grad accumulation 2) and on 2 ranks agree.
+    one, two = sweeps[1][1]["ddp"]["losses"], sweeps[2][1]["ddp"]["losses"]
+    assert rel(one[0], two[0]) <= 1e-6 and rel(one[10], two[10]) <= 1e-4
+
+
+def test_exact_model_state_accounting(sweeps):
+    by = sweeps[2][1]
+    n = by["ddp"]["num_params"]
+    for rank in by["ddp"]["model_state_per_rank"]:
+        assert rank["params"] + rank["grads"] + rank["optimizer"] == 16 * n  # fp32 AdamW, replicated
+    shard = [r["params"] + r["grads"] + r["optimizer"] for r in by["fsdp"]["model_state_per_rank"]]
+    assert all(8 * n <= s <= 8 * n + 16 * 1024 for s in shard), (shard, 8 * n)  # + FSDP2 padding only
+    assert by["fsdp"]["model_state_expected_bytes"] == 8 * n
+
+
+def test_multirun_is_one_parent_with_a_child_per_job(sweeps):
+    runs = mlflow_runs(sweeps[2][0])
+    parents = runs[runs["tags.parabench.kind"] == "sweep"]
+    children = runs[runs["tags.parabench.kind"] == "job"]
+    assert len(parents) == 1 and len(children) == 2
+    assert set(children["tags.mlflow.parentRunId"]) == {parents.iloc[0]["run_id"]}
+    assert set(children["tags.backend"]) == {"ddp", "fsdp"} and set(runs["status"]) == {"FINISHED"}
+
+
+def test_a_killed_rank_fails_the_run_quickly_and_is_recorded(results):
+    cmd = [sys.executable, "-m", "parabench", "run", *FAST, "launcher.nproc_per_node=2", "run.steps=500",
+           f"run.results_dir={results}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"})
+    deadline = time.time() + 180
+    progress = None
+    while time.time() < deadline:
+        found = list(results.glob("runs/*/*/*/progress.json"))
+        if found and json.loads(found[0].read_text() or "{}").get("step", 0) >= 2:
+            progress = found[0]
+            break
+        time.sleep(0.5)
+    assert progress is not None, "the run never reached step 2"
+    pid = int((progress.parent / "pids" / "rank1").read_text())
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.time()
+    _, err = proc.communicate(timeout=120)
+    assert time.time() - killed_at < 60
+    assert proc.returncode == 1
+    assert "run FAILED" in err and "last lines of" in err
+    runs = mlflow_runs(results)
+    assert list(runs["status"]) == ["FAILED"]
+    assert "worker failed" in runs.iloc[0]["tags.failure_reason"]

@@ -1,0 +1,62 @@
+"""Bad configurations are refused before launch: one line, exit 2, nothing written anywhere."""
+
+import pytest
+
+from parabench.cli import main
+
+INVALID = {
+    "no model": ([], "+model=NAME"),
+    "model without plus": (["model=llama"], "+model=NAME"),
+    "unknown model": (["+model=gpt5"], "gpt5"),
+    "unknown backend": (["+model=llama", "backend=nope"], "nope"),
+    "unknown key": (["+model=llama", "run.stepz=3"], "stepz"),
+    "unknown appended key": (["+model=llama", "+run.bogus=1"], "run.bogus"),
+    "key of another backend": (["+model=llama", "+backend.zero_stage=2"], "backend.zero_stage"),
+    "batch not divisible by micro": (["+model=llama", "data.global_batch_size=6", "data.micro_batch_size=4"], "data.global_batch_size"),
+    "batch not divisible by world": (["+model=llama", "data.global_batch_size=4", "data.micro_batch_size=4",
+                                      "launcher.nproc_per_node=2"], "data.global_batch_size"),
+    "heads do not divide hidden": (["+model=llama", "model.num_attention_heads=7"], "model.num_attention_heads"),
+    "kv heads do not divide heads": (["+model=llama", "model.num_key_value_heads=3"], "model.num_key_value_heads"),
+    "cuda not present": (["+model=llama", "device=cuda"], "device"),
+    "npu not present": (["+model=llama", "device=npu"], "device"),
+    "unknown precision": (["+model=llama", "run.precision=fp64"], "run.precision"),
+    "fp16 unsupported by ddp": (["+model=llama", "run.precision=fp16"], "run.precision"),
+    "zero steps": (["+model=llama", "run.steps=0"], "run.steps"),
+    "negative lr": (["+model=llama", "optim.lr=-1"], "optim.lr"),
+    "steps not an int": (["+model=llama", "run.steps=abc"], "run.steps"),
+    "text without path": (["+model=llama", "data=text"], "data.path"),
+    "text file missing": (["+model=llama", "data=text", "data.path=/nonexistent/file.txt"], "data.path"),
+    "fsdp offload on cpu": (["+model=llama", "backend=fsdp", "backend.cpu_offload=true"], "backend.cpu_offload"),
+    "node rank outside nnodes": (["+model=llama", "launcher.node_rank=1"], "launcher.node_rank"),
+    "beta out of range": (["+model=llama", "optim.betas=[0.9,1.5]"], "optim.betas"),
+    "sequence longer than positions": (["+model=llama", "data.seq_len=100000"], "data.seq_len"),
+    "multi-node without port": (["+model=llama", "launcher.nnodes=2"], "launcher.master_port"),
+    "bad value in a later sweep job": (["-m", "+model=llama", "backend=ddp,fsdp", "backend.cpu_offload=true"], "backend"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(INVALID))
+def test_invalid_config_is_refused_before_launch(name, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args, must_name = INVALID[name]
+    results = tmp_path / "results"
+    code = main(["run", *args, f"run.results_dir={results}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("bench: error:") and must_name in err, err
+    assert "Traceback" not in err
+    assert not results.exists() and not (tmp_path / "mlflow.db").exists() and not (tmp_path / "outputs").exists()
+
+
+def test_at_least_fifteen_distinct_refusals():
+    assert len(INVALID) >= 15
+
+
+def test_errors_name_the_choices():
+    from parabench.adapters.registry import get_adapter
+    from parabench.errors import SpecError
+
+    with pytest.raises(SpecError) as exc:
+        get_adapter("nope")
+    assert "ddp" in str(exc.value) and "fsdp" in str(exc.value)
