@@ -1,0 +1,209 @@
+"""`bench migrate`: static migration of CUDA PyTorch projects to Ascend (torch_npu / MindSpeed).
+
+Exit codes: 0 done; 1 ``--check`` found changes or manual items; 2 bad input (one line on stderr).
+This module imports neither torch nor the code being migrated; libcst loads only when needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+from parabench.migrate.core import MANUAL, MODES, TARGETS, Options
+
+
+class UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="bench migrate",
+        description="Migrate GPU (CUDA) PyTorch training code to Ascend NPU: torch_npu (--to npu) or MindSpeed (--to mindspeed).",
+        epilog="Rules: `bench migrate --list-rules`. Exit codes: 0 ok, 1 --check found work, 2 bad input.",
+    )
+    p.add_argument("src", nargs="*", metavar="SRC", help="files or directory trees to migrate (never modified without --in-place)")
+    p.add_argument("--to", dest="target", choices=TARGETS, default="npu", help="target stack (default: npu)")
+    p.add_argument("--mode", choices=MODES, default="static",
+                   help="static: rewrite the code (default); runtime: only add torch_npu's transfer_to_npu import to entry scripts")
+    p.add_argument("--out", type=Path, help="output tree (default: <SRC>_<target> next to a single SRC; must not be inside SRC)")
+    p.add_argument("--force", action="store_true", help="allow writing into an existing non-empty --out")
+    p.add_argument("--in-place", action="store_true", help="rewrite SRC itself (needs --backup or a clean git tree)")
+    p.add_argument("--backup", nargs="?", const=".orig", default=None, metavar="SUFFIX",
+                   help="with --in-place: keep a copy of each changed file as FILE+SUFFIX (default .orig)")
+    p.add_argument("--diff", action="store_true", help="print unified diffs, write nothing")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if changes or manual items remain (CI)")
+    p.add_argument("--select", help="comma-separated rule codes or prefixes to run (e.g. PY1,SH001)")
+    p.add_argument("--ignore", help="comma-separated rule codes or prefixes to skip")
+    p.add_argument("--safe-only", action="store_true", help="apply only safe rewrites; review rewrites are reported instead")
+    p.add_argument("--report", type=Path, metavar="DIR", help="write report.json, change_list.csv, unsupported_api.csv, unknown_api.csv, manual.md")
+    p.add_argument("-j", "--jobs", type=int, default=None, help="worker processes (default: all cores)")
+    prog = p.add_mutually_exclusive_group()
+    prog.add_argument("--progress", dest="progress", action="store_true", default=None, help="force the progress bar")
+    prog.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("-q", "--quiet", action="store_true", help="no summary")
+    p.add_argument("--list-rules", action="store_true", help="print the rule table (Markdown) and exit")
+    return p
+
+
+def _codes(text: str | None, known: list[str]) -> frozenset[str] | None:
+    if text is None:
+        return None
+    codes = frozenset(c.strip().upper() for c in text.split(",") if c.strip())
+    bad = sorted(c for c in codes if not any(k.startswith(c) for k in known))
+    if bad:
+        raise UsageError(f"unknown rule code(s) {', '.join(bad)}; valid: {', '.join(known)}")
+    return codes
+
+
+def _inside(child: Path, parent: Path) -> bool:
+    try:
+        child.relative_to(parent)
+        return True
+    except ValueError:
+        return False
+
+
+def _git_clean(path: Path) -> tuple[bool, str]:
+    """True when ``path`` lies in a git work tree with nothing uncommitted or untracked under it."""
+    cwd = path if path.is_dir() else path.parent
+    try:
+        inside = subprocess.run(["git", "rev-parse", "--is-inside-work-tree"], cwd=cwd, capture_output=True, text=True, timeout=30)
+        if inside.returncode != 0 or inside.stdout.strip() != "true":
+            return False, "not a git work tree"
+        st = subprocess.run(["git", "status", "--porcelain", "--", str(path.resolve())], cwd=cwd, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return False, f"git unavailable ({exc})"
+    if st.returncode != 0:
+        return False, "git status failed"
+    if st.stdout.strip():
+        return False, "uncommitted or untracked changes"
+    return True, ""
+
+
+def rules_table() -> str:
+    from parabench.migrate.rules._base import all_rules
+
+    lines = ["| Code | Name | Safety | Kind | Targets | Description |", "|---|---|---|---|---|---|"]
+    for code, r in all_rules().items():
+        targets = ",".join(sorted(r.targets)) + ("" if r.modes == {"static"} else f" ({','.join(sorted(r.modes))})")
+        lines.append(f"| {code} | {r.name} | {r.safety} | {r.kind} | {targets} | {r.description.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(argv)
+    except UsageError as exc:
+        print(f"bench migrate: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.list_rules:
+        sys.stdout.write(rules_table())
+        return 0
+    if not args.src:
+        raise UsageError("no SRC given (files or directories to migrate)")
+    from parabench.migrate.rules._base import all_rules
+
+    known = list(all_rules())
+    options = Options(
+        target=args.target, mode=args.mode, safe_only=args.safe_only,
+        select=_codes(args.select, known), ignore=_codes(args.ignore, known) or frozenset(),
+    )
+    roots = []
+    for s in args.src:
+        p = Path(s)
+        if not p.exists():
+            raise UsageError(f"SRC not found: {s}")
+        if p.is_symlink():
+            raise UsageError(f"SRC is a symlink (not followed): {s}")
+        roots.append(p)
+    names = [r.name for r in roots]
+    if len(set(names)) != len(names):
+        raise UsageError("several SRC share a name; migrate them separately")
+    for a in roots:
+        for b in roots:
+            if a is not b and _inside(a.resolve(), b.resolve()):
+                raise UsageError(f"SRC {a} lies inside SRC {b}")
+    if args.jobs is not None and args.jobs < 1:
+        raise UsageError("--jobs must be >= 1")
+
+    write_nothing = args.diff or args.check
+    out: Path | None = None
+    if args.in_place:
+        if args.out is not None:
+            raise UsageError("--in-place and --out exclude each other")
+        if write_nothing:
+            raise UsageError("--in-place with --diff/--check makes no sense: those write nothing")
+        if args.backup is None:
+            for r in roots:
+                ok, why = _git_clean(r)
+                if not ok:
+                    raise UsageError(f"--in-place needs --backup or a clean git tree ({r}: {why})")
+    elif args.backup is not None:
+        raise UsageError("--backup only applies to --in-place")
+    elif not write_nothing:
+        out = args.out if args.out is not None else _default_out(roots, options.target)
+        res_out = out.resolve()
+        for r in roots:
+            rr = r.resolve()
+            if res_out == rr or (r.is_dir() and _inside(res_out, rr)):
+                raise UsageError(f"--out {out} lies inside SRC {r}: choose a directory outside the source tree")
+            if _inside(rr, res_out):
+                raise UsageError(f"SRC {r} lies inside --out {out}")
+        if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
+            raise UsageError(f"--out {out} exists and is not empty (use --force to write into it)")
+    if args.report is not None:
+        rep = args.report.resolve()
+        for r in roots:
+            if r.is_dir() and _inside(rep, r.resolve()) and not args.in_place:
+                raise UsageError(f"--report {args.report} lies inside SRC {r}")
+
+    from parabench.migrate.engine import run
+
+    result = run(roots, options, out, in_place=args.in_place, backup=args.backup, diff=args.diff,
+                 jobs=args.jobs, progress=args.progress)
+    from parabench.migrate.report import summary_text, write_report
+
+    if args.diff:
+        for r in result.files:
+            if r.diff:
+                sys.stdout.write(r.diff)
+    if args.report is not None:
+        link_root = out if out is not None else (roots[0] if len(roots) == 1 and roots[0].is_dir() else None)
+        if link_root is None and len(roots) > 1:
+            link_root = None
+        write_report(result, args.report, link_root)
+    if not args.quiet:
+        (sys.stderr if args.diff else sys.stdout).write(summary_text(result))
+        if out is not None:
+            (sys.stdout).write(f"output: {out}\n")
+    if args.check:
+        pending = any(r.status == "changed" for r in result.files) or any(
+            not f.applied for f in result.findings
+        )
+        return 1 if pending else 0
+    return 0
+
+
+def _default_out(roots: list[Path], target: str) -> Path:
+    if len(roots) == 1:
+        r = roots[0].resolve()
+        stem = r.name if r.is_dir() else r.stem
+        return r.parent / f"{stem}_{target}"
+    return Path.cwd() / f"migrated_{target}"
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Typed records shared by the migration engine, the rules and the report."""
+
+from __future__ import annotations
+
+import dataclasses
+
+SAFE = "safe"  # meaning-preserving mechanical rewrite
+REVIEW = "review"  # applied, flagged for a human look
+MANUAL = "manual"  # reported with guidance, never rewritten
+SAFETY_LEVELS = (SAFE, REVIEW, MANUAL)
+
+TARGETS = ("npu", "mindspeed")
+MODES = ("static", "runtime")
+KINDS = ("python", "shell", "json", "yaml", "requirements", "file")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What one migration run does (everything the CLI decides, nothing more)."""
+
+    target: str = "npu"
+    mode: str = "static"
+    safe_only: bool = False
+    select: frozenset[str] | None = None  # rule codes or prefixes; None = all
+    ignore: frozenset[str] = frozenset()
+
+    def rule_enabled(self, code: str, safety: str, targets: frozenset[str], modes: frozenset[str]) -> bool:
+        if self.target not in targets or self.mode not in modes:
+            return False
+        if self.select is not None and not any(code.startswith(s) for s in self.select):
+            return False
+        return not any(code.startswith(s) for s in self.ignore)
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One change (applied) or one manual item (not applied), at original line numbers."""
+
+    rule: str
+    safety: str
+    line: int
+    end_line: int
+    message: str
+    op: str = ""  # the API / construct concerned
+    tip: str = ""
+    before: str = ""
+    after: str = ""
+    applied: bool = True
+    file: str = ""  # posix path relative to the source root, filled by the engine
+
+    def with_file(self, file: str) -> "Finding":
+        return dataclasses.replace(self, file=file)
+
+
+@dataclasses.dataclass
+class FileResult:
+    """Outcome for one file. ``status``: changed | unchanged | skipped | copied."""
+
+    path: str  # relative posix path (with the source root name when several sources are given)
+    kind: str
+    status: str
+    reason: str = ""
+    findings: list[Finding] = dataclasses.field(default_factory=list)
+    diff: str = ""
+    full_parse: bool = False

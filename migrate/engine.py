@@ -1,0 +1,298 @@
+"""The migration engine: find files, classify them, migrate each (in parallel), write the result.
+
+Input files are only read. Output goes to a new tree (default), or back into SRC with
+``in_place`` (the CLI checks backups / a clean git tree first), or nowhere (diff/check).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import shutil
+import stat
+import sys
+from pathlib import Path
+
+from parabench.migrate.core import FileResult, Finding, Options
+
+SKIP_DIRS = frozenset({".git", ".hg", ".svn", "__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache", ".tox", ".venv"})
+SHELL_EXT = frozenset({".sh", ".bash", ".zsh", ".slurm", ".sbatch"})
+YAML_EXT = frozenset({".yaml", ".yml"})
+CUDA_EXT = frozenset({".cu", ".cuh"})
+SERIAL_BELOW = 48  # fewer files than this: no process pool (start-up costs more than it saves)
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    src: str  # absolute source path
+    rel: str  # report path (posix)
+    kind: str
+    dest: str | None  # absolute output path, None = write nothing
+    diff: bool
+
+
+@dataclasses.dataclass
+class RunResult:
+    options: Options
+    roots: list[str]
+    out: str | None
+    files: list[FileResult]
+
+    @property
+    def findings(self) -> list[Finding]:
+        return [f for r in self.files for f in r.findings]
+
+
+def classify(path: Path) -> str:
+    name = path.name
+    suffix = path.suffix.lower()
+    if suffix == ".py":
+        return "python"
+    if suffix in SHELL_EXT:
+        return "shell"
+    if suffix == ".json":
+        return "json"
+    if suffix in YAML_EXT:
+        return "yaml"
+    if suffix == ".txt" and ("requirements" in name.lower() or path.parent.name == "requirements"):
+        return "requirements"
+    if suffix in CUDA_EXT:
+        return "cuda"
+    if suffix == "":
+        try:
+            with open(path, "rb") as fh:
+                head = fh.readline(200)
+        except OSError:
+            return "file"
+        if head.startswith(b"#!"):
+            if b"python" in head:
+                return "python"
+            if any(s in head for s in (b"bash", b"/sh", b" sh", b"zsh")):
+                return "shell"
+    return "file"
+
+
+def _inside(child: Path, parent: Path) -> bool:
+    try:
+        child.relative_to(parent)
+        return True
+    except ValueError:
+        return False
+
+
+def discover(roots: list[Path]) -> list[tuple[Path, Path, str, str]]:
+    """-> [(root, path, rel, how)]; how: file | symlink-in | symlink-out. Deterministic order."""
+    multi = len(roots) > 1
+    found = []
+    for root in roots:
+        prefix = root.name + "/" if multi else ""
+        if root.is_file():
+            found.append((root.parent, root, root.name, "file"))
+            continue
+        real_root = root.resolve()
+        for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+            dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
+            here = Path(dirpath)
+            entries = [(here / d) for d in dirnames if (here / d).is_symlink()]
+            entries += [(here / f) for f in sorted(filenames)]
+            for p in entries:
+                rel = prefix + p.relative_to(root).as_posix()
+                if p.is_symlink():
+                    try:
+                        target = p.resolve(strict=False)
+                    except (OSError, RuntimeError):
+                        found.append((root, p, rel, "symlink-out"))
+                        continue
+                    found.append((root, p, rel, "symlink-in" if _inside(target, real_root) else "symlink-out"))
+                else:
+                    found.append((root, p, rel, "file"))
+    found.sort(key=lambda t: t[2])
+    return found
+
+
+def _read_text(path: str) -> tuple[str | None, str]:
+    with open(path, "rb") as fh:
+        data = fh.read()
+    if b"\x00" in data[:8192]:
+        return None, "binary file"
+    try:
+        return data.decode("utf-8"), ""
+    except UnicodeDecodeError as exc:
+        return None, f"not UTF-8 ({exc.reason} at byte {exc.start})"
+
+
+def migrate_text(kind: str, text: str, rel: str, options: Options) -> tuple[str, list[Finding], str]:
+    """Apply the enabled rules of ``kind`` to ``text`` -> (new_text, findings, skip_reason)."""
+    if kind == "python":
+        from parabench.migrate.pyfile import migrate_python
+
+        new, findings, _full, reason = migrate_python(text, rel, options)
+        return new, findings, reason
+    from parabench.migrate.rules._base import TextDoc, rules_for
+
+    rules = rules_for(kind, options)
+    if not rules:
+        return text, [], ""
+    doc = TextDoc(text, rel, options)
+    for rule in rules:
+        try:
+            rule().apply(doc)
+        except _ParseError as exc:
+            return text, [], f"unparseable: {exc}"
+    findings = sorted(doc.findings, key=lambda f: (f.line, f.rule, f.end_line, f.message))
+    return doc.result(), findings, ""
+
+
+class _ParseError(Exception):
+    pass
+
+
+def process(task: Task, options: Options) -> FileResult:
+    """Migrate one file; write its output (if any). Runs in worker processes."""
+    res = FileResult(task.rel, task.kind, "copied")
+    if task.kind == "file":
+        _copy(task)
+        return res
+    text, reason = _read_text(task.src)
+    if text is None:
+        res.status, res.reason = "skipped", reason
+        _copy(task)
+        return res
+    try:
+        new, findings, reason = migrate_text(task.kind, text, task.rel, options)
+    except RecursionError:
+        new, findings, reason = text, [], "internal: nesting too deep for the parser"
+    if reason:
+        res.status, res.reason = "skipped", reason
+        _copy(task)
+        return res
+    res.findings = [f.with_file(task.rel) for f in findings]
+    res.full_parse = task.kind != "python" or bool(findings) or new != text
+    if new == text:
+        res.status = "unchanged"
+        _copy(task)
+        return res
+    res.status = "changed"
+    if task.diff:
+        res.diff = "".join(
+            difflib.unified_diff(
+                text.splitlines(keepends=True), new.splitlines(keepends=True), f"a/{task.rel}", f"b/{task.rel}"
+            )
+        )
+    if task.dest is not None:
+        _write(task, new)
+    return res
+
+
+def _copy(task: Task) -> None:
+    if task.dest is None or os.path.abspath(task.dest) == os.path.abspath(task.src):
+        return
+    os.makedirs(os.path.dirname(task.dest), exist_ok=True)
+    shutil.copy2(task.src, task.dest)
+
+
+def _write(task: Task, text: str) -> None:
+    os.makedirs(os.path.dirname(task.dest), exist_ok=True)
+    mode = stat.S_IMODE(os.stat(task.src).st_mode)
+    tmp = task.dest + ".bench-migrate.tmp"
+    with open(tmp, "w", encoding="utf-8", newline="") as fh:
+        fh.write(text)
+    os.chmod(tmp, mode)
+    os.replace(tmp, task.dest)
+
+
+def _process_star(args: tuple[Task, Options]) -> FileResult:
+    return process(*args)
+
+
+def run(
+    roots: list[Path],
+    options: Options,
+    out: Path | None,
+    *,
+    in_place: bool = False,
+    backup: str | None = None,
+    diff: bool = False,
+    jobs: int | None = None,
+    progress: bool | None = None,
+) -> RunResult:
+    """Migrate ``roots`` into ``out`` (or in place, or nowhere when out is None and not in_place)."""
+    entries = discover(roots)
+    tasks: list[Task] = []
+    results: list[FileResult] = []
+    for root, path, rel, how in entries:
+        if how == "symlink-out":
+            results.append(FileResult(rel, "symlink", "skipped", "symlink points outside the source tree: not followed"))
+            continue
+        if how == "symlink-in":
+            results.append(FileResult(rel, "symlink", "copied", "symlink inside the tree: recreated"))
+            if out is not None and not in_place:
+                dest = out / rel
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                if not dest.is_symlink():
+                    os.symlink(os.readlink(path), dest)
+            continue
+        if in_place:
+            dest: str | None = str(path)
+        elif out is not None:
+            dest = str(out / rel)
+        else:
+            dest = None
+        kind = classify(path)
+        if in_place and kind == "file":
+            continue
+        tasks.append(Task(str(path), rel, kind, dest, diff))
+    if in_place and backup:
+        # back up exactly the files that will change, before anything is written
+        probe = [dataclasses.replace(t, dest=None, diff=False) for t in tasks]
+        for t, r in zip(probe, _map(probe, options, jobs, False)):
+            if r.status == "changed":
+                shutil.copy2(t.src, t.src + backup)
+    results.extend(_map(tasks, options, jobs, progress))
+    results.sort(key=lambda r: r.path)
+    return RunResult(options, [str(r) for r in roots], str(out) if out else None, results)
+
+
+def _map(tasks: list[Task], options: Options, jobs: int | None, progress: bool | None) -> list[FileResult]:
+    jobs = jobs or os.cpu_count() or 1
+    show = sys.stderr.isatty() if progress is None else progress
+    bar = None
+    if show:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(tasks), unit="file", desc="bench migrate", file=sys.stderr, leave=False)
+        except ImportError:  # pragma: no cover
+            bar = None
+    out: list[FileResult] = []
+    if jobs <= 1 or len(tasks) < SERIAL_BELOW:
+        for t in tasks:
+            out.append(process(t, options))
+            if bar:
+                bar.update(1)
+    else:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        # fork: workers inherit the imported rules; nothing from the input is ever imported
+        ctx = mp.get_context("fork") if sys.platform.startswith("linux") else None
+        _preload(options)
+        chunk = max(1, min(32, len(tasks) // (jobs * 8) or 1))
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+            for r in pool.map(_process_star, [(t, options) for t in tasks], chunksize=chunk):
+                out.append(r)
+                if bar:
+                    bar.update(1)
+    if bar:
+        bar.close()
+    return out
+
+
+def _preload(options: Options) -> None:
+    """Import libcst and the rules once in the parent so forked workers start warm."""
+    import libcst  # noqa: F401
+
+    from parabench.migrate.rules._base import all_rules
+
+    all_rules()

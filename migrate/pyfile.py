@@ -1,0 +1,144 @@
+"""Migrate one Python source text: cheap pre-filter, then LibCST rules, then a compile check.
+
+The input is parsed, never imported or executed (``compile`` only builds a code object).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+
+from parabench.migrate.core import Finding, Options
+
+# Words that any static Python rule can react to (case-insensitive, in identifiers or strings).
+_STATIC_WORDS = (
+    "cuda", "nccl", "nvtx", "apex", "flash_attn", "transformer_engine", "triton", "xformers", "bitsandbytes",
+    "amp_c", "pynvml", "nvidia", "dataparallel", "compile", "symmetric_memory", "nvshmem", "float8", "torchao",
+    "cudnn", "tf32", "cpp_extension", "mamba_ssm", "causal_conv1d", "cupy", "deep_gemm", "accelerator",
+)
+_STATIC_RE = re.compile("|".join(_STATIC_WORDS), re.IGNORECASE)
+_MEGATRON_RE = re.compile("megatron")
+_MAIN_RE = re.compile("__main__")
+
+
+def _text_gate(options: Options) -> re.Pattern[str]:
+    if options.mode == "runtime":
+        return _MAIN_RE
+    if options.target == "mindspeed":
+        return re.compile(_STATIC_RE.pattern + "|megatron", re.IGNORECASE)
+    return _STATIC_RE
+
+
+def needs_full_parse(text: str, options: Options) -> tuple[bool, str]:
+    """Decide cheaply whether any rule could fire. Returns (need, reason-if-unparseable).
+
+    Stage 1: a regex over the raw text (most files never mention a trigger word).
+    Stage 2: the C ``ast`` parser; only identifiers, attribute names, imports and non-docstring
+    string constants count, so comments, docstrings and prose-only mentions are skipped.
+    """
+    gate = _text_gate(options)
+    if not gate.search(text):
+        return False, ""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError) as exc:
+        return False, f"unparseable: {type(exc).__name__}: {getattr(exc, 'msg', exc)} (line {getattr(exc, 'lineno', '?')})"
+    if options.mode == "runtime":
+        return True, ""
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docstrings.add(id(first.value))
+    search = gate.search
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            if search(node.id):
+                return True, ""
+        elif isinstance(node, ast.Attribute):
+            if search(node.attr):
+                return True, ""
+        elif isinstance(node, ast.Constant):
+            if isinstance(node.value, str) and id(node) not in docstrings and search(node.value):
+                return True, ""
+        elif isinstance(node, ast.alias):
+            if search(node.name):
+                return True, ""
+        elif isinstance(node, ast.ImportFrom):
+            if node.module and search(node.module):
+                return True, ""
+        elif isinstance(node, ast.keyword):
+            if node.arg and search(node.arg):
+                return True, ""
+    return False, ""
+
+
+def migrate_python(text: str, path: str, options: Options) -> tuple[str, list[Finding], bool, str]:
+    """Returns (new_text, findings, full_parse, skip_reason)."""
+    need, reason = needs_full_parse(text, options)
+    if reason:
+        return text, [], False, reason
+    if not need:
+        return text, [], False, ""
+
+    import libcst as cst
+
+    from parabench.migrate.rules._base import rules_for
+    from parabench.migrate.rules._py import ModuleRule, PyContext, PyRule
+
+    try:
+        module = cst.parse_module(text)
+    except Exception as exc:  # libcst.ParserSyntaxError and friends
+        return text, [], True, f"unparseable: {str(exc).splitlines()[0]}"
+    rules = rules_for("python", options)
+    active = frozenset(r.code for r in rules)
+    ctx = PyContext(module, options, active)
+    visitors = [r(ctx) for r in rules if issubclass(r, PyRule)]
+    if visitors:
+        cst.visit_batched(module, visitors)
+    new = module.visit(_Apply(ctx.edits)) if ctx.edits else module
+    for rule in rules:
+        if issubclass(rule, ModuleRule):
+            new = rule().post(module, new, ctx)
+    new_text = new.code
+    findings = sorted(ctx.findings, key=lambda f: (f.line, f.rule, f.end_line, f.message))
+    if new_text != text:
+        try:
+            compile(new_text, path, "exec", dont_inherit=True)
+        except SyntaxError as exc:
+            try:
+                compile(text, path, "exec", dont_inherit=True)
+            except SyntaxError:
+                return text, [], True, f"unparseable: {exc.msg} (line {exc.lineno})"
+            return text, [], True, f"internal: migrated code did not compile ({exc.msg}, line {exc.lineno}); left unchanged"
+    return new_text, findings, True, ""
+
+
+def _apply_class():
+    import libcst as cst
+
+    class Apply(cst.CSTTransformer):
+        """Applies edits recorded against original nodes; edits compose bottom-up."""
+
+        def __init__(self, edits):
+            super().__init__()
+            self.edits = edits
+
+        def on_leave(self, original_node, updated_node):
+            fns = self.edits.get(original_node)
+            if fns:
+                for fn in fns:
+                    updated_node = fn(updated_node)
+            return updated_node
+
+    return Apply
+
+
+def _Apply(edits):  # noqa: N802 - factory keeps libcst out of this module's import time
+    global _APPLY
+    try:
+        cls = _APPLY
+    except NameError:
+        cls = _APPLY = _apply_class()
+    return cls(edits)

@@ -1,0 +1,542 @@
+"""Python rule base: a LibCST context with resolved metadata, and the shared analyses.
+
+The analyses answer *role* questions from the syntax tree and resolved qualified names, never from
+text: "is this string a device argument, a log message or a dict key?", "which torch.cuda member
+does this expression reach, through which alias?".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Callable, ClassVar
+
+import libcst as cst
+from libcst.metadata import (
+    MetadataWrapper,
+    ParentNodeProvider,
+    PositionProvider,
+    QualifiedNameProvider,
+    QualifiedNameSource,
+    ScopeProvider,
+)
+from libcst.metadata.base_provider import LazyValue
+
+from parabench.migrate import api_map
+from parabench.migrate.core import MANUAL, REVIEW, Finding, Options
+from parabench.migrate.rules._base import Rule
+
+DEVICE_RE = re.compile(r"^cuda(:\d+)?$")
+BACKEND_COMPOUND_RE = re.compile(r"^(?:[a-z]+:[a-z]+,)*cuda:nccl(?:,[a-z]+:[a-z]+)*$")
+
+# Keyword arguments that name a device (REFERENCE 1: device rewriting of transfer_to_npu).
+DEVICE_KWARGS = frozenset({"device", "device_type", "map_location", "device_id", "default_device", "init_device"})
+BACKEND_KWARGS = frozenset({"backend", "dist_backend"})
+# Calls whose first positional argument is a device type / device.
+DEVICE_POS0_CALLS = frozenset(
+    {
+        "torch.device", "torch.autocast", "torch.amp.autocast", "torch.amp.GradScaler", "torch.get_device_module",
+        "torch.distributed.device_mesh.init_device_mesh", "torch.distributed.init_device_mesh",
+        "torch.set_default_device", "torch.Generator", "torch.cuda.amp.GradScaler",
+    }
+)
+# Calls whose first positional argument / backend keyword is the process-group backend.
+BACKEND_CALLS = frozenset(
+    {"torch.distributed.init_process_group", "torch.distributed.new_group", "deepspeed.init_distributed",
+     "torch.distributed.distributed_c10d.init_process_group", "torch.distributed.new_subgroups"}
+)
+LOG_METHODS = frozenset({"debug", "info", "warning", "warn", "error", "exception", "critical", "log", "write", "format"})
+ATTR_CALLS = frozenset({"builtins.getattr", "builtins.hasattr", "builtins.setattr", "builtins.delattr"})
+IMPORT_CALLS = frozenset({"importlib.import_module", "builtins.__import__", "importlib.util.find_spec"})
+
+
+def dotted(node: cst.CSTNode) -> str | None:
+    if isinstance(node, cst.Name):
+        return node.value
+    if isinstance(node, cst.Attribute):
+        left = dotted(node.value)
+        return f"{left}.{node.attr.value}" if left else None
+    return None
+
+
+def string_value(node: cst.CSTNode) -> str | None:
+    if isinstance(node, cst.SimpleString):
+        try:
+            value = node.evaluated_value
+        except Exception:  # malformed escapes
+            return None
+        return value if isinstance(value, str) else None
+    return None
+
+
+def replace_in_simple_string(node: cst.SimpleString, old: str, new: str) -> cst.SimpleString:
+    """Rewrite the literal's content, keeping prefix and quote style. Only used when the raw
+    token spells ``old`` verbatim (checked by the caller)."""
+    return node.with_changes(value=node.value.replace(old, new, 1))
+
+
+def fstring_device(node: cst.FormattedString) -> bool:
+    """f'cuda:{i}': the whole string is a device spec."""
+    parts = node.parts
+    return (
+        len(parts) == 2
+        and isinstance(parts[0], cst.FormattedStringText)
+        and parts[0].value == "cuda:"
+        and isinstance(parts[1], cst.FormattedStringExpression)
+    )
+
+
+def fstring_to_npu(node: cst.FormattedString) -> cst.FormattedString:
+    first = node.parts[0]
+    return node.with_changes(parts=[first.with_changes(value="npu:"), *node.parts[1:]])
+
+
+class PyContext:
+    """One parsed module plus resolved metadata, shared by every Python rule of a run."""
+
+    def __init__(self, module: cst.Module, options: Options, active: frozenset[str]):
+        self.module = module
+        self.options = options
+        self.active = active
+        wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+        self._pos = wrapper.resolve(PositionProvider)
+        self._parent = wrapper.resolve(ParentNodeProvider)
+        self._qn = wrapper.resolve(QualifiedNameProvider)
+        self._scope = wrapper.resolve(ScopeProvider)
+        self.edits: dict[cst.CSTNode, list[Callable]] = {}
+        self.findings: list[Finding] = []
+        self.applied_codes: set[str] = set()
+        self.needs_npu = False
+        self.cache: dict[str, object] = {}
+
+    # metadata helpers
+    def qnames(self, node: cst.CSTNode) -> set[str]:
+        value = self._qn.get(node)
+        if value is None:
+            return set()
+        if isinstance(value, LazyValue):
+            value = value()
+        return {q.name for q in value}
+
+    def is_import(self, node: cst.CSTNode) -> bool:
+        """True when the name resolves to something bound by an import (a module or its member)."""
+        value = self._qn.get(node)
+        if isinstance(value, LazyValue):
+            value = value()
+        return any(q.source == QualifiedNameSource.IMPORT for q in value or ())
+
+    def parent(self, node: cst.CSTNode) -> cst.CSTNode | None:
+        return self._parent.get(node)
+
+    def lines(self, node: cst.CSTNode) -> tuple[int, int]:
+        pos = self._pos.get(node)
+        if pos is None:
+            return 0, 0
+        return pos.start.line, pos.end.line
+
+    def code(self, node: cst.CSTNode) -> str:
+        text = self.module.code_for_node(node)
+        return text if len(text) <= 200 else text[:197] + "..."
+
+    # recording
+    def change(self, rule: type[Rule], node: cst.CSTNode, fn: Callable, message: str, op: str = "", tip: str = "") -> bool:
+        applied = not (rule.safety == REVIEW and self.options.safe_only)
+        start, end = self.lines(node)
+        before = self.code(node)
+        try:
+            new = fn(node)
+            after = self.module.code_for_node(new) if isinstance(new, cst.CSTNode) else ""
+        except Exception:  # pragma: no cover - defensive, a rule bug must not lose the file
+            return False
+        if applied:
+            self.edits.setdefault(node, []).append(fn)
+            self.applied_codes.add(rule.code)
+            self.needs_npu = self.needs_npu or bool(getattr(rule, "needs_torch_npu", False))
+        msg = message if applied else f"not applied (--safe-only): {message}"
+        self.findings.append(Finding(rule.code, rule.safety, start, end, msg, op, tip, before, after[:200], applied))
+        return applied
+
+    def manual(self, rule: type[Rule], node: cst.CSTNode, message: str, op: str = "", tip: str = "") -> None:
+        start, end = self.lines(node)
+        self.findings.append(Finding(rule.code, MANUAL, start, end, message, op, tip, applied=False))
+
+
+class PyRule(Rule, cst.BatchableCSTVisitor):
+    kind: ClassVar[str] = "python"
+    needs_torch_npu: ClassVar[bool] = True  # applied changes make the file need `import torch_npu`
+
+    def __init__(self, ctx: PyContext):
+        super().__init__()
+        self.ctx = ctx
+
+    def change(self, node, fn, message, op="", tip=""):
+        return self.ctx.change(type(self), node, fn, message, op, tip)
+
+    def manual(self, node, message, op="", tip=""):
+        self.ctx.manual(type(self), node, message, op, tip)
+
+
+class ModuleRule(Rule):
+    """A rule that inserts statements into the finished module (runs after all edits)."""
+
+    kind: ClassVar[str] = "python"
+    needs_torch_npu: ClassVar[bool] = False
+
+    def post(self, original: cst.Module, new: cst.Module, ctx: PyContext) -> cst.Module:  # pragma: no cover
+        raise NotImplementedError
+
+
+# --- role of a string literal -------------------------------------------------------------------
+
+
+def _call_name(ctx: PyContext, call: cst.Call) -> tuple[set[str], str]:
+    func = call.func
+    last = func.attr.value if isinstance(func, cst.Attribute) else func.value if isinstance(func, cst.Name) else ""
+    return ctx.qnames(func), last
+
+
+def _is_prose_call(qn: set[str], last: str) -> bool:
+    low = last.lower()
+    return (
+        "builtins.print" in qn
+        or "warnings.warn" in qn
+        or low in LOG_METHODS
+        or "print" in low
+        or "log" in low
+        or low.endswith(("error", "exception", "warning"))
+    )
+
+
+def _target_names(node: cst.CSTNode) -> list[str]:
+    if isinstance(node, cst.Assign):
+        return [dotted(t.target) or "" for t in node.targets]
+    if isinstance(node, (cst.AnnAssign, cst.AugAssign)):
+        return [dotted(node.target) or ""]
+    return []
+
+
+def string_role(ctx: PyContext, node: cst.CSTNode) -> str:
+    """Syntactic role of a string literal node (cached).
+
+    device / backend: argument or default that names a device / process-group backend;
+    compare-device / compare-backend / compare: an operand of a comparison;
+    prose: docstring, log/print/exception message; key: subscript index or dict key;
+    attrname / import / command / accelerator / concat: special arguments; other: anything else.
+    """
+    cache = ctx.cache.setdefault("roles", {})
+    if node in cache:
+        return cache[node]
+    role = _string_role(ctx, node)
+    cache[node] = role
+    return role
+
+
+def _string_role(ctx: PyContext, node: cst.CSTNode) -> str:
+    child, p = node, ctx.parent(node)
+    while True:
+        if isinstance(p, cst.ConcatenatedString):
+            return "concat"
+        if isinstance(p, cst.IfExp) and p.test is not child:
+            child, p = p, ctx.parent(p)
+            continue
+        if isinstance(p, cst.BooleanOperation):
+            child, p = p, ctx.parent(p)
+            continue
+        if isinstance(p, cst.Element):  # list/tuple/set element -> role of the container
+            container = ctx.parent(p)
+            child, p = container, ctx.parent(container)
+            continue
+        break
+    if isinstance(p, cst.Expr):
+        return "prose"
+    if isinstance(p, cst.Arg):
+        call = ctx.parent(p)
+        if not isinstance(call, cst.Call):
+            return "other"
+        qn, last = _call_name(ctx, call)
+        if p.keyword is not None:
+            k = p.keyword.value
+            if k in DEVICE_KWARGS:
+                return "device"
+            if k in BACKEND_KWARGS:
+                return "backend" if qn & BACKEND_CALLS else "backend-other"
+            if k == "accelerator":
+                return "accelerator"
+            if k in ("msg", "message", "help", "desc", "description"):
+                return "prose"
+            return "arg"
+        positional = [a for a in call.args if a.keyword is None and not a.star]
+        index = next((i for i, a in enumerate(positional) if a is p), -1)
+        if index == 0 and isinstance(call.func, cst.Attribute) and call.func.attr.value == "to" and not qn & ATTR_CALLS:
+            return "device"
+        if index == 0 and qn & DEVICE_POS0_CALLS:
+            return "device"
+        if index == 0 and qn & BACKEND_CALLS:
+            return "backend"
+        if qn & ATTR_CALLS and index == 1:
+            return "attrname"
+        if qn & IMPORT_CALLS:
+            return "import"
+        if any(q.startswith(("subprocess.", "os.system", "os.popen")) for q in qn):
+            return "command"
+        if _is_prose_call(qn, last):
+            return "prose"
+        return "arg"
+    if isinstance(p, cst.Param) and p.default is child:
+        name = p.name.value.lower()
+        if "device" in name:
+            return "device"
+        if "backend" in name:
+            return "backend-other"
+        return "other"
+    if isinstance(p, (cst.Comparison, cst.ComparisonTarget)):
+        comp = p if isinstance(p, cst.Comparison) else ctx.parent(p)
+        others = [comp.left] + [t.comparator for t in comp.comparisons]
+        text = " ".join(ctx.module.code_for_node(o) for o in others if o is not child).lower()
+        if "backend" in text:
+            return "compare-backend"
+        if "device" in text or ".type" in text:
+            return "compare-device"
+        return "compare"
+    if isinstance(p, (cst.SubscriptElement, cst.Index)):
+        return "key"
+    if isinstance(p, cst.DictElement):
+        d = ctx.parent(p)
+        if _dict_in_device_arg(ctx, d):
+            return "device"
+        return "key" if p.key is child else "other"
+    if isinstance(p, (cst.Assign, cst.AnnAssign)) and getattr(p, "value", None) is child:
+        names = " ".join(_target_names(p)).lower()
+        if "device" in names:
+            return "device"
+        if "backend" in names:
+            return "backend-other"
+        return "other"
+    return "other"
+
+
+def _dict_in_device_arg(ctx: PyContext, d: cst.CSTNode | None) -> bool:
+    arg = ctx.parent(d) if d is not None else None
+    return isinstance(arg, cst.Arg) and arg.keyword is not None and arg.keyword.value == "map_location"
+
+
+# --- torch.cuda references ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class CudaUse:
+    node: cst.CSTNode  # the expression that denotes torch.cuda (or a submodule/member for aliases)
+    outer: cst.CSTNode  # the full attribute chain
+    path: str  # member path after torch.cuda
+    category: str
+    data: str
+
+
+@dataclasses.dataclass
+class CudaBinding:
+    """A name bound to torch.cuda (or part of it) by an import or an assignment."""
+
+    stmt: cst.CSTNode  # Import / ImportFrom / Assign
+    alias: cst.CSTNode | None  # ImportAlias, or the torch.cuda expression of an Assign
+    base: str  # member path the bound name denotes ("" = torch.cuda itself)
+    uses: list[CudaUse]
+    decision: str = "npu"  # npu | nvtx | blocked
+
+
+def binding_problems(b: CudaBinding) -> list[str]:
+    """Member paths that keep a binding from being migrated."""
+    if not b.uses:
+        cat = api_map.classify_cuda_member(b.base)[0] if b.base else "module"
+        return [] if cat in _OK or cat == "module" or (cat == "nvtx") else [b.base]
+    ok = ("nvtx",) if b.base.startswith("nvtx") else (*_OK, "module")
+    return sorted({u.path for u in b.uses if u.category not in ok})
+
+
+@dataclasses.dataclass
+class CudaRefs:
+    direct: list[CudaUse]
+    bindings: list[CudaBinding]
+
+
+_OK = ("supported", "legacy")
+
+
+def _climb(ctx: PyContext, node: cst.CSTNode) -> tuple[cst.CSTNode, str]:
+    parts, cur = [], node
+    while True:
+        p = ctx.parent(cur)
+        if isinstance(p, cst.Attribute) and p.value is cur:
+            parts.append(p.attr.value)
+            cur = p
+        else:
+            return cur, ".".join(parts)
+
+
+def _join(a: str, b: str) -> str:
+    return f"{a}.{b}" if a and b else a or b
+
+
+def cuda_refs(ctx: PyContext) -> CudaRefs:
+    cached = ctx.cache.get("cuda_refs")
+    if cached is not None:
+        return cached  # type: ignore[return-value]
+    direct: list[CudaUse] = []
+    alias_uses: dict[str, list[tuple[cst.CSTNode, cst.CSTNode, str]]] = {}
+    assign_aliases: list[tuple[cst.Assign, cst.CSTNode]] = []
+    for node in list(ctx._qn):
+        if not isinstance(node, (cst.Name, cst.Attribute)):
+            continue
+        names = ctx.qnames(node)
+        hit = next((q for q in names if q == "torch.cuda" or q.startswith("torch.cuda.")), None)
+        if hit is None:
+            continue
+        if isinstance(node, cst.Attribute):
+            if hit != "torch.cuda":
+                continue  # an outer link of a chain: handled from its torch.cuda part
+            outer, path = _climb(ctx, node)
+            p = ctx.parent(node)
+            if not path and isinstance(p, cst.Assign) and len(p.targets) == 1 and isinstance(p.targets[0].target, cst.Name):
+                assign_aliases.append((p, node))
+                continue
+            cat, data = api_map.classify_cuda_member(path)
+            direct.append(CudaUse(node, outer, path, cat, data))
+        else:  # a Name bound by an import
+            p = ctx.parent(node)
+            if isinstance(p, cst.Attribute) and p.attr is node:
+                continue
+            outer, suffix = _climb(ctx, node)
+            alias_uses.setdefault(hit, []).append((node, outer, suffix))
+    bindings = _import_bindings(ctx, alias_uses)
+    for assign, expr in assign_aliases:
+        uses = []
+        target = assign.targets[0].target
+        scope = ctx._scope.get(target)
+        if scope is not None:
+            for assignment in scope.assignments[target.value]:
+                if getattr(assignment, "node", None) is not target:
+                    continue
+                for access in assignment.references:
+                    outer, suffix = _climb(ctx, access.node)
+                    cat, data = api_map.classify_cuda_member(suffix)
+                    uses.append(CudaUse(access.node, outer, suffix, cat, data))
+        bindings.append(CudaBinding(assign, expr, "", uses))
+    for b in bindings:
+        b.decision = _decide(b)
+    # `from torch.cuda import a, b` is rewritten as one statement: all names migrate or none
+    groups: dict[int, list[CudaBinding]] = {}
+    for b in bindings:
+        if isinstance(b.stmt, cst.ImportFrom):
+            groups.setdefault(id(b.stmt), []).append(b)
+    for group in groups.values():
+        if len({b.decision for b in group}) > 1:
+            for b in group:
+                b.decision = "blocked"
+    refs = CudaRefs(direct, bindings)
+    ctx.cache["cuda_refs"] = refs
+    return refs
+
+
+def _decide(b: CudaBinding) -> str:
+    cats = [u.category for u in b.uses]
+    if not b.uses:
+        cats = [api_map.classify_cuda_member(b.base)[0]] if b.base else ["module"]
+    if b.base.startswith("nvtx"):
+        if isinstance(b.stmt, cst.ImportFrom) and b.base != "nvtx":
+            return "blocked"  # `from torch.cuda.nvtx import mark`: mstx is a class, not a module
+        return "nvtx" if all(c == "nvtx" for c in cats) and b.uses else "blocked"
+    return "npu" if all(c in _OK or c == "module" for c in cats) else "blocked"
+
+
+def _import_bindings(ctx: PyContext, alias_uses: dict) -> list[CudaBinding]:
+    found: list[CudaBinding] = []
+
+    class V(cst.CSTVisitor):
+        def visit_Import(self, node: cst.Import) -> None:
+            for alias in node.names:
+                full = dotted(alias.name) or ""
+                if alias.asname is not None and (full == "torch.cuda" or full.startswith("torch.cuda.")):
+                    found.append(_binding(node, alias, full))
+
+        def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
+            if node.relative or node.module is None or isinstance(node.names, cst.ImportStar):
+                return
+            mod = dotted(node.module) or ""
+            for alias in node.names:
+                full = f"{mod}.{alias.name.value}" if isinstance(alias.name, cst.Name) else ""
+                if full == "torch.cuda" or full.startswith("torch.cuda."):
+                    found.append(_binding(node, alias, full))
+
+    def _binding(stmt, alias, full) -> CudaBinding:
+        base = full[len("torch.cuda."):] if full != "torch.cuda" else ""
+        local = (alias.asname.name.value if alias.asname else dotted(alias.name).split(".")[-1])  # type: ignore[union-attr]
+        uses = []
+        for node, outer, suffix in alias_uses.get(full, []):
+            if not isinstance(node, cst.Name) or node.value != local:
+                continue
+            path = _join(base, suffix)
+            cat, data = api_map.classify_cuda_member(path)
+            uses.append(CudaUse(node, outer, path, cat, data))
+        return CudaBinding(stmt, alias, base, uses)
+
+    ctx.module.visit(V())
+    return found
+
+
+def new_import_module(full: str) -> str:
+    """torch.cuda[.sub] -> the module to import instead (submodules live under torch_npu.npu)."""
+    rest = full[len("torch.cuda"):]
+    if not rest:
+        return "torch.npu"
+    return "torch_npu.npu" + rest
+
+
+def parse_expr(text: str) -> cst.BaseExpression:
+    return cst.parse_expression(text)
+
+
+# --- module-level helpers -----------------------------------------------------------------------
+
+
+def top_imports(module: cst.Module) -> list[tuple[int, cst.SimpleStatementLine, list[str]]]:
+    """Top-level import statements -> [(index in body, statement, imported module names)]."""
+    out = []
+    for i, stmt in enumerate(module.body):
+        if not isinstance(stmt, cst.SimpleStatementLine):
+            continue
+        mods = []
+        for small in stmt.body:
+            if isinstance(small, cst.Import):
+                mods += [dotted(a.name) or "" for a in small.names]
+            elif isinstance(small, cst.ImportFrom) and not small.relative and small.module is not None:
+                mods.append(dotted(small.module) or "")
+        if mods:
+            out.append((i, stmt, mods))
+    return out
+
+
+def imports_module(module: cst.Module, name: str) -> bool:
+    return any(m == name or m.startswith(name + ".") for _, _, mods in top_imports(module) for m in mods)
+
+
+def torch_bound(module: cst.Module) -> bool:
+    """`import torch` (unaliased) at module level: `torch.` expressions can be emitted."""
+    for _, stmt, _ in top_imports(module):
+        for small in stmt.body:
+            if isinstance(small, cst.Import) and any(
+                dotted(a.name) == "torch" and a.asname is None or (dotted(a.name) or "").startswith("torch.") and a.asname is None
+                for a in small.names
+            ):
+                return True
+    return False
+
+
+def insertion_line(original: cst.Module, index: int, ctx: "PyContext") -> int:
+    if index < len(original.body):
+        return ctx.lines(original.body[index])[0]
+    return ctx.lines(original.body[-1])[1] + 1 if original.body else 1
+
+
+def insert_statements(new: cst.Module, index: int, code: str) -> cst.Module:
+    stmts = list(cst.parse_module(code).body)
+    body = list(new.body)
+    return new.with_changes(body=body[:index] + stmts + body[index:])

@@ -1,0 +1,26 @@
+"""PY102: `.cuda()` on tensors and modules -> `.npu()` (REFERENCE 4 A; 1 aliases Tensor.cuda/Module.cuda)."""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from parabench.migrate.core import SAFE
+from parabench.migrate.rules._base import register
+from parabench.migrate.rules._py import PyRule
+
+
+@register
+class TensorCudaMethod(PyRule):
+    code = "PY102"
+    name = "cuda-method"
+    description = "x.cuda(...) -> x.npu(...) for tensors and modules (not for imported modules such as numba.cuda)"
+    safety = SAFE
+    source = "REFERENCE 4 A; 1"
+
+    def visit_Call(self, node: cst.Call) -> None:
+        func = node.func
+        if not isinstance(func, cst.Attribute) or func.attr.value != "cuda":
+            return
+        if isinstance(func.value, (cst.Name, cst.Attribute)) and self.ctx.is_import(func.value):
+            return  # torch.cuda / numba.cuda / cupy.cuda: a module, not a tensor
+        self.change(func, lambda n: n.with_changes(attr=cst.Name("npu")), ".cuda() -> .npu()", op="Tensor.cuda")

@@ -1,0 +1,37 @@
+"""PY103: 'cuda' device strings in device roles -> 'npu' (REFERENCE 4 A; 1 device-argument rewriting; patterns 1, 2, 12).
+
+Device roles: device=/device_type=/map_location= keywords, torch.device(...), .to(...), autocast /
+GradScaler / init_device_mesh first argument, parameters and variables named *device*, and
+comparisons whose other side is a device (`device.type == 'cuda'`, `'cuda' in device`): the test
+must move together with the value or NPU silently takes the CPU branch (pattern 1).
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from parabench.migrate.core import SAFE
+from parabench.migrate.rules._base import register
+from parabench.migrate.rules._py import DEVICE_RE, PyRule, fstring_device, fstring_to_npu, replace_in_simple_string, string_role, string_value
+
+ROLES = frozenset({"device", "compare-device"})
+
+
+@register
+class DeviceString(PyRule):
+    code = "PY103"
+    name = "device-string"
+    description = "'cuda' / 'cuda:N' / f'cuda:{i}' naming a device (device arguments, torch.device, .to, device variables and device comparisons) -> 'npu'"
+    safety = SAFE
+    source = "REFERENCE 4 A; 1; patterns 1, 2, 12"
+
+    def visit_SimpleString(self, node: cst.SimpleString) -> None:
+        value = string_value(node)
+        if value is None or not DEVICE_RE.match(value) or "cuda" not in node.value:
+            return
+        if string_role(self.ctx, node) in ROLES:
+            self.change(node, lambda n: replace_in_simple_string(n, "cuda", "npu"), f"device '{value}' -> '{value.replace('cuda', 'npu')}'", op=value)
+
+    def visit_FormattedString(self, node: cst.FormattedString) -> None:
+        if fstring_device(node) and string_role(self.ctx, node) in ROLES:
+            self.change(node, fstring_to_npu, "device f'cuda:{...}' -> f'npu:{...}'", op="f'cuda:{...}'")

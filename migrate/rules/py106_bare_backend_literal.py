@@ -1,0 +1,30 @@
+"""PY106: other 'nccl' literals naming a backend (argparse defaults, variables) and 'cuda:nccl,cpu:gloo' -> hccl, flagged (REFERENCE 4 S; pattern 2)."""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from parabench.migrate.core import REVIEW
+from parabench.migrate.rules._base import register
+from parabench.migrate.rules._py import BACKEND_COMPOUND_RE, PyRule, replace_in_simple_string, string_role, string_value
+
+ROLES = frozenset({"backend-other", "other", "arg"})
+
+
+@register
+class BareBackendLiteral(PyRule):
+    code = "PY106"
+    name = "bare-backend-literal"
+    description = "'nccl' literal outside init calls (argparse --dist-backend default, variables) and 'cuda:nccl,cpu:gloo' -> hccl, for review"
+    safety = REVIEW
+    source = "REFERENCE 4 S; pattern 2"
+
+    def visit_SimpleString(self, node: cst.SimpleString) -> None:
+        value = string_value(node)
+        if value is None:
+            return
+        role = string_role(self.ctx, node)
+        if value == "nccl" and "nccl" in node.value and role in ROLES:
+            self.change(node, lambda n: replace_in_simple_string(n, "nccl", "hccl"), f"'nccl' ({role}) -> 'hccl'", op="nccl")
+        elif BACKEND_COMPOUND_RE.match(value) and "cuda:nccl" in node.value and role in ROLES | {"backend"}:
+            self.change(node, lambda n: replace_in_simple_string(n, "cuda:nccl", "npu:hccl"), f"'{value}' -> '{value.replace('cuda:nccl', 'npu:hccl')}'", op=value)

@@ -1,0 +1,60 @@
+"""PY111: apex FusedLayerNorm / FusedRMSNorm -> torch.nn.LayerNorm / RMSNorm (REFERENCE 4 S)."""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from parabench.migrate import api_map
+from parabench.migrate.core import REVIEW
+from parabench.migrate.rules._base import register
+from parabench.migrate.rules._py import PyRule, dotted, parse_expr, torch_bound
+
+
+def rewrite_from_import(rule: PyRule, node: cst.ImportFrom, modules, mapping: dict[str, str], tip: str) -> None:
+    if node.relative or node.module is None or isinstance(node.names, cst.ImportStar):
+        return
+    mod = dotted(node.module)
+    if mod not in modules:
+        return
+    names = [a.name.value for a in node.names if isinstance(a.name, cst.Name)]
+    if not names or any(n not in mapping for n in names):
+        return  # partly unmappable: left whole, reported by PY907
+    targets = {mapping[n].rsplit(".", 1)[0] for n in names}
+    if len(targets) != 1:
+        return
+    new_mod = targets.pop()
+
+    def fn(stmt: cst.ImportFrom) -> cst.ImportFrom:
+        aliases = []
+        for a in stmt.names:
+            local = a.asname.name.value if a.asname else a.name.value
+            aliases.append(a.with_changes(name=cst.Name(mapping[a.name.value].rsplit(".", 1)[1]), asname=cst.AsName(name=cst.Name(local))))
+        return stmt.with_changes(module=parse_expr(new_mod), names=aliases)
+
+    rule.change(node, fn, f"from {mod} import {', '.join(names)} -> {', '.join(mapping[n] for n in names)}", op=mod, tip=tip)
+
+
+def rewrite_attribute(rule: PyRule, node: cst.Attribute, modules, mapping: dict[str, str], tip: str) -> None:
+    for q in rule.ctx.qnames(node):
+        mod, _, name = q.rpartition(".")
+        if mod in modules and name in mapping and torch_bound(rule.ctx.module):
+            new = parse_expr(mapping[name])
+            rule.change(node, lambda n, new=new: new, f"{q} -> {mapping[name]}", op=q, tip=tip)
+            return
+
+
+@register
+class ApexNorm(PyRule):
+    code = "PY111"
+    name = "apex-fused-norm"
+    description = "apex.normalization FusedLayerNorm/MixedFusedLayerNorm/FusedRMSNorm -> torch.nn.LayerNorm/RMSNorm (same constructor arguments)"
+    safety = REVIEW
+    source = "REFERENCE 4 S"
+    needs_torch_npu = False
+    tip = "apex-only kwargs (memory_efficient, sequence_parallel) must be removed; MindSpeed patches Megatron's norms itself"
+
+    def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
+        rewrite_from_import(self, node, api_map.APEX_NORM_MODULES, api_map.APEX_NORM, self.tip)
+
+    def visit_Attribute(self, node: cst.Attribute) -> None:
+        rewrite_attribute(self, node, api_map.APEX_NORM_MODULES, api_map.APEX_NORM, self.tip)

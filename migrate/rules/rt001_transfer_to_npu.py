@@ -1,0 +1,57 @@
+"""RT001: --mode runtime: entry scripts import torch_npu's transfer_to_npu shim instead of static rewrites (REFERENCE 1)."""
+
+from __future__ import annotations
+
+import sys
+
+import libcst as cst
+
+from parabench.migrate.core import SAFE, Finding
+from parabench.migrate.rules._base import register
+from parabench.migrate.rules._py import ModuleRule, PyContext, dotted, imports_module, insert_statements, top_imports
+from parabench.migrate.rules.ms001_megatron_adaptor import is_entry
+
+SHIM = "import torch_npu\nfrom torch_npu.contrib import transfer_to_npu  # noqa: F401 - maps torch.cuda/'cuda'/nccl to NPU at run time\n"
+
+
+@register
+class TransferToNpu(ModuleRule):
+    code = "RT001"
+    name = "transfer-to-npu"
+    description = "entry scripts (`if __name__ == '__main__'`) get `from torch_npu.contrib import transfer_to_npu` after their first torch import"
+    safety = SAFE
+    modes = frozenset({"runtime"})
+    source = "REFERENCE 1"
+
+    def post(self, original: cst.Module, new: cst.Module, ctx: PyContext) -> cst.Module:
+        if not is_entry(original) or imports_module(original, "torch_npu"):
+            return new
+        imports = top_imports(original)
+        at = None
+        for index, stmt, mods in imports:
+            if any(m == "torch" or m.startswith("torch.") for m in mods):
+                small = stmt.body[0]
+                plain = len(stmt.body) == 1 and isinstance(small, cst.Import) and all(dotted(a.name) == "torch" for a in small.names)
+                at = index + 1 if plain else index
+                break
+        if at is None:  # no torch import: before the first third-party import, else after the imports
+            for index, stmt, mods in imports:
+                root = mods[0].split(".")[0]
+                if root != "__future__" and root not in sys.stdlib_module_names:
+                    at = index
+                    break
+            else:
+                at = imports[-1][0] + 1 if imports else _after_docstring(original)
+        anchor = original.body[min(at, len(original.body) - 1)] if original.body else None
+        line = ctx.lines(anchor)[0] if anchor is not None else 1
+        ctx.findings.append(Finding(self.code, self.safety, line, line, "import transfer_to_npu at the entry point",
+                                    op="torch_npu.contrib.transfer_to_npu", after=SHIM.splitlines()[1]))
+        return insert_statements(new, at, SHIM)
+
+
+def _after_docstring(module: cst.Module) -> int:
+    i = 0
+    body = module.body
+    if body and isinstance(body[0], cst.SimpleStatementLine) and isinstance(body[0].body[0], cst.Expr) and isinstance(body[0].body[0].value, cst.SimpleString):
+        i = 1
+    return i
