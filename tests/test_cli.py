@@ -1,0 +1,122 @@
+import json
+import os
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+ENV = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
+
+
+def py(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**ENV, **env}, timeout=300)
+
+
+def test_help_is_fast_and_imports_no_framework():
+    out = py("import sys, time; t=time.perf_counter(); from parabench.cli import main; main(['--help']); "
+             "print('ELAPSED', time.perf_counter()-t); "
+             "print('HEAVY', [m for m in ('torch','deepspeed','mindspore','megatron','mlflow','hydra') if m in sys.modules])")
+    assert out.returncode == 0, out.stderr
+    assert "HEAVY []" in out.stdout
+    best = min(_timed([sys.executable, "-m", "parabench", "--help"]) for _ in range(3))
+    assert best < 0.5, best
+
+
+def _timed(cmd):
+    t = time.perf_counter()
+    subprocess.run(cmd, capture_output=True, check=True, env=ENV)
+    return time.perf_counter() - t
+
+
+def test_unknown_command_exits_2():
+    out = subprocess.run([sys.executable, "-m", "parabench", "frobnicate"], capture_output=True, text=True, env=ENV)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_cfg_job_prints_the_composed_config_without_running(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "parabench", "run", "+model=llama", "backend=fsdp", "--cfg", "job"],
+                         capture_output=True, text=True, env=ENV, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "name: fsdp" in out.stdout and "hidden_size: 256" in out.stdout
+    assert not (tmp_path / "results").exists()
+
+
+def test_env_lists_every_backend_and_device_with_reasons():
+    out = subprocess.run([sys.executable, "-m", "parabench", "env", "--json"], capture_output=True, text=True, env=ENV)
+    assert out.returncode == 0, out.stderr
+    rep = json.loads(out.stdout)
+    from parabench.adapters.registry import names
+
+    assert set(rep["backends"]) == set(names())
+    assert rep["backends"]["ddp"]["available"] and rep["devices"]["cpu"]["available"]
+    for kind in ("cuda", "npu"):
+        assert rep["devices"][kind]["detail"]  # a reason, available or not
+    assert rep["versions"]["torch"].startswith("2.13")
+    text = subprocess.run([sys.executable, "-m", "parabench", "env"], capture_output=True, text=True, env=ENV).stdout
+    assert "backends" in text and "ddp" in text and "devices" in text
+
+
+def _fake_torch_npu(root: Path) -> None:
+    """A torch_npu that is installed but cannot load CANN, as pip leaves it on a machine without CANN."""
+    pkg = root / "torch_npu"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise ImportError('libhccl.so: cannot open shared object file: No such file or directory')\n")
+    info = root / "torch_npu-2.13.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch-npu\nVersion: 2.13.0\n")
+
+
+def test_npu_absent_and_installed_without_cann_are_told_apart(tmp_path):
+    code = "from parabench.devices import NPUDevice; print(NPUDevice.presence().reason)"
+    absent = py(code)
+    assert "torch_npu is not installed" in absent.stdout, absent.stderr
+    _fake_torch_npu(tmp_path / "site")
+    no_cann = py(code, PYTHONPATH=str(tmp_path / "site"), ASCEND_HOME_PATH=str(tmp_path / "none"), LD_LIBRARY_PATH="")
+    assert "torch_npu 2.13.0 is installed but the CANN runtime (libhccl.so) is not found" in no_cann.stdout, no_cann.stderr
+    assert "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in no_cann.stdout
+
+
+def test_backend_configs_and_registry_agree():
+    from parabench.adapters.registry import get_adapter, names
+    from parabench.confutil import available_options
+
+    shipped = {n for n in available_options("backend")}
+    assert set(names()) <= shipped
+    import yaml
+
+    for name in shipped:
+        node = yaml.safe_load((REPO / "conf" / "backend" / f"{name}.yaml").read_text())
+        adapter = get_adapter(node.pop("name"))
+        from parabench.spec import build
+
+        build(adapter.Options, node, "backend")  # every shipped key is a typed option
+
+
+def test_every_shipped_model_composes_into_a_spec():
+    from parabench.confutil import available_options, compose, to_plain
+    from parabench.spec import from_config
+
+    for model in available_options("model"):
+        job = from_config(to_plain(compose([f"+model={model}"])))
+        assert job.model.name == model and job.model.num_params() > 0
+    big = from_config(to_plain(compose(["+model=llama2-7b"]))).model.num_params()
+    assert 6.6e9 < big < 6.8e9  # Llama-2-7B has 6.74B parameters
+
+
+@pytest.mark.slow
+def test_wheel_ships_the_config_tree(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    wheel = next(tmp_path.glob("parabench-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    for must in ("parabench/cli.py", "parabench/adapters/registry.py", "parabench/migrate/__init__.py",
+                 "parabench/conf/config.yaml", "parabench/conf/model/llama.yaml", "parabench/conf/backend/fsdp.yaml"):
+        assert must in names, must
+    entry = [n for n in names if n.endswith("entry_points.txt")]
+    assert entry and "bench = parabench.cli:main" in zipfile.ZipFile(wheel).read(entry[0]).decode()
