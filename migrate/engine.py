@@ -130,6 +130,7 @@ def migrate_text(kind: str, text: str, rel: str, options: Options) -> tuple[str,
         new, findings, _full, reason = migrate_python(text, rel, options)
         return new, findings, reason
     from parabench.migrate.rules._base import TextDoc, rules_for
+    from parabench.migrate.rules._text import TextParseError
 
     rules = rules_for(kind, options)
     if not rules:
@@ -138,14 +139,10 @@ def migrate_text(kind: str, text: str, rel: str, options: Options) -> tuple[str,
     for rule in rules:
         try:
             rule().apply(doc)
-        except _ParseError as exc:
+        except TextParseError as exc:
             return text, [], f"unparseable: {exc}"
     findings = sorted(doc.findings, key=lambda f: (f.line, f.rule, f.end_line, f.message))
     return doc.result(), findings, ""
-
-
-class _ParseError(Exception):
-    pass
 
 
 def process(task: Task, options: Options) -> FileResult:

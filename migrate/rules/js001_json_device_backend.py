@@ -1,0 +1,33 @@
+"""JS001: "cuda" / "nccl" values in JSON configs (DeepSpeed, launch configs) -> "npu" / "hccl" (REFERENCE 4 S; pattern 9)."""
+
+from __future__ import annotations
+
+from parabench.migrate.core import REVIEW
+from parabench.migrate.rules._base import TextDoc, TextRule, register
+from parabench.migrate.rules._py import BACKEND_COMPOUND_RE, DEVICE_RE
+from parabench.migrate.rules._text import json_strings
+
+
+@register
+class JsonDeviceBackend(TextRule):
+    code = "JS001"
+    name = "json-device-backend"
+    description = 'JSON string values "cuda[:N]" -> "npu[:N]", "nccl" -> "hccl", "cuda:nccl,cpu:gloo" -> "npu:hccl,cpu:gloo" (keys untouched)'
+    safety = REVIEW
+    kind = "json"
+    source = "REFERENCE 4 S; pattern 9"
+
+    def apply(self, doc: TextDoc) -> None:
+        for start, end, value, is_key, path in json_strings(doc):
+            if is_key:
+                continue
+            raw = doc.text[start:end]
+            key = path[-1] if path else ""
+            if str(key).lower() == "accelerator":
+                continue  # allow-lists (pattern 13): JS002 reports it
+            for old, new, ok in (("cuda", "npu", DEVICE_RE.match(value)), ("nccl", "hccl", value == "nccl"),
+                                 ("cuda:nccl", "npu:hccl", BACKEND_COMPOUND_RE.match(value))):
+                if ok and old in raw:
+                    pos = start + raw.index(old)
+                    doc.change(type(self), pos, pos + len(old), new, f'"{key}": "{value}" -> "{value.replace(old, new)}"', op=str(key))
+                    break

@@ -1,0 +1,42 @@
+"""SH003: NCCL tuning variables without HCCL equivalent are dropped with a warning (REFERENCE 4 M: NCCL_IB_*, NCCL_ALGO, NCCL_PROTO)."""
+
+from __future__ import annotations
+
+import re
+
+from parabench.migrate import api_map
+from parabench.migrate.core import REVIEW
+from parabench.migrate.rules._base import TextDoc, TextRule, register
+from parabench.migrate.rules._text import shell_code_lines
+
+ASSIGN = re.compile(r"(?<![A-Za-z0-9_$])((?:TORCH_)?NCCL_[A-Z0-9_]+)=(\"[^\"]*\"|'[^']*'|\S*)\s*")
+MARK = "# [bench migrate] dropped, no HCCL equivalent:"
+
+
+@register
+class ShellNcclEnvDrop(TextRule):
+    code = "SH003"
+    name = "shell-nccl-env-drop"
+    description = "NCCL_IB_*, NCCL_ALGO, NCCL_PROTO, NCCL_DEBUG ... assignments removed (whole `export` lines become a warning comment)"
+    safety = REVIEW
+    kind = "shell"
+    source = "REFERENCE 4 M (drop with warning)"
+
+    def apply(self, doc: TextDoc) -> None:
+        rule = type(self)
+        for lineno, offset, code in shell_code_lines(doc):
+            matches = [m for m in ASSIGN.finditer(code) if api_map.is_droppable_env(m.group(1))]
+            if not matches:
+                continue
+            stripped = code.strip()
+            rest = ASSIGN.sub(lambda m: "" if api_map.is_droppable_env(m.group(1)) else m.group(0), stripped).strip()
+            names = ", ".join(m.group(1) for m in matches)
+            tip = "; ".join(sorted({api_map.env_drop_tip(m.group(1)) for m in matches}))
+            if rest in ("", "export"):
+                indent = code[: len(code) - len(code.lstrip())]
+                start = offset + len(indent)
+                end = offset + len(code.rstrip())
+                doc.change(rule, start, end, f"{MARK} {stripped}", f"dropped {names}", op=names, tip=tip)
+            else:
+                for m in matches:
+                    doc.change(rule, offset + m.start(), offset + m.end(), "", f"dropped {m.group(1)} from the command", op=m.group(1), tip=tip)

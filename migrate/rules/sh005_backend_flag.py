@@ -1,0 +1,28 @@
+"""SH005: `--distributed-backend nccl` and friends -> hccl (REFERENCE 3 launch lines; 4 A)."""
+
+from __future__ import annotations
+
+import re
+
+from parabench.migrate import api_map
+from parabench.migrate.core import SAFE
+from parabench.migrate.rules._base import TextDoc, TextRule, register
+from parabench.migrate.rules._text import shell_code_lines
+
+PAT = re.compile(r"(?<![\w-])(" + "|".join(re.escape(f) for f in api_map.BACKEND_FLAGS) + r")(\s+|=)([\"']?)nccl\3(?![\w-])")
+
+
+@register
+class ShellBackendFlag(TextRule):
+    code = "SH005"
+    name = "shell-backend-flag"
+    description = "--distributed-backend/--dist-backend/--backend nccl on command lines -> hccl"
+    safety = SAFE
+    kind = "shell"
+    source = "REFERENCE 3; 4 A"
+
+    def apply(self, doc: TextDoc) -> None:
+        for lineno, offset, code in shell_code_lines(doc):
+            for m in PAT.finditer(code):
+                start = offset + m.end() - len(m.group(3)) - len("nccl")
+                doc.change(type(self), start, start + 4, "hccl", f"{m.group(1)} nccl -> hccl", op=m.group(1))

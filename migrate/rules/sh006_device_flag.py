@@ -1,0 +1,28 @@
+"""SH006: `--device cuda` on command lines -> npu (REFERENCE 4 S: bare device literals)."""
+
+from __future__ import annotations
+
+import re
+
+from parabench.migrate import api_map
+from parabench.migrate.core import REVIEW
+from parabench.migrate.rules._base import TextDoc, TextRule, register
+from parabench.migrate.rules._text import shell_code_lines
+
+PAT = re.compile(r"(?<![\w-])(" + "|".join(re.escape(f) for f in api_map.DEVICE_FLAGS) + r")(\s+|=)([\"']?)cuda(:\d+)?\3(?![\w-])")
+
+
+@register
+class ShellDeviceFlag(TextRule):
+    code = "SH006"
+    name = "shell-device-flag"
+    description = "--device cuda[:N] arguments in launch scripts -> npu[:N]"
+    safety = REVIEW
+    kind = "shell"
+    source = "REFERENCE 4 S"
+
+    def apply(self, doc: TextDoc) -> None:
+        for lineno, offset, code in shell_code_lines(doc):
+            for m in PAT.finditer(code):
+                start = offset + m.start() + len(m.group(1)) + len(m.group(2)) + len(m.group(3))
+                doc.change(type(self), start, start + 4, "npu", f"{m.group(1)} cuda -> npu", op=m.group(1))
