@@ -33,7 +33,9 @@ What one redirection ``source -> target`` patches (``S`` = ``torch.<source>``):
 * A ``torch.overrides.TorchFunctionMode`` rewrites device arguments of every torch function
   and Tensor method: ``device=`` keywords (``"cuda"``, ``"cuda:1"``, ``torch.device``, bare
   ints), the positional device of ``Tensor.to``; on the cpu target ``pin_memory=True`` becomes
-  False and ``Tensor.pin_memory()`` returns the tensor.
+  False and ``Tensor.pin_memory()`` returns the tensor. ``nn.Module.to`` and
+  ``torch.utils._device.DeviceContext`` (``torch.set_default_device``, ``with torch.device(..)``)
+  map their device argument in Python.
 * ``torch.amp.autocast`` (so also ``torch.autocast`` and ``torch.<source>.amp.autocast``):
   ``device_type=source`` -> target; on cpu float16 becomes bfloat16 (CPU autocast supports
   bf16; fp16 without a loss scaler underflows).
@@ -587,6 +589,7 @@ class Redirection:
         self._nested: list[Redirection] = []
         self._loaded: set[str] = set()
         self._removed = False
+        self._thread = threading.get_ident()
 
     @property
     def patched(self) -> tuple[str, ...]:
@@ -730,6 +733,13 @@ class Redirection:
 
         p.set(ac_cls, "__init__", autocast_init, "torch.amp.autocast.__init__")
         p.set(gs_cls, "__init__", scaler_init, "torch.amp.GradScaler.__init__")
+
+        # torch.set_default_device / `with torch.device(...)` build a DeviceContext mode, which torch
+        # keeps at the *bottom* of the mode stack, below ours: map its device when it is built.
+        from torch.utils._device import DeviceContext
+
+        dc_init = DeviceContext.__init__
+        p.set(DeviceContext, "__init__", lambda dc, device: dc_init(dc, mapper.map(device)), "DeviceContext.__init__")
 
         # 4. torch.distributed and DDP.
         self._patch_distributed(torch, mapper)

@@ -36,7 +36,7 @@ def _snapshot() -> dict:
         "torch.cuda.memory": torch.cuda.memory, "torch.cuda.nvtx": torch.cuda.nvtx, "Tensor": torch.Tensor,
         "Module": nn.Module, "autocast": torch.amp.autocast_mode.autocast,
         "GradScaler": torch.amp.grad_scaler.GradScaler, "DDP": DDP, "dist": dist, "c10d": c10d,
-        "serialization": torch.serialization,
+        "serialization": torch.serialization, "DeviceContext": torch.utils._device.DeviceContext,
     }  # fmt: skip
     snap = {k: {n: id(v) for n, v in vars(o).items()} for k, o in owners.items()}
     snap["sys.modules"] = {n: id(m) for n, m in sys.modules.items()}
@@ -104,6 +104,11 @@ def test_factory_functions(dev):
         ]  # fmt: skip
         with torch.device("cuda"):
             made.append(torch.empty(1))
+        torch.set_default_device(dev)
+        try:
+            made.append(torch.empty(1))
+        finally:
+            torch.set_default_device(None)
         assert {t.device.type for t in made} == {"cpu"}
 
 
@@ -346,6 +351,19 @@ def test_foreign_mode_blocks_removal():
         mode.__exit__(None, None, None)
         h.remove()
     assert not _get_current_function_mode_stack()
+
+
+def test_remove_from_another_thread_is_refused():
+    import threading
+
+    h = install()
+    errors = []
+    t = threading.Thread(target=lambda: errors.append(pytest.raises(RedirectError, h.remove)))
+    t.start()
+    t.join()
+    assert errors and h.active
+    h.remove()
+    assert not h.active
 
 
 def test_not_applied_at_import():
