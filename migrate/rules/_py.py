@@ -46,6 +46,7 @@ BACKEND_CALLS = frozenset(
      "torch.distributed.distributed_c10d.init_process_group", "torch.distributed.new_subgroups"}
 )
 LOG_METHODS = frozenset({"debug", "info", "warning", "warn", "error", "exception", "critical", "log", "write", "format"})
+KEY_METHODS = frozenset({"get", "pop", "setdefault", "__getitem__", "__contains__"})
 ATTR_CALLS = frozenset({"builtins.getattr", "builtins.hasattr", "builtins.setattr", "builtins.delattr"})
 IMPORT_CALLS = frozenset({"importlib.import_module", "builtins.__import__", "importlib.util.find_spec"})
 
@@ -273,6 +274,8 @@ def _string_role(ctx: PyContext, node: cst.CSTNode) -> str:
             return "device"
         if index == 0 and qn & BACKEND_CALLS:
             return "backend"
+        if index == 0 and isinstance(call.func, cst.Attribute) and call.func.attr.value in KEY_METHODS:
+            return "key"  # mapping.get("cuda"): a lookup key (pattern 4)
         if qn & ATTR_CALLS and index == 1:
             return "attrname"
         if qn & IMPORT_CALLS:

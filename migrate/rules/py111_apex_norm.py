@@ -28,7 +28,9 @@ def rewrite_from_import(rule: PyRule, node: cst.ImportFrom, modules, mapping: di
         aliases = []
         for a in stmt.names:
             local = a.asname.name.value if a.asname else a.name.value
-            aliases.append(a.with_changes(name=cst.Name(mapping[a.name.value].rsplit(".", 1)[1]), asname=cst.AsName(name=cst.Name(local))))
+            new_name = mapping[a.name.value].rsplit(".", 1)[1]
+            asname = None if local == new_name else cst.AsName(name=cst.Name(local))
+            aliases.append(a.with_changes(name=cst.Name(new_name), asname=asname))
         return stmt.with_changes(module=parse_expr(new_mod), names=aliases)
 
     rule.change(node, fn, f"from {mod} import {', '.join(names)} -> {', '.join(mapping[n] for n in names)}", op=mod, tip=tip)

@@ -23,6 +23,6 @@ class TorchCompile(PyRule):
                         tip="run eager, or compile with torchair's NPU backend (backend=torchair.get_npu_backend())")
 
     def visit_Name(self, node: cst.Name) -> None:
-        if node.value == "compile" and "torch.compile" in self.ctx.qnames(node) and not isinstance(self.ctx.parent(node), cst.ImportAlias):
+        if "torch.compile" in self.ctx.qnames(node) and not isinstance(self.ctx.parent(node), cst.ImportAlias):
             self.manual(node, "torch.compile", op="torch.compile",
                         tip="run eager, or compile with torchair's NPU backend (backend=torchair.get_npu_backend())")

@@ -19,13 +19,20 @@ class YamlDeviceBackend(TextRule):
 
     def apply(self, doc: TextDoc) -> None:
         for k, v, _ in yaml_pairs(doc):
-            key, value = yaml_scalar(k), yaml_scalar(v)
-            if value is None or str(key).lower() == "accelerator":
+            key = yaml_scalar(k)
+            if str(key).lower() == "accelerator":
                 continue
-            for old, new, ok in (("cuda", "npu", DEVICE_RE.match(value)), ("nccl", "hccl", value == "nccl"),
-                                 ("cuda:nccl", "npu:hccl", BACKEND_COMPOUND_RE.match(value))):
-                if ok:
-                    edit = yaml_replace(doc, v, old, new)
-                    if edit:
-                        doc.change(type(self), *edit, f"{key}: {value} -> {value.replace(old, new)}", op=str(key))
-                    break
+            for item in getattr(v, "value", []) if yaml_scalar(v) is None else [v]:
+                self._value(doc, key, item)
+
+    def _value(self, doc: TextDoc, key, v) -> None:
+        value = yaml_scalar(v)
+        if value is None:
+            return
+        for old, new, ok in (("cuda", "npu", DEVICE_RE.match(value)), ("nccl", "hccl", value == "nccl"),
+                             ("cuda:nccl", "npu:hccl", BACKEND_COMPOUND_RE.match(value))):
+            if ok:
+                edit = yaml_replace(doc, v, old, new)
+                if edit:
+                    doc.change(type(self), *edit, f"{key}: {value} -> {value.replace(old, new)}", op=str(key))
+                break
