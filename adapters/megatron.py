@@ -1,0 +1,589 @@
+"""Megatron-Core: tensor, sequence, pipeline (1F1B and interleaved), data parallelism and the
+distributed optimizer on the canonical Llama, expressed as a megatron-core ``GPTModel``.
+
+The model: RMSNorm, SwiGLU (``gated_linear_unit`` + SiLU), RoPE (non-interleaved, i.e. HF's
+half-rotation layout), GQA through ``num_query_groups``, no biases, untied embeddings; the local
+(pure megatron-core) layer spec on CPU/NPU, Transformer Engine's on CUDA when it is installed
+(``backend.transformer_impl``). The canonical weights are mapped into Megatron's layout by
+``megatron_mapping`` (fused QKV per query group, fused gate/up, vocab-parallel embedding and output
+layer, TP/PP shards) before Megatron's DDP copies them into its buffers, so the starting point is
+the other backends' bit for bit (fp32).
+
+Optimizer: Megatron's own ``get_megatron_optimizer(OptimizerConfig(optimizer='adam'))``. Without
+Transformer Engine or Apex (CPU) megatron-core falls back to ``torch.optim.AdamW`` (decoupled weight
+decay), the class every other backend uses; with them it uses their FusedAdam in AdamW mode. Its
+gradient clipping is global-norm with ``max_norm / (norm + 1e-6)`` as in torch. Megatron puts
+weight decay multipliers (0 for 1-D parameters: the norms) into its param groups and leaves applying
+them to its LR scheduler; we use no scheduler (constant LR), so the engine applies ``wd_mult``
+itself once after building the optimizer.
+
+Loss: GPTModel's per-token vocab-parallel cross entropy (fp32), averaged over the tokens of each
+micro-batch; the pipeline schedule divides by the number of micro-batches (legacy averaging), which
+is ``causal_lm_loss`` averaged over micro-batches as in the other backends.
+
+CPU/NPU execution goes through ``parabench.migrate.runtime.install("cuda", target)`` inside the
+worker only (CUDA APIs, ``device="cuda"`` literals, CUDA RNG -> host/NPU); see docs/megatron.md.
+
+Model states per rank (Megatron-LM docs, distributed optimizer section; Rajbhandari et al. 2019,
+arXiv 1910.02054): bytes per parameter held by the rank (its TP/PP shard) with DP data-parallel
+ranks are, without / with the distributed optimizer,
+  fp32: 4 param + 4 grad + 8 Adam moments = 16      /  4 + 4 + 8/DP
+  bf16: 2 param + 4 fp32 grad + 4 fp32 main param + 8 moments = 18  /  6 + 12/DP
+(with fp32 params the "main" params are views of the model params, nothing extra). Megatron pads
+its flat buffers, so the measurement is a little above the formula.
+
+Pipeline bubble: predicted (p-1)/m for 1F1B and (p-1)/(v*m) interleaved (Narayanan et al. 2021,
+arXiv 2104.04473, sections 2.2.1-2.2.2). Measured per rank as 1 - (time in forward_step +
+backward_step) / (wall time of the schedule); p2p waits count as bubble. TP communication: every
+collective on the tensor-parallel group is counted during the step (calls and bytes); decoder
+layers alone predict 2 all-reduces forward + 2 backward per layer and micro-batch (ibid., section
+2.3), the vocab-parallel embedding and cross entropy add a few more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import time
+from dataclasses import dataclass
+from typing import Any, Literal, Sequence
+
+from parabench.adapters.base import (
+    Adapter,
+    Availability,
+    Capabilities,
+    Engine,
+    ModelStateBytes,
+    StateFormula,
+    WorkerContext,
+)
+from parabench.errors import SpecError
+from parabench.spec import JobSpec, ModelSpec, ParallelDims
+
+# megatron-core releases this adapter was written against and tested with. Its private pieces
+# (schedule internals, optimizer groups, buffer layout) change between releases: refuse others.
+SUPPORTED_VERSIONS = ("0.16.1",)
+INSTALL_HINT = "pip install 'parabench[megatron]'"
+
+
+@dataclass(frozen=True)
+class MegatronOptions:
+    tp: int = 1  # tensor-parallel size
+    pp: int = 1  # pipeline-parallel size (stages)
+    vpp: int = 1  # virtual stages (model chunks) per pipeline rank; > 1 = interleaved 1F1B
+    cp: int = 1  # context-parallel size (needs Transformer Engine attention: CUDA only)
+    sequence_parallel: bool = False  # shard norms/dropout activations along the sequence (needs tp > 1)
+    distributed_optimizer: bool = False  # shard fp32 main params + Adam states over data-parallel ranks
+    overlap_grad_reduce: bool = False  # overlap the DP grad all-reduce/reduce-scatter with backward
+    overlap_param_gather: bool = False  # overlap the param all-gather with forward (distributed optimizer)
+    num_microbatches: int = 0  # 0: global_batch_size / (micro_batch_size x dp); else must equal it
+    bucket_size: int = 0  # DDP bucket size in elements; 0 = megatron-core's default
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"  # auto: TE on CUDA if installed
+
+
+def _installed_version() -> str | None:
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _layout(job: JobSpec, te_names: bool = False):
+    from parabench.adapters.megatron_mapping import Layout
+
+    o = job.backend.options
+    return Layout(tp=o.tp, pp=o.pp, vpp=o.vpp, te_names=te_names)
+
+
+def _shard_numel(model: ModelSpec, tp: int, first: bool, last: bool, layers: int) -> int:
+    """Parameters one tensor rank of one model chunk holds (norms replicated over TP)."""
+    h, d = model.hidden_size, model.head_dim
+    qkv = (model.num_attention_heads + 2 * model.num_key_value_heads) * d
+    per_layer = 2 * h + qkv * h // tp + h * model.num_attention_heads * d // tp + 3 * model.intermediate_size * h // tp
+    n = layers * per_layer
+    if first:
+        n += model.vocab_size * h // tp
+    if last:
+        n += h + (0 if model.tie_word_embeddings else model.vocab_size * h // tp)
+    return n
+
+
+def rank_param_counts(job: JobSpec) -> dict[tuple[int, int], int]:
+    """(pipeline stage, tensor rank) -> parameters held, summed over the stage's virtual chunks."""
+    o, m = job.backend.options, job.model
+    per_chunk = m.num_hidden_layers // (o.pp * o.vpp)
+    out = {}
+    for s in range(o.pp):
+        for r in range(o.tp):
+            out[(s, r)] = sum(_shard_numel(m, o.tp, s == 0 and c == 0, s == o.pp - 1 and c == o.vpp - 1, per_chunk)
+                              for c in range(o.vpp))
+    return out
+
+
+class MegatronAdapter(Adapter):
+    name = "megatron"
+    description = "Megatron-Core GPTModel: tensor/sequence/pipeline/data parallel, distributed optimizer"
+    capabilities = Capabilities(devices=frozenset({"cpu", "cuda", "npu"}), precisions=frozenset({"fp32", "bf16"}),
+                                shards_model_states=True)
+    Options = MegatronOptions
+
+    @classmethod
+    def availability(cls) -> Availability:
+        version = _installed_version()
+        if version is None:
+            return Availability(False, f"megatron-core not installed ({INSTALL_HINT})")
+        versions = {"megatron-core": version, "torch": importlib.metadata.version("torch")}
+        if version not in SUPPORTED_VERSIONS:
+            return Availability(False, f"megatron-core {version} is not supported (supported: {', '.join(SUPPORTED_VERSIONS)}; "
+                                       f"{INSTALL_HINT})", versions)
+        return Availability(True, f"megatron-core {version}", versions)
+
+    @classmethod
+    def parallel_dims(cls, options: MegatronOptions, world_size: int, model: ModelSpec) -> ParallelDims:
+        for key in ("tp", "pp", "vpp", "cp"):
+            if getattr(options, key) < 1:
+                raise SpecError(f"backend.{key}", f"must be >= 1, got {getattr(options, key)}")
+        mp = options.tp * options.pp * options.cp
+        if world_size % mp:
+            raise SpecError("backend.tp", f"world size {world_size} is not divisible by tp x pp x cp = "
+                                          f"{options.tp} x {options.pp} x {options.cp} = {mp}")
+        dp = world_size // mp
+        return ParallelDims(world_size=world_size, dp=dp, tp=options.tp, pp=options.pp, cp=options.cp,
+                            dp_shard=dp if options.distributed_optimizer else 1)
+
+    @classmethod
+    def validate(cls, job: JobSpec) -> None:
+        o, m = job.backend.options, job.model
+        if m.num_attention_heads % o.tp:
+            raise SpecError("backend.tp", f"model.num_attention_heads={m.num_attention_heads} is not divisible by tp={o.tp}")
+        qkv_rows = (m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim
+        if qkv_rows % o.tp or (o.tp % m.num_key_value_heads and m.num_key_value_heads % o.tp):
+            raise SpecError("backend.tp", f"{m.num_key_value_heads} key/value heads cannot be split over tp={o.tp} "
+                                          "(one must divide the other)")
+        for key, value in (("intermediate_size", m.intermediate_size), ("vocab_size", m.vocab_size)):
+            if value % o.tp:
+                raise SpecError("backend.tp", f"model.{key}={value} is not divisible by tp={o.tp}")
+        if o.vpp > 1 and o.pp == 1:
+            raise SpecError("backend.vpp", f"interleaving (vpp={o.vpp}) needs pipeline parallelism (pp >= 2)")
+        if m.num_hidden_layers % (o.pp * o.vpp):
+            key = "backend.vpp" if o.vpp > 1 else "backend.pp"
+            raise SpecError(key, f"model.num_hidden_layers={m.num_hidden_layers} is not divisible by pp x vpp = "
+                                 f"{o.pp} x {o.vpp} (every virtual stage needs the same number of layers)")
+        if o.sequence_parallel and o.tp == 1:
+            raise SpecError("backend.sequence_parallel", "sequence parallelism shards along the tensor-parallel group: needs tp > 1")
+        if o.sequence_parallel and job.data.seq_len % o.tp:
+            raise SpecError("backend.sequence_parallel", f"data.seq_len={job.data.seq_len} is not divisible by tp={o.tp}")
+        if o.cp > 1:
+            if job.device.type != "cuda":
+                raise SpecError("backend.cp", f"context parallelism needs Transformer Engine attention (CUDA); megatron-core's "
+                                              f"local attention asserts context_parallel_size == 1 (device={job.device.type})")
+            if o.transformer_impl == "local":
+                raise SpecError("backend.cp", "context parallelism needs transformer_impl=transformer_engine or auto")
+            if job.data.seq_len % (2 * o.cp):
+                raise SpecError("backend.cp", f"data.seq_len={job.data.seq_len} is not divisible by 2 x cp = {2 * o.cp}")
+        if o.transformer_impl == "transformer_engine" and job.device.type != "cuda":
+            raise SpecError("backend.transformer_impl", f"Transformer Engine runs on CUDA only (device={job.device.type})")
+        if o.overlap_param_gather and not o.distributed_optimizer:
+            raise SpecError("backend.overlap_param_gather", "overlapping the param all-gather needs backend.distributed_optimizer=true")
+        if m.tie_word_embeddings and o.pp > 1:
+            raise SpecError("model.tie_word_embeddings", "tied embeddings across pipeline stages are not mapped; use pp=1 or untied")
+        if o.bucket_size < 0:
+            raise SpecError("backend.bucket_size", f"must be >= 0 (0 = default), got {o.bucket_size}")
+        m_batches = job.grad_accum
+        if o.num_microbatches and o.num_microbatches != m_batches:
+            need = o.num_microbatches * job.data.micro_batch_size * job.parallel.dp
+            raise SpecError("backend.num_microbatches", f"{o.num_microbatches} micro-batches per step need data.global_batch_size="
+                                                        f"{need} (= num_microbatches x micro_batch_size x dp = {o.num_microbatches} x "
+                                                        f"{job.data.micro_batch_size} x {job.parallel.dp}); it gives {m_batches}")
+        if o.vpp > 1 and m_batches % o.pp:
+            raise SpecError("backend.vpp", f"the interleaved schedule needs micro-batches per step ({m_batches}) to be a multiple "
+                                           f"of pp={o.pp}: raise data.global_batch_size")
+
+    @classmethod
+    def launch_env(cls, job: JobSpec) -> dict[str, str]:
+        # Megatron asserts this on CUDA for TP/SP communication ordering (REFERENCE.md section 4, "N").
+        return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+    @classmethod
+    def expected_model_state(cls, job: JobSpec) -> StateFormula:
+        o, dp = job.backend.options, job.parallel.dp
+        psi = max(rank_param_counts(job).values())  # the largest TP/PP shard (first/last stage hold the vocab)
+        if job.run.precision == "bf16":
+            per, text = (6 + 12 / dp, f"(6 + 12/{dp})") if o.distributed_optimizer else (18.0, "(2 + 4 + 4 + 8)")
+        else:
+            per, text = (8 + 8 / dp, f"(4 + 4 + 8/{dp})") if o.distributed_optimizer else (16.0, "(4 + 4 + 8)")
+        what = "distributed optimizer" if o.distributed_optimizer else "replicated optimizer"
+        return StateFormula(per * psi, f"{text} * Psi_rank, Psi_rank = {psi} (largest TP/PP shard), {job.run.precision}, {what} (+ buffer padding)",
+                            "Megatron-LM distributed optimizer docs (6 + 12/d bytes/param for bf16); Rajbhandari et al. 2019 (arXiv 1910.02054)")
+
+    @classmethod
+    def create_engine(cls, ctx: WorkerContext) -> Engine:
+        version = _installed_version()
+        if version not in SUPPORTED_VERSIONS:
+            raise RuntimeError(f"megatron-core {version} is not supported (supported: {', '.join(SUPPORTED_VERSIONS)})")
+        return MegatronEngine(ctx)
+
+
+# ------------------------------------------------------------------------------------------------
+# Worker side. Everything below imports megatron-core only when an engine is created.
+# ------------------------------------------------------------------------------------------------
+class _Counters:
+    """Scoped, reversible instrumentation: TP collectives and schedule compute time."""
+
+    def __init__(self, tp_group: Any):
+        self.tp_group = tp_group
+        self.tp_calls = 0
+        self.tp_bytes = 0
+        self.compute_s = 0.0
+        self._undo: list = []
+
+    def patch(self, obj: Any, name: str, make) -> None:
+        old = getattr(obj, name)
+        setattr(obj, name, make(old))
+        self._undo.append(lambda: setattr(obj, name, old))
+
+    def collective(self, fn):
+        def counted(tensor, *args, **kwargs):
+            group = kwargs.get("group")
+            if group is None:
+                group = next((a for a in args if a is not None and hasattr(a, "size") and not hasattr(a, "dtype")), None)
+            if group is self.tp_group:
+                self.tp_calls += 1
+                t = tensor[0] if isinstance(tensor, (list, tuple)) else tensor
+                self.tp_bytes += t.numel() * t.element_size() * (len(tensor) if isinstance(tensor, (list, tuple)) else 1)
+            return fn(tensor, *args, **kwargs)
+
+        return counted
+
+    def timed(self, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.compute_s += time.perf_counter() - t0
+
+        return wrapper
+
+    def restore(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+
+class MegatronEngine(Engine):
+    def __init__(self, ctx: WorkerContext):
+        import torch
+
+        self.ctx = ctx
+        job = ctx.job
+        self.opts: MegatronOptions = job.backend.options
+        self.device_type = job.device.type
+        self._redirection = None
+        if self.device_type in ("cpu", "npu"):
+            from parabench.migrate.runtime import install
+
+            # CUDA -> host (or NPU): torch.cuda.*, device="cuda" literals, CUDA RNG, .cuda(), nccl.
+            self._redirection = install("cuda", self.device_type)
+        try:
+            self._build(torch)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- construction ----------------------------------------------------------------------------
+    def _build(self, torch) -> None:
+        import torch.nn.functional as F
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.models.gpt.gpt_model import GPTModel
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        from parabench.adapters.megatron_mapping import canonical_names, to_megatron
+        from parabench.model import canonical_weights
+
+        ctx, job, o, spec = self.ctx, self.ctx.job, self.opts, self.ctx.job.model
+        torch.cuda.set_device(ctx.local_rank)
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=o.tp, pipeline_model_parallel_size=o.pp,
+            virtual_pipeline_model_parallel_size=o.vpp if o.vpp > 1 else None, context_parallel_size=o.cp,
+        )
+        self.ps = ps
+        model_parallel_cuda_manual_seed(job.run.seed)  # dropout is 0; the RNG tracker must exist anyway
+
+        bf16 = job.run.precision == "bf16"
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        use_te = self._use_te()
+        config = TransformerConfig(
+            num_layers=spec.num_hidden_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.intermediate_size,
+            num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_key_value_heads,
+            kv_channels=spec.head_dim, layernorm_epsilon=spec.rms_norm_eps, normalization="RMSNorm",
+            gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False,
+            hidden_dropout=0.0, attention_dropout=0.0,
+            tensor_model_parallel_size=o.tp, pipeline_model_parallel_size=o.pp,
+            virtual_pipeline_model_parallel_size=o.vpp if o.vpp > 1 else None,
+            context_parallel_size=o.cp, sequence_parallel=o.sequence_parallel,
+            params_dtype=dtype, pipeline_dtype=dtype, bf16=bf16,
+            # Weights come from the canonical mapping: skip Megatron's own (full-matrix) init.
+            perform_initialization=False, use_cpu_initialization=True,
+            # Fused CUDA kernels are not available on the host / through the redirection.
+            bias_activation_fusion=use_te, apply_rope_fusion=False, masked_softmax_fusion=use_te,
+            persist_layer_norm=False, gradient_accumulation_fusion=False, bias_dropout_fusion=False,
+            deallocate_pipeline_outputs=True,
+        )
+        self.config = config
+        layer_spec = self._layer_spec(use_te)
+
+        chunks = []
+        stage = ps.get_pipeline_model_parallel_rank()
+        tp_rank = ps.get_tensor_model_parallel_rank()
+        layout = _layout(job, te_names=use_te)
+        self.layout, self.stage, self.tp_rank = layout, stage, tp_rank
+        for c in range(o.vpp):
+            model = GPTModel(
+                config=config, transformer_layer_spec=layer_spec, vocab_size=spec.vocab_size,
+                max_sequence_length=job.data.seq_len, pre_process=layout.is_first(stage, c),
+                post_process=layout.is_last(stage, c), share_embeddings_and_output_weights=spec.tie_word_embeddings,
+                position_embedding_type="rope", rotary_percent=1.0, rotary_base=spec.rope_theta,
+                vp_stage=c if o.vpp > 1 else None,
+            )
+            canonical = canonical_weights(spec, job.run.seed, canonical_names(spec, layout, stage, c))
+            self._load(model, to_megatron(canonical, spec, layout, stage, c, tp_rank))
+            model.to(torch.cuda.current_device())
+            if bf16:
+                from megatron.core.transformer.module import Float16Module
+
+                model = Float16Module(config, model)
+            chunks.append(model)
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=o.overlap_grad_reduce, overlap_param_gather=o.overlap_param_gather,
+            use_distributed_optimizer=o.distributed_optimizer, bucket_size=o.bucket_size or None,
+            average_in_collective=False,
+        )
+        self.chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=m, disable_bucketing=(i > 0))
+                       for i, m in enumerate(chunks)]
+        for m in self.chunks:  # DDP copied the weights into its buffers; broadcast keeps replicas identical
+            m.broadcast_params()
+
+        opt = job.optim
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=opt.lr, min_lr=opt.lr, weight_decay=opt.weight_decay,
+                            adam_beta1=opt.betas[0], adam_beta2=opt.betas[1], adam_eps=opt.eps,
+                            clip_grad=opt.grad_clip, bf16=bf16, params_dtype=dtype,
+                            use_distributed_optimizer=o.distributed_optimizer, decoupled_weight_decay=True),
+            self.chunks,
+        )
+        for group in self.param_groups():
+            # Megatron's LR scheduler applies wd_mult (0 for 1-D params); we run a constant LR, no scheduler.
+            group["weight_decay"] = opt.weight_decay * group.get("wd_mult", 1.0)
+            group["lr"] = opt.lr * group.get("lr_mult", 1.0)
+
+        # Wire the schedules to the DDP wrappers, as megatron's training loop does.
+        one = lambda fns: fns[0] if len(fns) == 1 else fns  # noqa: E731
+        if o.overlap_grad_reduce:
+            config.no_sync_func = one([m.no_sync for m in self.chunks])
+            config.grad_sync_func = one([m.start_grad_sync for m in self.chunks])
+        if o.overlap_param_gather:
+            config.param_sync_func = one([m.start_param_sync for m in self.chunks])
+        config.finalize_model_grads_func = finalize_model_grads
+        self.forward_backward = get_forward_backward_func()
+
+        self.counters = _Counters(ps.get_tensor_model_parallel_group())
+        self._instrument()
+        self.steps = 0
+        self.schedule_s = 0.0
+
+    def _use_te(self) -> bool:
+        impl = self.opts.transformer_impl
+        if impl == "local" or self.device_type != "cuda":
+            return False
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError:
+            if impl == "transformer_engine":
+                raise RuntimeError("backend.transformer_impl=transformer_engine but transformer_engine is not importable") from None
+            return False
+        return True
+
+    @staticmethod
+    def _layer_spec(use_te: bool):
+        from megatron.core.models.gpt import gpt_layer_specs
+
+        if use_te:
+            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+        return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+    @staticmethod
+    def _load(model, shard: dict) -> None:
+        import torch
+
+        params = dict(model.named_parameters())
+        differ = set(params) ^ set(shard)
+        if differ:
+            raise RuntimeError(f"megatron and mapped parameter names differ: {sorted(differ)[:6]}")
+        with torch.no_grad():
+            for name, value in shard.items():
+                p = params[name]
+                if tuple(p.shape) != value.shape:
+                    raise RuntimeError(f"{name}: megatron shape {tuple(p.shape)} != mapped {value.shape}")
+                p.copy_(torch.from_numpy(value))
+
+    def _instrument(self) -> None:
+        import torch.distributed as dist
+        from megatron.core.pipeline_parallel import schedules
+        from megatron.core.tensor_parallel import mappings
+
+        c = self.counters
+        for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+                     "_all_gather_base", "_reduce_scatter_base"):
+            if hasattr(dist, name):
+                c.patch(dist, name, c.collective)
+        for name in ("dist_all_gather_func", "dist_reduce_scatter_func"):  # bound at megatron import
+            c.patch(mappings, name, c.collective)
+        c.patch(schedules, "forward_step", c.timed)
+        c.patch(schedules, "backward_step", c.timed)
+
+    # -- Engine ----------------------------------------------------------------------------------
+    def param_groups(self) -> list[dict]:
+        return [g for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer]) if o.optimizer is not None
+                for g in o.optimizer.param_groups]
+
+    def data_parallel(self) -> tuple[int, int]:
+        return self.ps.get_data_parallel_rank(), self.ps.get_data_parallel_world_size()
+
+    def train_step(self, micro_batches):
+        import torch
+        import torch.distributed as dist
+
+        o, job = self.opts, self.ctx.job
+        seq = job.data.seq_len
+        for m in self.chunks:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+        def forward_step(data_iterator, model):
+            tokens, labels = next(data_iterator)
+            positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+            per_token = model(tokens, positions, None, labels=labels)  # loss on the last stage, hidden states elsewhere
+            return per_token, _loss
+
+        data = [iter(micro_batches) for _ in self.chunks] if len(self.chunks) > 1 else iter(micro_batches)
+        t0 = time.perf_counter()
+        losses = self.forward_backward(
+            forward_step_func=forward_step, data_iterator=data, model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+            num_microbatches=len(micro_batches), seq_length=seq, micro_batch_size=job.data.micro_batch_size,
+            forward_only=False,
+        )
+        self.schedule_s += time.perf_counter() - t0
+        ok, _grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise RuntimeError("megatron optimizer step was skipped (non-finite gradients)")
+        self.steps += 1
+
+        loss = torch.zeros((), dtype=torch.float32)
+        if self.ps.is_pipeline_last_stage(ignore_virtual=True):
+            loss = torch.stack([d["loss"] for d in losses]).float().mean()
+        if o.pp > 1:
+            dist.broadcast(loss, src=self.ps.get_pipeline_model_parallel_last_rank(),
+                           group=self.ps.get_pipeline_model_parallel_group())
+        return loss
+
+    def full_state_dict(self):
+        import numpy as np
+        import torch
+        import torch.distributed as dist
+
+        from parabench.adapters.megatron_mapping import from_megatron
+
+        ps, spec = self.ps, self.ctx.job.model
+        tp_group, tp = ps.get_tensor_model_parallel_group(), self.opts.tp
+        canonical: dict[str, np.ndarray] = {}
+        for c, chunk in enumerate(self.chunks):
+            local = {n: p.detach().float() for n, p in _unwrap(chunk).named_parameters()}
+            shards = []
+            if tp > 1:
+                gathered = {}
+                for name in sorted(local):
+                    parts = [torch.empty_like(local[name]) for _ in range(tp)]
+                    dist.all_gather(parts, local[name].contiguous(), group=tp_group)
+                    gathered[name] = parts
+                shards = [{n: gathered[n][r].cpu().numpy() for n in gathered} for r in range(tp)]
+            else:
+                shards = [{n: t.cpu().numpy() for n, t in local.items()}]
+            canonical.update(from_megatron(shards, spec, self.layout, self.stage, c))
+        if self.opts.pp > 1:
+            parts: list = [None] * self.opts.pp
+            dist.all_gather_object(parts, canonical, group=ps.get_pipeline_model_parallel_group())
+            canonical = {k: v for part in parts for k, v in part.items()}
+        return {n: torch.from_numpy(v) for n, v in canonical.items()}
+
+    def model_state_bytes(self) -> ModelStateBytes:
+        from parabench.metrics import held_bytes
+
+        params = [p for m in self.chunks for p in m.parameters()]
+        moments, other, main = [], [], []
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            if opt.optimizer is None:
+                continue
+            for state in opt.optimizer.state.values():
+                for value in state.values():
+                    if hasattr(value, "untyped_storage"):
+                        (other if value.dim() == 0 else moments).append(value)
+            # fp32 master copies of low-precision params (bf16): Float16Optimizer / DistributedOptimizer
+            for groups in ("fp32_from_float16_groups", "shard_fp32_from_float16_groups"):
+                for group in getattr(opt, groups, []) or []:
+                    main.extend(group)
+        grads = [getattr(p, "main_grad", None) for p in params]
+        param_bytes = held_bytes(params)
+        main_bytes = held_bytes(main)
+        return ModelStateBytes(
+            params=param_bytes, grads=held_bytes(grads), optimizer=held_bytes(moments) + main_bytes,
+            optimizer_other=held_bytes(other), detail={"fp32_main_params": main_bytes},
+        )
+
+    def extra_metrics(self) -> dict[str, float]:
+        o, m = self.opts, self.ctx.job.grad_accum
+        out: dict[str, float] = {}
+        if o.pp > 1:
+            out["pipeline_bubble_predicted"] = (o.pp - 1) / (o.vpp * m)  # Narayanan et al. 2021, 2104.04473
+        if self.steps and self.schedule_s > 0:
+            rank = self.ctx.rank
+            out[f"rank{rank}.pipeline_bubble_measured"] = max(0.0, 1.0 - self.counters.compute_s / self.schedule_s)
+            if o.tp > 1:
+                layers = self.ctx.job.model.num_hidden_layers // o.pp
+                out[f"rank{rank}.tp_collectives_per_step"] = self.counters.tp_calls / self.steps
+                out[f"rank{rank}.tp_comm_bytes_per_step"] = self.counters.tp_bytes / self.steps
+                out["tp_decoder_allreduces_predicted_per_step"] = 4 * layers * m  # 2 fwd + 2 bwd per layer
+        return out
+
+    def artifacts(self) -> dict[str, Any]:
+        return {"megatron": {"version": _installed_version(), "layout": dataclasses.asdict(self.layout),
+                             "transformer_config": {k: str(v) for k, v in sorted(vars(self.config).items())
+                                                    if not k.startswith("_") and not callable(v)}}}
+
+    def close(self) -> None:
+        counters = getattr(self, "counters", None)
+        if counters is not None:
+            counters.restore()
+        ps = getattr(self, "ps", None)
+        if ps is not None and ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        if self._redirection is not None:
+            self._redirection.remove()
+            self._redirection = None
+
+
+def _loss(per_token):
+    loss = per_token.float().mean()  # token mean of this micro-batch
+    # The schedule divides the returned tensor by m in place: report a copy.
+    return loss, {"loss": loss.detach().clone()}
+
+
+def _unwrap(module):
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+

@@ -1,0 +1,212 @@
+"""Canonical (Hugging Face Llama) weights <-> Megatron-Core GPTModel shards, in both directions.
+
+Pure NumPy: no megatron-core import, so the mapping is testable anywhere and reusable by every
+Megatron-based adapter (megatron, mindspeed).
+
+Megatron's layout for one (pipeline stage, virtual chunk, tensor rank), with the local
+(non-Transformer-Engine) layer spec; parameter names use the layer index *within the chunk*:
+
+* ``embedding.word_embeddings.weight``   rows [r*V/t, (r+1)*V/t) of the embedding (vocab-parallel),
+  first chunk of the first stage only;
+* ``decoder.layers.i.input_layernorm.weight``, ``...pre_mlp_layernorm.weight``: replicated;
+* ``decoder.layers.i.self_attention.linear_qkv.weight``: the fused QKV, laid out per query group as
+  [q heads of group 0, k0, v0, q heads of group 1, k1, v1, ...] (query head j belongs to group
+  j // (heads / groups), as in HF's ``repeat_interleave``), then split evenly on dim 0 over the
+  t tensor ranks (ColumnParallelLinear);
+* ``...self_attention.linear_proj.weight``: o_proj split on dim 1 (RowParallelLinear);
+* ``...mlp.linear_fc1.weight``: [gate rows of rank r; up rows of rank r] - each rank's output is
+  chunked into (gate, up) by the gated-linear-unit forward, so the two halves are split separately;
+* ``...mlp.linear_fc2.weight``: down_proj split on dim 1;
+* ``decoder.final_layernorm.weight`` and ``output_layer.weight`` (vocab-parallel rows): last chunk
+  of the last stage only.
+
+With the Transformer-Engine spec the two norms are fused into the following linear layers and are
+named ``self_attention.linear_qkv.layer_norm_weight`` and ``mlp.linear_fc1.layer_norm_weight``
+(``Layout.te_names``).
+
+Which global layers a chunk holds follows megatron-core's ``get_transformer_layer_offset`` for even
+splits: with p stages and v virtual chunks per stage, chunk c of stage s holds the L/(p*v) layers
+starting at c*L/v + s*L/(p*v) (Narayanan et al. 2021, arXiv 2104.04473, section 2.2: interleaved
+schedule, each device holds v non-contiguous chunks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import numpy as np
+
+from parabench.spec import ModelSpec
+
+Key = tuple[int, int, int]  # (pipeline stage, virtual chunk, tensor rank)
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1  # virtual pipeline chunks per stage (1 = no interleaving)
+    te_names: bool = False  # Transformer-Engine layer spec (norms fused into linear_qkv / linear_fc1)
+
+    def check(self, spec: ModelSpec) -> None:
+        """Raise ValueError when ``spec`` cannot be laid out this way (the adapter refuses earlier)."""
+        problems = [
+            (spec.num_attention_heads % self.tp, f"{spec.num_attention_heads} attention heads % tp={self.tp}"),
+            (spec.intermediate_size % self.tp, f"intermediate_size {spec.intermediate_size} % tp={self.tp}"),
+            (spec.vocab_size % self.tp, f"vocab_size {spec.vocab_size} % tp={self.tp}"),
+            (self._qkv_rows(spec) % self.tp, f"fused QKV rows {self._qkv_rows(spec)} % tp={self.tp}"),
+            (spec.num_hidden_layers % (self.pp * self.vpp), f"{spec.num_hidden_layers} layers % (pp x vpp)={self.pp * self.vpp}"),
+        ]
+        for bad, what in problems:
+            if bad:
+                raise ValueError(f"cannot shard: {what} != 0")
+
+    def _qkv_rows(self, spec: ModelSpec) -> int:
+        return (spec.num_attention_heads + 2 * spec.num_key_value_heads) * spec.head_dim
+
+    def chunk_layers(self, spec: ModelSpec, stage: int, chunk: int = 0) -> range:
+        """Global layer indices held by virtual chunk ``chunk`` of pipeline stage ``stage``."""
+        per = spec.num_hidden_layers // (self.pp * self.vpp)
+        start = chunk * (spec.num_hidden_layers // self.vpp) + stage * per
+        return range(start, start + per)
+
+    def is_first(self, stage: int, chunk: int) -> bool:
+        return stage == 0 and chunk == 0
+
+    def is_last(self, stage: int, chunk: int) -> bool:
+        return stage == self.pp - 1 and chunk == self.vpp - 1
+
+    def keys(self) -> list[Key]:
+        return [(s, c, r) for s in range(self.pp) for c in range(self.vpp) for r in range(self.tp)]
+
+
+def canonical_names(spec: ModelSpec, layout: Layout, stage: int, chunk: int = 0) -> list[str]:
+    """The canonical weights one chunk needs (every tensor rank of it needs the same ones)."""
+    names = []
+    if layout.is_first(stage, chunk):
+        names.append("model.embed_tokens.weight")
+    for g in layout.chunk_layers(spec, stage, chunk):
+        p = f"model.layers.{g}."
+        names += [p + n for n in (
+            "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
+            "mlp.up_proj.weight", "mlp.down_proj.weight")]
+    if layout.is_last(stage, chunk):
+        names.append("model.norm.weight")
+        names.append("model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight")
+    return list(dict.fromkeys(names))
+
+
+def _norm_names(layout: Layout) -> tuple[str, str]:
+    if layout.te_names:
+        return "self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"
+    return "input_layernorm.weight", "pre_mlp_layernorm.weight"
+
+
+def fuse_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, spec: ModelSpec) -> np.ndarray:
+    """Full (unsharded) fused QKV in Megatron's per-query-group order."""
+    g, d, h = spec.num_key_value_heads, spec.head_dim, q.shape[1]
+    per = spec.num_attention_heads // g
+    return np.concatenate([q.reshape(g, per * d, h), k.reshape(g, d, h), v.reshape(g, d, h)], axis=1).reshape(-1, h)
+
+
+def split_qkv(qkv: np.ndarray, spec: ModelSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    g, d, h = spec.num_key_value_heads, spec.head_dim, qkv.shape[1]
+    per = spec.num_attention_heads // g
+    grouped = qkv.reshape(g, (per + 2) * d, h)
+    q = grouped[:, : per * d].reshape(-1, h)
+    k = grouped[:, per * d: (per + 1) * d].reshape(-1, h)
+    v = grouped[:, (per + 1) * d:].reshape(-1, h)
+    return np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v)
+
+
+def _rows(x: np.ndarray, r: int, t: int) -> np.ndarray:
+    n = x.shape[0] // t
+    return np.ascontiguousarray(x[r * n:(r + 1) * n])
+
+
+def _cols(x: np.ndarray, r: int, t: int) -> np.ndarray:
+    n = x.shape[1] // t
+    return np.ascontiguousarray(x[:, r * n:(r + 1) * n])
+
+
+def to_megatron(canonical: Mapping[str, np.ndarray], spec: ModelSpec, layout: Layout,
+                stage: int, chunk: int, rank: int) -> dict[str, np.ndarray]:
+    """Megatron parameter name -> this (stage, chunk, tensor rank)'s shard.
+
+    ``canonical`` needs at least ``canonical_names(spec, layout, stage, chunk)``."""
+    t = layout.tp
+    ln1, ln2 = _norm_names(layout)
+    out: dict[str, np.ndarray] = {}
+    if layout.is_first(stage, chunk):
+        out["embedding.word_embeddings.weight"] = _rows(canonical["model.embed_tokens.weight"], rank, t)
+    for i, g in enumerate(layout.chunk_layers(spec, stage, chunk)):
+        c, m = f"model.layers.{g}.", f"decoder.layers.{i}."
+        qkv = fuse_qkv(canonical[c + "self_attn.q_proj.weight"], canonical[c + "self_attn.k_proj.weight"],
+                       canonical[c + "self_attn.v_proj.weight"], spec)
+        out[m + ln1] = canonical[c + "input_layernorm.weight"].copy()
+        out[m + "self_attention.linear_qkv.weight"] = _rows(qkv, rank, t)
+        out[m + "self_attention.linear_proj.weight"] = _cols(canonical[c + "self_attn.o_proj.weight"], rank, t)
+        out[m + ln2] = canonical[c + "post_attention_layernorm.weight"].copy()
+        out[m + "mlp.linear_fc1.weight"] = np.concatenate(
+            [_rows(canonical[c + "mlp.gate_proj.weight"], rank, t), _rows(canonical[c + "mlp.up_proj.weight"], rank, t)])
+        out[m + "mlp.linear_fc2.weight"] = _cols(canonical[c + "mlp.down_proj.weight"], rank, t)
+    if layout.is_last(stage, chunk):
+        out["decoder.final_layernorm.weight"] = canonical["model.norm.weight"].copy()
+        if not spec.tie_word_embeddings:
+            out["output_layer.weight"] = _rows(canonical["lm_head.weight"], rank, t)
+    return out
+
+
+def from_megatron(tp_shards: list[Mapping[str, np.ndarray]], spec: ModelSpec, layout: Layout,
+                  stage: int, chunk: int) -> dict[str, np.ndarray]:
+    """Canonical weights of one (stage, chunk) from its ``layout.tp`` tensor-rank shards (in rank order)."""
+    if len(tp_shards) != layout.tp:
+        raise ValueError(f"need {layout.tp} tensor-parallel shards, got {len(tp_shards)}")
+    ln1, ln2 = _norm_names(layout)
+
+    def cat(name: str, axis: int) -> np.ndarray:
+        return np.concatenate([s[name] for s in tp_shards], axis=axis)
+
+    out: dict[str, np.ndarray] = {}
+    if layout.is_first(stage, chunk):
+        out["model.embed_tokens.weight"] = cat("embedding.word_embeddings.weight", 0)
+    for i, g in enumerate(layout.chunk_layers(spec, stage, chunk)):
+        c, m = f"model.layers.{g}.", f"decoder.layers.{i}."
+        q, k, v = split_qkv(cat(m + "self_attention.linear_qkv.weight", 0), spec)
+        out[c + "input_layernorm.weight"] = np.array(tp_shards[0][m + ln1])
+        out[c + "self_attn.q_proj.weight"], out[c + "self_attn.k_proj.weight"], out[c + "self_attn.v_proj.weight"] = q, k, v
+        out[c + "self_attn.o_proj.weight"] = cat(m + "self_attention.linear_proj.weight", 1)
+        out[c + "post_attention_layernorm.weight"] = np.array(tp_shards[0][m + ln2])
+        halves = [np.split(s[m + "mlp.linear_fc1.weight"], 2, axis=0) for s in tp_shards]
+        out[c + "mlp.gate_proj.weight"] = np.concatenate([h[0] for h in halves])
+        out[c + "mlp.up_proj.weight"] = np.concatenate([h[1] for h in halves])
+        out[c + "mlp.down_proj.weight"] = cat(m + "mlp.linear_fc2.weight", 1)
+    if layout.is_last(stage, chunk):
+        out["model.norm.weight"] = np.array(tp_shards[0]["decoder.final_layernorm.weight"])
+        if not spec.tie_word_embeddings:
+            out["lm_head.weight"] = cat("output_layer.weight", 0)
+    return out
+
+
+def shard_all(canonical: Mapping[str, np.ndarray], spec: ModelSpec, layout: Layout) -> dict[Key, dict[str, np.ndarray]]:
+    """Every (stage, chunk, tensor rank)'s shards of a full canonical state."""
+    layout.check(spec)
+    return {(s, c, r): to_megatron(canonical, spec, layout, s, c, r) for s, c, r in layout.keys()}
+
+
+def unshard_all(shards: Mapping[Key, Mapping[str, np.ndarray]], spec: ModelSpec, layout: Layout) -> dict[str, np.ndarray]:
+    """The full canonical state from every shard (inverse of :func:`shard_all`)."""
+    out: dict[str, np.ndarray] = {}
+    for s in range(layout.pp):
+        for c in range(layout.vpp):
+            out.update(from_megatron([shards[(s, c, r)] for r in range(layout.tp)], spec, layout, s, c))
+    return out
+
+
+def shard_param_count(shards: Iterable[Mapping[str, np.ndarray]]) -> int:
+    return sum(int(a.size) for shard in shards for a in shard.values())
+
+
+__all__ = ["Layout", "canonical_names", "from_megatron", "fuse_qkv", "shard_all", "split_qkv", "to_megatron", "unshard_all"]
