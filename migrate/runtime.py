@@ -675,7 +675,13 @@ class Redirection:
                 factory = _DeviceFactoryMeta("device", (), {"__doc__": "parabench stand-in for torch.device"})
                 factory._real, factory._mappers = real_device, []
                 p.set(torch, "device", factory, "torch.device")
-                p.call(lambda: copyreg.dispatch_table.pop(real_device, None), "copyreg torch.device")
+                old_reducer = copyreg.dispatch_table.get(real_device)
+                p.call(
+                    lambda: copyreg.dispatch_table.pop(real_device, None)
+                    if old_reducer is None
+                    else copyreg.dispatch_table.__setitem__(real_device, old_reducer),
+                    "copyreg torch.device",
+                )
                 copyreg.pickle(real_device, lambda d: (_rebuild_device, (str(d),)))
             factory = torch.device
             factory._mappers.append(mapper)
@@ -685,9 +691,10 @@ class Redirection:
         on_target = self._on_target_fn(torch)
         tensor_to, module_to = torch.Tensor.to, torch.nn.Module.to
 
-        def tensor_move(t: Any, device: Any = None, non_blocking: bool = False, memory_format: Any = None, **_: Any) -> Any:
+        def tensor_move(t: Any, device: Any = None, non_blocking: bool = False, memory_format: Any = None) -> Any:
             kw = {} if memory_format is None else {"memory_format": memory_format}
-            return tensor_to(t, mapper.dev(None if device is None else mapper.index(device)), non_blocking=non_blocking, **kw)
+            dev = mapper.dev(None if device is None else mapper.index(device))
+            return tensor_to(t, dev, non_blocking=non_blocking, **kw)
 
         def module_move(m: Any, device: Any = None) -> Any:
             return module_to(m, mapper.dev(None if device is None else mapper.index(device)))
