@@ -132,7 +132,11 @@ def main(argv: list[str]) -> int:
     try:
         with open(os.path.join(boot_dir, "sitecustomize.py"), "w", encoding="utf-8") as f:
             f.write(SITECUSTOMIZE)
-        banner = EMULATION_BANNER if sources == ["npu"] else EMULATION_BANNER.replace("npu", "/".join(sources))
+        banner = (
+            EMULATION_BANNER
+            if sources == ["npu"]
+            else f"CPU SMOKE TEST ({'/'.join(sources)} emulated on CPU) - numbers are not {'/'.join(sources).upper()} numbers"
+        )
         print(f"==== {banner} ====", file=sys.stderr)
         print(f"bench smoke: running {' '.join(command)} (in {cwd})", file=sys.stderr, flush=True)
         proc = subprocess.Popen(child, cwd=cwd, env=env)
