@@ -80,6 +80,51 @@ class StateFormula:
     source: str
 
 
+class Comm(ABC):
+    """The few collectives the measured loop needs, in the backend's own framework."""
+
+    @abstractmethod
+    def reduce_stats(self, loss: float, seconds: float) -> tuple[float, float]:
+        """(mean of ``loss`` over all ranks, max of ``seconds`` over all ranks)."""
+
+    @abstractmethod
+    def barrier(self) -> None: ...
+
+    def close(self) -> None:
+        pass
+
+
+class TorchComm(Comm):
+    """torch.distributed: the device's backend (gloo on CPU, nccl on CUDA, hccl on NPU)."""
+
+    def __init__(self, job: JobSpec, device: "Device"):
+        import datetime
+
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.tensor_device = device.torch_device
+        dist.init_process_group(backend=device.dist_backend,
+                                timeout=datetime.timedelta(seconds=job.launch.collective_timeout_s))
+
+    def reduce_stats(self, loss: float, seconds: float) -> tuple[float, float]:
+        import torch
+
+        dist = self.dist
+        loss_sum = torch.tensor([loss], dtype=torch.float64, device=self.tensor_device)
+        slowest = torch.tensor([seconds], dtype=torch.float64, device=self.tensor_device)
+        dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        return float(loss_sum) / dist.get_world_size(), float(slowest)
+
+    def barrier(self) -> None:
+        self.dist.barrier()
+
+    def close(self) -> None:
+        self.dist.barrier()
+        self.dist.destroy_process_group()
+
+
 @dataclass
 class WorkerContext:
     """Everything a worker-side engine gets: the spec and where in the world it sits."""
@@ -90,16 +135,28 @@ class WorkerContext:
     local_rank: int
     device: "Device"
     run_dir: Path
+    comm: Comm | None = None
 
 
 class Engine(ABC):
-    """One rank's training state for one backend (worker side)."""
+    """One rank's training state for one backend (worker side). Engines keep their WorkerContext
+    in ``self.ctx``."""
+
+    ctx: WorkerContext
+
+    def prepare_batch(self, micro_batches: Sequence[tuple[Any, Any]]) -> Any:
+        """NumPy (inputs, targets) micro-batches -> what ``train_step`` takes (called before the
+        step's clock starts, as a prefetching data loader would). Default: torch tensors on the device."""
+        import torch
+
+        dev = self.ctx.device.torch_device
+        return [(torch.from_numpy(x).to(dev), torch.from_numpy(y).to(dev)) for x, y in micro_batches]
 
     @abstractmethod
     def train_step(self, micro_batches: Sequence[tuple["torch.Tensor", "torch.Tensor"]]) -> "torch.Tensor":
         """Forward/backward over the micro-batches (gradient accumulation), then one optimizer step.
 
-        Returns a 0-dim tensor: the mean token loss over this rank's micro-batches (on every rank
+        Returns the mean token loss as anything ``float()`` accepts (a 0-dim tensor): the mean token loss over this rank's micro-batches (on every rank
         that takes part in the step, including all tensor/pipeline ranks of a replica)."""
 
     @abstractmethod
@@ -160,6 +217,12 @@ class Adapter(ABC):
     def expected_model_state(cls, job: JobSpec) -> StateFormula | None:
         """The per-rank model-state bytes a published formula predicts for this job, if any."""
         return None
+
+    @classmethod
+    def init_worker(cls, ctx: WorkerContext) -> Comm:
+        """Set up the device and join the world (worker only). Default: torch.distributed."""
+        ctx.device.setup()
+        return TorchComm(ctx.job, ctx.device)
 
     @classmethod
     @abstractmethod

@@ -15,9 +15,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import torch
-import torch.distributed as dist
-
 from parabench.adapters.base import Engine, WorkerContext
 from parabench.data import TokenSource
 
@@ -36,27 +33,19 @@ def train(engine: Engine, ctx: WorkerContext, on_step: Callable[[int, int, float
     step_times: list[float] = []
     losses: list[float] = []
     for step in range(total):
-        batches = [
-            (torch.from_numpy(x).to(device.torch_device), torch.from_numpy(y).to(device.torch_device))
-            for x, y in source.rank_micro_batches(step, dp_rank, dp_size)
-        ]
+        batches = engine.prepare_batch(source.rank_micro_batches(step, dp_rank, dp_size))
         device.synchronize()
         t0 = time.perf_counter()
         loss = engine.train_step(batches)
         device.synchronize()
         elapsed = time.perf_counter() - t0
 
-        stats = torch.tensor([float(loss), elapsed], dtype=torch.float64, device=device.torch_device)
-        loss_sum = stats[:1].clone()
-        dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
-        slowest = stats[1:].clone()
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        mean_loss = float(loss_sum) / dist.get_world_size()
+        mean_loss, slowest = ctx.comm.reduce_stats(float(loss), elapsed)
         losses.append(mean_loss)  # every step, warm-up included: step 0 is the parity anchor
         if step >= job.run.warmup_steps:
             step_times.append(elapsed)
         if on_step is not None:
-            on_step(step, total, mean_loss, float(slowest))
+            on_step(step, total, mean_loss, slowest)
     peak, peak_kind = device.peak_memory()
     return {
         "rank": ctx.rank,

@@ -24,6 +24,7 @@ from parabench.adapters.base import check_capabilities
 from parabench.adapters.registry import get_adapter
 from parabench.devices import DEVICES, resolve
 from parabench.errors import RunFailed, SpecError
+from parabench.launchers import get_launcher
 from parabench.spec import JobSpec, from_config, resolve_device
 
 POLL_S = 0.2
@@ -86,18 +87,11 @@ def launch_env(job: JobSpec) -> dict[str, str]:
     return env
 
 
-def torchrun_args(job: JobSpec, port: int) -> list[str]:
-    la = job.launch
-    return [
-        f"--nnodes={la.nnodes}", f"--nproc-per-node={la.nproc_per_node}", f"--node-rank={la.node_rank}",
-        f"--master-addr={la.master_addr}", f"--master-port={port}", "--max-restarts=0",
-    ]
-
-
 def write_bundle(job: JobSpec, run_dir: Path, env: dict[str, str], port: int) -> Path:
     """``launch.sh``: the exact, relocatable command a user can run on the target machine."""
     from parabench.tracking import is_secret
 
+    launcher = get_launcher(get_adapter(job.backend.name).capabilities.launcher)
     lines = [
         "#!/usr/bin/env bash",
         f"# parabench {__version__} launch bundle: backend={job.backend.name} model={job.model.name} "
@@ -108,12 +102,7 @@ def write_bundle(job: JobSpec, run_dir: Path, env: dict[str, str], port: int) ->
         'RUN_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
     ]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items()) if not is_secret(k)]
-    args = [a for a in torchrun_args(job, port) if not a.startswith(("--node-rank", "--master-addr"))]
-    lines.append(
-        "exec torchrun " + " ".join(args)
-        + f' --node-rank="${{NODE_RANK:-{job.launch.node_rank}}}" --master-addr="${{MASTER_ADDR:-{job.launch.master_addr}}}"'
-        + ' -m parabench.worker "$RUN_DIR"'
-    )
+    lines.append("exec " + launcher.bundle_command(job, port))
     path = run_dir / "launch.sh"
     path.write_text("\n".join(lines) + "\n")
     path.chmod(0o755)
@@ -162,8 +151,9 @@ def _tail(path: Path, n: int = TAIL_LINES) -> str:
 
 
 def launch(job: JobSpec, run_dir: Path, env: dict[str, str], port: int) -> tuple[int, str]:
-    """Run torchrun and watch it. Returns (exit code, reason)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(job, port), "-m", "parabench.worker", str(run_dir)]
+    """Start the workers through the backend's launcher and watch them. Returns (exit code, reason)."""
+    launcher = get_launcher(get_adapter(job.backend.name).capabilities.launcher)
+    cmd = launcher.command(job, port, str(run_dir))
     (run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
     progress_file = run_dir / "progress.json"
     total = job.run.warmup_steps + job.run.steps
@@ -193,7 +183,7 @@ def launch(job: JobSpec, run_dir: Path, env: dict[str, str], port: int) -> tuple
     bar.close()
     rc = proc.wait()
     if rc != 0 and not reason:
-        reason = f"a worker failed (torchrun exit code {rc})"
+        reason = f"a worker failed ({launcher.name} exit code {rc})"
     return rc, reason
 
 

@@ -1,4 +1,4 @@
-"""Per-rank entry point: ``python -m parabench.worker RUN_DIR`` (started by torchrun).
+"""Per-rank entry point: ``python -m parabench.worker RUN_DIR`` (started by the backend's launcher: torchrun or msrun).
 
 Reads the resolved spec the runner wrote (no Hydra here), joins the process group, asks the
 adapter for an engine, runs the measured loop, and writes ``ranks/rank<R>.json``. Its output goes
@@ -9,7 +9,6 @@ Everything backend-specific, including framework monkeypatches, happens inside
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 import time
@@ -33,42 +32,34 @@ def _redirect_output(run_dir: Path, rank: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     run_dir = Path(argv[0])
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    from parabench.adapters.registry import get_adapter
+    from parabench.launchers import get_launcher
+    from parabench.spec import JobSpec
+
+    job = JobSpec.load(run_dir / "spec.json")
+    adapter = get_adapter(job.backend.name)
+    rank, local_rank, world = get_launcher(adapter.capabilities.launcher).coords()
     _redirect_output(run_dir, rank)
     (run_dir / "pids").mkdir(exist_ok=True)
     (run_dir / "pids" / f"rank{rank}").write_text(str(os.getpid()))
     print(f"[parabench worker] rank {rank}/{world} local_rank {local_rank} pid {os.getpid()}", flush=True)
     try:
-        return _run(run_dir, rank, local_rank, world)
+        return _run(job, adapter, run_dir, rank, local_rank, world)
     except Exception:
         traceback.print_exc()
         sys.stderr.flush()
         return 1
 
 
-def _run(run_dir: Path, rank: int, local_rank: int, world: int) -> int:
-    import torch
-    import torch.distributed as dist
-
+def _run(job, adapter, run_dir: Path, rank: int, local_rank: int, world: int) -> int:
     from parabench.adapters.base import WorkerContext
-    from parabench.adapters.registry import get_adapter
     from parabench.devices import DEVICES
     from parabench.loop import train, write_json_atomic
     from parabench.model import weights_checksum
-    from parabench.spec import JobSpec
 
-    job = JobSpec.load(run_dir / "spec.json")
     device = DEVICES[job.device.type](local_rank)
-    device.setup()
-    if os.environ.get("OMP_NUM_THREADS"):  # the runner sets it per rank on CPU
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    dist.init_process_group(backend=device.dist_backend,
-                            timeout=datetime.timedelta(seconds=job.launch.collective_timeout_s))
-    torch.manual_seed(job.run.seed)  # nothing random should depend on it; belt and braces
-    adapter = get_adapter(job.backend.name)
     ctx = WorkerContext(job=job, rank=rank, world_size=world, local_rank=local_rank, device=device, run_dir=run_dir)
+    ctx.comm = adapter.init_worker(ctx)
 
     t0 = time.perf_counter()
     engine = adapter.create_engine(ctx)
@@ -93,8 +84,7 @@ def _run(run_dir: Path, rank: int, local_rank: int, world: int) -> int:
     (run_dir / "ranks").mkdir(exist_ok=True)
     write_json_atomic(run_dir / "ranks" / f"rank{rank}.json", result)
     engine.close()
-    dist.barrier()
-    dist.destroy_process_group()
+    ctx.comm.close()
     return 0
 
 
