@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # pragma: no cover
 _BUILTIN: dict[str, tuple[str, str]] = {
     "ddp": ("parabench.adapters.ddp:DDPAdapter", "PyTorch DistributedDataParallel (replicated model states)"),
     "fsdp": ("parabench.adapters.fsdp:FSDPAdapter", "PyTorch FSDP2 fully_shard (sharded params, grads, optimizer states)"),
+    "deepspeed": ("parabench.adapters.deepspeed:DeepSpeedAdapter", "DeepSpeed ZeRO stage 0-3 with optional CPU offload of optimizer states / parameters"),
     "megatron": ("parabench.adapters.megatron:MegatronAdapter", "Megatron-Core GPTModel: tensor/sequence/pipeline/data parallel, distributed optimizer"),
 }
 _REGISTRY: dict[str, tuple[str, str]] = dict(_BUILTIN)

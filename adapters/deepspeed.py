@@ -1,0 +1,512 @@
+"""DeepSpeed: ZeRO stages 0-3, optimizer/parameter offload, on the canonical Llama.
+
+The DeepSpeed config is a pure function of the typed spec (:func:`deepspeed_config`), optionally
+merged with a user's ``ds_config.json`` (``backend.config_file``). Keys the harness owns - batch
+geometry, precision, clipping, the optimizer, the ZeRO stage and offload devices - may repeat the
+harness's value in that file ("auto" also means "the harness's value"), but a different value is an
+error before launch, never a silent override. Tuning knobs left null here (bucket sizes, ZeRO-3
+prefetch/persistence) come from the file, else DeepSpeed's own defaults.
+
+Optimizer: the client ``torch.optim.AdamW`` from ``make_adamw`` (same algorithm, hyper-parameters
+and decay mask as ddp/fsdp), passed to ``deepspeed.initialize`` with
+``zero_allow_untested_optimizer`` - DeepSpeed's own ``optimizer`` block would select FusedAdam or
+cpu_adam, a different implementation (REFERENCE.md section 6). With ``offload_optimizer=cpu``
+DeepSpeed insists on its ``DeepSpeedCPUAdam`` (``adamw_mode=True``, same groups and values);
+``backend.offload_adam=torch`` keeps torch's AdamW there too (``zero_force_ds_cpu_optimizer:
+false``), slower but exact.
+
+Model states per rank (Rajbhandari et al. 2019, ZeRO, arXiv 1910.02054, sec. 3 and 5), with b bytes
+per working parameter/gradient (2 for bf16/fp16, 4 for fp32) and K = 12 (fp32 master 4 + Adam
+moments 8; DeepSpeed keeps a separate fp32 master in every ZeRO stage, fp32 training included):
+stage 0: (b + b + K) Psi (fp32: no master, K = 8); stage 1: 2b Psi + K Psi/Nd; stage 2:
+b Psi + (b + K) Psi/Nd; stage 3: (2b + K) Psi/Nd. Measured values come from the tensors DeepSpeed
+holds (each storage counted once); flat-buffer alignment padding and ZeRO-3's persistent (small,
+unpartitioned) parameters are reported in ``detail``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from parabench.adapters.base import (
+    Adapter, Availability, Capabilities, Engine, ModelStateBytes, StateFormula, WorkerContext,
+)
+from parabench.errors import SpecError
+from parabench.spec import JobSpec
+
+DS_VERSION = "0.19.8"  # the version the parity and state-bytes tests were written against
+SOURCE = "Rajbhandari et al. 2019 (ZeRO, arXiv 1910.02054) sec. 5; offload: Ren et al. 2021 (arXiv 2101.06840)"
+
+
+@dataclass(frozen=True)
+class DeepSpeedOptions:
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    offload_optimizer: Literal["none", "cpu"] = "none"  # ZeRO-Offload: fp32 master + Adam states (and their step) on the host
+    offload_param: Literal["none", "cpu"] = "none"  # ZeRO-3 only: partitioned parameters on the host
+    offload_pin_memory: bool = False
+    offload_adam: Literal["cpu_adam", "torch"] = "cpu_adam"  # optimizer under offload_optimizer (see module doc)
+    activation_checkpointing: bool = False
+    # Tuning knobs; null = from config_file if it sets them, else DeepSpeed's default (in brackets).
+    reduce_bucket_size: int | None = None  # elements per gradient reduce bucket [5e8]
+    allgather_bucket_size: int | None = None  # stage 1/2 parameter all-gather bucket [5e8]
+    overlap_comm: bool | None = None  # [true for stage 3, false otherwise]
+    contiguous_gradients: bool | None = None  # [true]
+    stage3_prefetch_bucket_size: int | None = None  # [5e7]
+    stage3_param_persistence_threshold: int | None = None  # params below this many elements stay whole [1e5]
+    stage3_max_live_parameters: int | None = None  # [1e9]
+    stage3_max_reuse_distance: int | None = None  # [1e9]
+    config_file: str | None = None  # a user's ds_config.json, merged (conflicts are errors)
+    extensions_dir: str | None = None  # TORCH_EXTENSIONS_DIR for the JIT ops; null = ~/.cache/parabench/torch_extensions
+
+
+KNOBS = {  # option -> path in the DeepSpeed config
+    "reduce_bucket_size": ("zero_optimization", "reduce_bucket_size"),
+    "allgather_bucket_size": ("zero_optimization", "allgather_bucket_size"),
+    "overlap_comm": ("zero_optimization", "overlap_comm"),
+    "contiguous_gradients": ("zero_optimization", "contiguous_gradients"),
+    "stage3_prefetch_bucket_size": ("zero_optimization", "stage3_prefetch_bucket_size"),
+    "stage3_param_persistence_threshold": ("zero_optimization", "stage3_param_persistence_threshold"),
+    "stage3_max_live_parameters": ("zero_optimization", "stage3_max_live_parameters"),
+    "stage3_max_reuse_distance": ("zero_optimization", "stage3_max_reuse_distance"),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# The DeepSpeed config: typed spec (+ user file) -> dict. Pure; no deepspeed import.
+# --------------------------------------------------------------------------------------------
+def harness_config(job: JobSpec) -> tuple[dict[str, Any], dict[tuple[str, ...], tuple[Any, str]]]:
+    """The config the spec implies, and the keys the harness owns: path -> (value, spec key)."""
+    o, prec = job.backend.options, job.run.precision
+    owned: dict[tuple[str, ...], tuple[Any, str]] = {
+        ("train_batch_size",): (job.data.global_batch_size, "data.global_batch_size"),
+        ("train_micro_batch_size_per_gpu",): (job.data.micro_batch_size, "data.micro_batch_size"),
+        ("gradient_accumulation_steps",): (job.grad_accum, "data.global_batch_size / (micro_batch_size x ranks)"),
+        ("gradient_clipping",): (job.optim.grad_clip, "optim.grad_clip"),
+        ("bf16", "enabled"): (prec == "bf16", "run.precision"),
+        ("fp16", "enabled"): (prec == "fp16", "run.precision"),
+        ("zero_optimization", "stage"): (o.zero_stage, "backend.zero_stage"),
+        ("zero_allow_untested_optimizer",): (True, "the client torch AdamW"),
+    }
+    if o.offload_optimizer != "none":
+        owned[("zero_optimization", "offload_optimizer", "device")] = (o.offload_optimizer, "backend.offload_optimizer")
+        owned[("zero_optimization", "offload_optimizer", "pin_memory")] = (o.offload_pin_memory, "backend.offload_pin_memory")
+        if o.offload_adam == "torch":
+            owned[("zero_force_ds_cpu_optimizer",)] = (False, "backend.offload_adam=torch")
+    if o.offload_param != "none":
+        owned[("zero_optimization", "offload_param", "device")] = (o.offload_param, "backend.offload_param")
+        owned[("zero_optimization", "offload_param", "pin_memory")] = (o.offload_pin_memory, "backend.offload_pin_memory")
+    for name, path in KNOBS.items():
+        value = getattr(o, name)
+        if value is not None:
+            owned[path] = (value, f"backend.{name}")
+    cfg: dict[str, Any] = {"steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}  # quiet; the harness times
+    for path, (value, _) in owned.items():
+        _set(cfg, path, value)
+    return cfg, owned
+
+
+def deepspeed_config(job: JobSpec) -> dict[str, Any]:
+    """The effective DeepSpeed config: the harness's, merged with ``backend.config_file``."""
+    cfg, owned = harness_config(job)
+    path = job.backend.options.config_file
+    if not path:
+        return cfg
+    user = _read_user_config(path)
+    if "bfloat16" in user:  # DeepSpeed's old spelling of "bf16"
+        if "bf16" in user:
+            raise SpecError("backend.config_file", f"{path} sets both 'bf16' and its old name 'bfloat16'")
+        user["bf16"] = user.pop("bfloat16")
+    if _get(user, ("bf16", "enabled")) is True and _get(user, ("fp16", "enabled")) is True:
+        raise SpecError("backend.config_file", f"{path} turns on both fp16 and bf16; choose one with run.precision")
+    for block in ("optimizer", "scheduler"):
+        if block in user:
+            raise SpecError("backend.config_file", f"{path} has an '{block}' block: every backend uses the harness's AdamW "
+                                                   "with a constant rate (optim.*); remove the block")
+    for path_, (value, key) in owned.items():
+        theirs = _get(user, path_)
+        if theirs is None or theirs == "auto":
+            continue
+        if theirs != value and not (isinstance(value, float) and isinstance(theirs, (int, float)) and float(theirs) == value):
+            dotted = ".".join(path_)
+            raise SpecError("backend.config_file", f"{path} sets {dotted}={json.dumps(theirs)} but {key} gives "
+                                                   f"{json.dumps(value)}; change it on the command line, not in the file")
+    merged = _merge(user, cfg)
+    return merged
+
+
+def _read_user_config(path: str) -> dict[str, Any]:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise SpecError("backend.config_file", f"no such file: {path}")
+    try:
+        data = json.loads(p.read_text())
+    except ValueError as exc:
+        raise SpecError("backend.config_file", f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise SpecError("backend.config_file", f"{path} must hold a JSON object")
+    return data
+
+
+def _get(d: dict, path: tuple[str, ...]) -> Any:
+    for k in path:
+        if not isinstance(d, dict) or k not in d:
+            return None
+        d = d[k]
+    return d
+
+
+def _set(d: dict, path: tuple[str, ...], value: Any) -> None:
+    for k in path[:-1]:
+        d = d.setdefault(k, {})
+    d[path[-1]] = value
+
+
+def _merge(base: dict, top: dict) -> dict:
+    """Deep merge, ``top`` wins (after the conflict check, it only replaces equal values or "auto")."""
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _bytes_per(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+def extensions_dir(job: JobSpec) -> str:
+    return str(Path(job.backend.options.extensions_dir or Path.home() / ".cache" / "parabench" / "torch_extensions").expanduser())
+
+
+# --------------------------------------------------------------------------------------------
+# `bench env`: a subprocess probe (importing deepspeed takes ~10 s), cached per version.
+# --------------------------------------------------------------------------------------------
+_PROBE = r"""
+import json, sys
+import deepspeed
+from deepspeed.accelerator import get_accelerator
+from deepspeed.ops.op_builder.all_ops import ALL_OPS
+from deepspeed.git_version_info import installed_ops
+ops = {}
+for name, builder in ALL_OPS.items():
+    try:
+        ops[name] = bool(builder.is_compatible(verbose=False))
+    except Exception:
+        ops[name] = False
+print(json.dumps({"version": deepspeed.__version__, "accelerator": get_accelerator()._name,
+                  "comm": get_accelerator().communication_backend_name(),
+                  "buildable": sorted(n for n, ok in ops.items() if ok),
+                  "not_buildable": sorted(n for n, ok in ops.items() if not ok),
+                  "installed": sorted(n for n, ok in installed_ops.items() if ok)}))
+"""
+
+
+def _probe(accelerator: str) -> dict[str, Any]:
+    version = importlib.metadata.version("deepspeed")
+    torch_version = importlib.metadata.version("torch")
+    cache = Path.home() / ".cache" / "parabench" / f"deepspeed-probe-{version}-torch{torch_version}-{accelerator}.json"
+    try:
+        return json.loads(cache.read_text())
+    except (OSError, ValueError):
+        pass
+    env = {**os.environ, "DS_ACCELERATOR": accelerator, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+    try:
+        out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=180, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": "import deepspeed took over 180 s"}
+    if out.returncode != 0:
+        tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"error": f"import deepspeed failed: {tail[:300]}"}
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(result))
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# The adapter (declarative, cheap to import).
+# --------------------------------------------------------------------------------------------
+class DeepSpeedAdapter(Adapter):
+    name = "deepspeed"
+    description = "DeepSpeed ZeRO stage 0-3 with optional CPU offload of optimizer states / parameters"
+    capabilities = Capabilities(devices=frozenset({"cpu", "cuda", "npu"}), precisions=frozenset({"fp32", "bf16", "fp16"}),
+                                shards_model_states=True)
+    Options = DeepSpeedOptions
+
+    @classmethod
+    def availability(cls) -> Availability:
+        if importlib.util.find_spec("deepspeed") is None:
+            return Availability(False, f"deepspeed is not installed: pip install --no-build-isolation deepspeed=={DS_VERSION} "
+                                       "(with your torch pinned in the same command)")
+        from parabench.devices import resolve
+
+        accelerator = resolve("auto")
+        probe = _probe(accelerator)
+        versions = {"deepspeed": importlib.metadata.version("deepspeed")}
+        if "error" in probe:
+            return Availability(False, probe["error"], versions)
+        versions.update({"accelerator": f"{probe['accelerator']} ({probe['comm']}; DS_ACCELERATOR={accelerator} set for workers)",
+                         "ops_buildable": ", ".join(probe["buildable"]) or "none",
+                         "ops_not_buildable": ", ".join(probe["not_buildable"]) or "none",
+                         "ops_prebuilt": ", ".join(probe["installed"]) or "none (JIT-built on first use)"})
+        return Availability(True, f"deepspeed {probe['version']}, accelerator {probe['accelerator']}", versions)
+
+    @classmethod
+    def validate(cls, job: JobSpec) -> None:
+        o = job.backend.options
+        if o.offload_optimizer != "none" and o.zero_stage == 0:
+            raise SpecError("backend.offload_optimizer", "offloading optimizer states needs ZeRO stage 1, 2 or 3 (backend.zero_stage=0)")
+        if o.offload_param != "none" and o.zero_stage != 3:
+            raise SpecError("backend.offload_param", f"offloading parameters needs ZeRO stage 3 (backend.zero_stage={o.zero_stage})")
+        for name in KNOBS:
+            value = getattr(o, name)
+            if isinstance(value, int) and not isinstance(value, bool) and value < (1 if name == "reduce_bucket_size" else 0):
+                raise SpecError(f"backend.{name}", f"must be {'> 0' if name == 'reduce_bucket_size' else '>= 0'}, got {value}")
+        if job.run.precision == "fp16" and job.device.type == "cpu" and not _cpu_fp16_supported():
+            raise SpecError("run.precision", "DeepSpeed runs fp16 on a CPU only with AVX512-FP16/AMX-FP16 (this one has "
+                                             "neither); use bf16 or fp32")
+        deepspeed_config(job)  # config-file conflicts, before launch
+
+    @classmethod
+    def launch_env(cls, job: JobSpec) -> dict[str, str]:
+        device = job.device.type if job.device.type != "auto" else "cpu"
+        # The JIT-built ops (cpu_adam, shm comm) land in a stable cache: only the first run builds them,
+        # inside create_engine, which the measured loop does not time.
+        return {"DS_ACCELERATOR": device, "TORCH_EXTENSIONS_DIR": extensions_dir(job)}
+
+    @classmethod
+    def expected_model_state(cls, job: JobSpec) -> StateFormula:
+        return zero_formula(job)
+
+    @classmethod
+    def create_engine(cls, ctx: WorkerContext) -> "DeepSpeedEngine":
+        return DeepSpeedEngine(ctx)
+
+
+def _cpu_fp16_supported() -> bool:
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def zero_formula(job: JobSpec) -> StateFormula:
+    """Per-rank model-state bytes for the job's stage (ZeRO paper, b and K as in the module doc)."""
+    psi, nd, stage = job.model.num_params(), job.parallel.dp, job.backend.options.zero_stage
+    b = _bytes_per(job.run.precision)
+    k = 8 if stage == 0 and job.run.precision == "fp32" else 12
+    per = {0: (2 * b + k, 0), 1: (2 * b, k), 2: (b, b + k), 3: (0, 2 * b + k)}[stage]
+    replicated, sharded = per
+    where = " (optimizer states in host memory)" if job.backend.options.offload_optimizer != "none" else ""
+    text = {0: f"({b} + {b} + {k}) * Psi", 1: f"({b} + {b}) * Psi + {k} * Psi / {nd}", 2: f"{b} * Psi + ({b} + {k}) * Psi / {nd}",
+            3: f"({b} + {b} + {k}) * Psi / {nd}"}[stage]
+    return StateFormula(replicated * psi + sharded * psi / nd,
+                        f"ZeRO stage {stage}, {job.run.precision}: {text}; b={b} params/grads, K={k} fp32 master+Adam{where}",
+                        SOURCE)
+
+
+def optimizer_formula(job: JobSpec) -> float:
+    """The optimizer-state part alone: K * Psi (stage 0) or K * Psi / Nd (stages 1-3)."""
+    psi, nd, stage = job.model.num_params(), job.parallel.dp, job.backend.options.zero_stage
+    k = 8 if stage == 0 and job.run.precision == "fp32" else 12
+    return k * psi if stage == 0 else k * psi / nd
+
+
+# --------------------------------------------------------------------------------------------
+# Worker side.
+# --------------------------------------------------------------------------------------------
+class DeepSpeedEngine(Engine):
+    def __init__(self, ctx: WorkerContext):
+        import deepspeed
+        import torch
+
+        from parabench.adapters.torch_common import make_adamw
+        from parabench.model import build_llama, canonical_weights, decay_mask, set_activation_checkpointing
+
+        self.ctx = ctx
+        job, o = ctx.job, ctx.job.backend.options
+        self.config = deepspeed_config(job)
+        model = build_llama(job.model, seed=job.run.seed).to(ctx.device.torch_device)
+        set_activation_checkpointing(model, o.activation_checkpointing)
+        named = list(model.named_parameters())
+        if o.offload_optimizer != "none" and o.offload_adam == "cpu_adam":
+            from deepspeed.ops.adam import DeepSpeedCPUAdam  # JIT-builds cpu_adam once (cached)
+
+            spec = job.optim
+            groups = [{"params": [p for n, p in named if decay_mask(n, p)], "weight_decay": spec.weight_decay},
+                      {"params": [p for n, p in named if not decay_mask(n, p)], "weight_decay": 0.0}]
+            optimizer = DeepSpeedCPUAdam(groups, lr=spec.lr, betas=spec.betas, eps=spec.eps, adamw_mode=True)
+        else:
+            optimizer = make_adamw(named, job.optim)
+        self.client_optimizer = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config)
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.gas = job.grad_accum
+        if job.run.precision != "fp32":
+            # DeepSpeed casts the model to bf16/fp16 and derives its fp32 masters from those copies;
+            # put the canonical fp32 values back so every backend starts from the same weights.
+            self._set_fp32_masters(canonical_weights(job.model, job.run.seed))
+        self._grad_snapshot: dict[str, int] | None = None
+        self._torch = torch
+
+    # -- training ---------------------------------------------------------------------------
+    def train_step(self, micro_batches):
+        from parabench.model import causal_lm_loss
+
+        n = len(micro_batches)
+        if n != self.gas:
+            raise RuntimeError(f"{n} micro-batches but gradient_accumulation_steps={self.gas}")
+        total = self._torch.zeros((), device=self.ctx.device.torch_device)
+        for i, (inputs, targets) in enumerate(micro_batches):
+            loss = causal_lm_loss(self.engine(inputs), targets)
+            self.engine.backward(loss)  # scales by 1/gradient_accumulation_steps itself
+            if i == n - 1 and self._grad_snapshot is None:
+                # Gradients as held at the accumulation boundary (DeepSpeed frees them after the step);
+                # taken once: the layout is the same every step.
+                self._grad_snapshot = self._grad_bytes()
+            self.engine.step()  # an optimizer step only at the accumulation boundary
+            total += loss.detach() / n
+        return total
+
+    # -- weights ----------------------------------------------------------------------------
+    def _master_for(self, param):
+        """The fp32 master tensor a stage-0 bf16/fp16 optimizer keeps for ``param`` (or None)."""
+        opt = self.engine.optimizer
+        lp, hp = getattr(opt, "fp16_groups", None), getattr(opt, "fp32_groups", None)
+        if lp is None or hp is None:
+            return None
+        for lg, hg in zip(lp, hp):
+            for a, b in zip(lg, hg):
+                if a is param:
+                    return b
+        return None
+
+    def _set_fp32_masters(self, weights) -> None:
+        import torch
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        for name, p in zip(self.names, self.params):
+            value = torch.from_numpy(weights[name]).to(self.ctx.device.torch_device)
+            if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):
+                safe_set_full_fp32_param(p, value)
+            else:
+                master = self._master_for(p)
+                if master is None:
+                    raise RuntimeError(f"no fp32 master found for {name} ({type(self.engine.optimizer).__name__})")
+                master.data.copy_(value.view_as(master))
+
+    def full_state_dict(self):
+        """Full fp32 weights: the fp32 masters where DeepSpeed keeps them (gathered from the ZeRO
+        partitions, a collective), else the parameters themselves (stage 0, fp32)."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        out = {}
+        for name, p in zip(self.names, self.params):
+            if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):
+                full = safe_get_full_fp32_param(p)
+            else:
+                full = self._master_for(p)
+                full = p if full is None else full
+            out[name] = full.detach().float().cpu().reshape(p.ds_shape if hasattr(p, "ds_shape") else p.shape).clone()
+        return out
+
+    # -- accounting -------------------------------------------------------------------------
+    def _grad_bytes(self) -> dict[str, int]:
+        from parabench.metrics import held_bytes
+
+        opt = self.engine.optimizer
+        tensors = [p.grad for p in self.params]
+        inner = getattr(opt, "optimizer", None)
+        if inner is not None:
+            tensors += [p.grad for g in inner.param_groups for p in g["params"]]
+        buckets = []
+        for attr, value in vars(opt).items():
+            if "grad" not in attr.lower() and not attr.startswith("ipg"):
+                continue
+            found = [t for t in _tensors(value) if t.dim() > 0]
+            (buckets if attr.startswith("ipg") else tensors).extend(found)
+        grads = held_bytes(tensors)
+        return {"grads": grads, "comm_buckets": held_bytes(buckets)}
+
+    def model_state_bytes(self) -> ModelStateBytes:
+        from parabench.metrics import held_bytes
+
+        job, o = self.ctx.job, self.ctx.job.backend.options
+        opt = self.engine.optimizer
+        inner = getattr(opt, "optimizer", opt)
+        working = [getattr(p, "ds_tensor", None) for p in self.params] + [p.data for p in self.params]
+        params = held_bytes(working)
+        param_ptrs = {t.untyped_storage().data_ptr() for t in working if t is not None and t.numel()}
+        masters = [p for g in inner.param_groups for p in g["params"] if p.untyped_storage().data_ptr() not in param_ptrs]
+        moments, other = [], []
+        for state in inner.state.values():
+            for value in state.values():
+                if hasattr(value, "untyped_storage"):
+                    (other if value.dim() == 0 else moments).append(value)
+        master_bytes, moment_bytes = held_bytes(masters), held_bytes(moments)
+        master_elements = sum(p.numel() for p in masters)
+        psi, nd = job.model.num_params(), job.parallel.dp
+        snap = self._grad_snapshot or self._grad_bytes()
+        detail = {
+            "fp32_master_bytes": master_bytes, "adam_moment_bytes": moment_bytes,
+            "fp32_master_elements": master_elements,
+            "optimizer_formula_bytes": int(optimizer_formula(job)),
+            "comm_bucket_bytes": snap["comm_buckets"],
+        }
+        if o.zero_stage >= 1:
+            # DeepSpeed pads each flat group so that it splits evenly (and aligned) over Nd ranks.
+            detail["padding_elements"] = master_elements * nd - psi
+        if o.zero_stage == 3:
+            persistent = [p.data for p in self.params if getattr(p, "ds_persist", False)]
+            detail["zero3_persistent_param_bytes"] = held_bytes(persistent)
+            detail["zero3_persistent_params"] = len(persistent)
+        host = 0
+        if o.offload_optimizer != "none":
+            host += master_bytes + moment_bytes
+        if o.offload_param != "none":
+            host += held_bytes(getattr(p, "ds_tensor", None) for p in self.params)
+        return ModelStateBytes(params=params, grads=snap["grads"], optimizer=master_bytes + moment_bytes,
+                               optimizer_other=held_bytes(other), host=host, detail=detail)
+
+    def extra_metrics(self) -> dict[str, float]:
+        ms = self.model_state_bytes()
+        out = {f"zero.rank{self.ctx.rank}.optimizer_minus_formula_bytes": ms.optimizer - ms.detail["optimizer_formula_bytes"]}
+        if "padding_elements" in ms.detail:
+            out["zero.padding_elements"] = ms.detail["padding_elements"]
+        return out
+
+    def artifacts(self) -> dict[str, Any]:
+        import deepspeed
+
+        zc = self.engine._config.zero_config
+        return {
+            "deepspeed_config": self.config,
+            "config_file": self.ctx.job.backend.options.config_file,
+            "zero_config_resolved": json.loads(zc.model_dump_json()) if hasattr(zc, "model_dump_json") else str(zc),
+            "client_optimizer": self.client_optimizer,
+            "deepspeed_optimizer": type(self.engine.optimizer).__name__,
+            "deepspeed_version": deepspeed.__version__,
+            "torch_extensions_dir": os.environ.get("TORCH_EXTENSIONS_DIR"),
+        }
+
+
+def _tensors(value, depth: int = 0):
+    """Tensors inside an attribute value (tensor, list/tuple, dict, nested up to three levels)."""
+    if hasattr(value, "untyped_storage"):
+        yield value
+    elif depth < 3 and isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v, depth + 1)
+    elif depth < 3 and isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v, depth + 1)
