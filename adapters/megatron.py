@@ -230,7 +230,7 @@ class MegatronAdapter(Adapter):
 class _Counters:
     """Scoped, reversible instrumentation: TP collectives and schedule compute time."""
 
-    def __init__(self, tp_group: Any):
+    def __init__(self, tp_group: Any = None):
         self.tp_group = tp_group
         self.tp_calls = 0
         self.tp_bytes = 0
@@ -279,12 +279,14 @@ class MegatronEngine(Engine):
         self.opts: MegatronOptions = job.backend.options
         self.device_type = job.device.type
         self._redirection = None
-        if self.device_type in ("cpu", "npu"):
-            from parabench.migrate.runtime import install
-
-            # CUDA -> host (or NPU): torch.cuda.*, device="cuda" literals, CUDA RNG, .cuda(), nccl.
-            self._redirection = install("cuda", self.device_type)
+        self.counters = _Counters()
         try:
+            if self.device_type in ("cpu", "npu"):
+                from parabench.migrate.runtime import install
+
+                # CUDA -> host (or NPU): torch.cuda.*, device="cuda" literals, CUDA RNG, .cuda(), nccl.
+                self._redirection = install("cuda", self.device_type)
+                self._redirect_inside_backward(torch)
             self._build(torch)
         except BaseException:
             self.close()
@@ -331,10 +333,17 @@ class MegatronEngine(Engine):
             # Fused CUDA kernels are not available on the host / through the redirection.
             bias_activation_fusion=use_te, apply_rope_fusion=False, masked_softmax_fusion=use_te,
             persist_layer_norm=False, gradient_accumulation_fusion=False, bias_dropout_fusion=False,
-            deallocate_pipeline_outputs=True,
+            # Megatron-LM's training defaults: the interleaved schedule overlaps p2p with compute
+            # (individual isend/irecv), 1F1B batches its p2p ops.
+            overlap_p2p_comm=o.vpp > 1, batch_p2p_comm=o.vpp == 1,
+            # Megatron frees a stage's output right after posting its send. On CUDA the caching
+            # allocator keeps the memory until the send's stream is done; on the host a gloo isend
+            # still in flight (overlapped p2p) then reads reused memory and the next stage gets
+            # garbage (seen: wrong losses for micro-batches 3 and 4 at pp=2, vpp=2). Keep outputs.
+            deallocate_pipeline_outputs=self.device_type == "cuda",
         )
         self.config = config
-        layer_spec = self._layer_spec(use_te)
+        layer_spec = self._layer_spec(use_te, config)
 
         chunks = []
         stage = ps.get_pipeline_model_parallel_rank()
@@ -343,7 +352,7 @@ class MegatronEngine(Engine):
         self.layout, self.stage, self.tp_rank = layout, stage, tp_rank
         for c in range(o.vpp):
             model = GPTModel(
-                config=config, transformer_layer_spec=layer_spec, vocab_size=spec.vocab_size,
+                config=config, transformer_layer_spec=layer_spec(c if o.vpp > 1 else None) if callable(layer_spec) else layer_spec, vocab_size=spec.vocab_size,
                 max_sequence_length=job.data.seq_len, pre_process=layout.is_first(stage, c),
                 post_process=layout.is_last(stage, c), share_embeddings_and_output_weights=spec.tie_word_embeddings,
                 position_embedding_type="rope", rotary_percent=1.0, rotary_base=spec.rope_theta,
@@ -391,10 +400,36 @@ class MegatronEngine(Engine):
         config.finalize_model_grads_func = finalize_model_grads
         self.forward_backward = get_forward_backward_func()
 
-        self.counters = _Counters(ps.get_tensor_model_parallel_group())
+        self.counters.tp_group = ps.get_tensor_model_parallel_group()
         self._instrument()
         self.steps = 0
         self.schedule_s = 0.0
+
+    def _redirect_inside_backward(self, torch) -> None:
+        """Keep the redirection's device-rewriting TorchFunctionMode active in autograd backward.
+
+        The autograd engine runs ``torch.autograd.Function.backward`` with an empty mode stack, so
+        ``torch.empty(..., device=torch.cuda.current_device())`` in megatron-core's backward passes
+        (sequence-parallel reduce-scatter/all-gather) would name the absent CUDA device 0. The
+        engine calls ``BackwardCFunction.apply``: re-enter the mode there (scoped, undone in close).
+        """
+        from torch.overrides import _get_current_function_mode_stack
+
+        stack = _get_current_function_mode_stack()
+        if not stack:
+            return
+        mode = stack[-1]  # migrate.runtime enters its device mode last
+
+        def make(apply):
+            def apply_redirected(ctx, *args):
+                if _get_current_function_mode_stack():
+                    return apply(ctx, *args)
+                with mode:
+                    return apply(ctx, *args)
+
+            return apply_redirected
+
+        self.counters.patch(torch.autograd.function.BackwardCFunction, "apply", make)
 
     def _use_te(self) -> bool:
         impl = self.opts.transformer_impl
@@ -409,12 +444,25 @@ class MegatronEngine(Engine):
         return True
 
     @staticmethod
-    def _layer_spec(use_te: bool):
+    def _layer_spec(use_te: bool, config):
         from megatron.core.models.gpt import gpt_layer_specs
 
         if use_te:
             return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-        return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        if not config.sequence_parallel:
+            return spec
+        # Without Apex the local spec's norm is torch's (WrappedTorchNorm), which asserts
+        # sequence_parallel is off: its weight lacks the ``sequence_parallel`` mark that makes
+        # finalize_model_grads all-reduce norm gradients over the TP group (each rank saw only its
+        # sequence slice). Same math, marked weight (as Megatron's FusedLayerNorm marks it).
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+        norm = _sequence_parallel_rmsnorm()
+        layer = dataclasses.replace(spec, submodules=dataclasses.replace(
+            spec.submodules, input_layernorm=norm, pre_mlp_layernorm=norm))
+        return lambda vp_stage: TransformerBlockSubmodules(
+            layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage), layer_norm=norm)
 
     @staticmethod
     def _load(model, shard: dict) -> None:
@@ -565,15 +613,26 @@ class MegatronEngine(Engine):
                                                     if not k.startswith("_") and not callable(v)}}}
 
     def close(self) -> None:
-        counters = getattr(self, "counters", None)
-        if counters is not None:
-            counters.restore()
         ps = getattr(self, "ps", None)
         if ps is not None and ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
+        self.counters.restore()
         if self._redirection is not None:
             self._redirection.remove()
             self._redirection = None
+
+
+def _sequence_parallel_rmsnorm():
+    import torch
+
+    class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+        """torch RMSNorm whose weight is marked for the TP all-reduce of sequence-parallel grads."""
+
+        def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_ignored):
+            super().__init__(hidden_size, eps=eps)
+            self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+    return SequenceParallelRMSNorm
 
 
 def _loss(per_token):
