@@ -12,15 +12,8 @@ import re
 from typing import Callable, ClassVar
 
 import libcst as cst
-from libcst.metadata import (
-    MetadataWrapper,
-    ParentNodeProvider,
-    PositionProvider,
-    QualifiedNameProvider,
-    QualifiedNameSource,
-    ScopeProvider,
-)
-from libcst.metadata.base_provider import LazyValue
+import builtins
+
 
 from parabench.migrate import api_map
 from parabench.migrate.core import MANUAL, REVIEW, Finding, Options
@@ -61,13 +54,22 @@ def dotted(node: cst.CSTNode) -> str | None:
 
 
 def string_value(node: cst.CSTNode) -> str | None:
-    if isinstance(node, cst.SimpleString):
-        try:
-            value = node.evaluated_value
-        except Exception:  # malformed escapes
-            return None
-        return value if isinstance(value, str) else None
-    return None
+    if not isinstance(node, cst.SimpleString):
+        return None
+    raw = node.value
+    prefix = raw[: len(raw) - len(raw.lstrip("rRbBuUfF"))].lower()
+    if "b" in prefix:
+        return None
+    body = raw[len(prefix):]
+    q = 3 if body[:3] in ('"""', "'''") else 1
+    inner = body[q:-q]
+    if "\\" not in inner:
+        return inner  # the common case, without literal_eval (an ast.parse per string)
+    try:
+        value = node.evaluated_value
+    except Exception:  # malformed escapes
+        return None
+    return value if isinstance(value, str) else None
 
 
 def replace_in_simple_string(node: cst.SimpleString, old: str, new: str) -> cst.SimpleString:
@@ -99,41 +101,57 @@ class PyContext:
         self.module = module
         self.options = options
         self.active = active
-        wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
-        self._pos = wrapper.resolve(PositionProvider)
-        self._parent = wrapper.resolve(ParentNodeProvider)
-        self._qn = wrapper.resolve(QualifiedNameProvider)
-        self._scope = wrapper.resolve(ScopeProvider)
+        self._pos: dict | None = None  # computed on the first finding
+        # one plain traversal: parents, import bindings, name occurrences. No scope analysis:
+        # LibCST's ScopeProvider + QualifiedNameProvider cost about four parses per file.
+        self._parent, self._imports, self.names, self.in_import, self.import_nodes = _index(module)
+        self._qcache: dict[cst.CSTNode, set[str]] = {}
         self.edits: dict[cst.CSTNode, list[Callable]] = {}
         self.findings: list[Finding] = []
         self.applied_codes: set[str] = set()
         self.needs_npu = False
         self.cache: dict[str, object] = {}
 
-    # metadata helpers
     def qnames(self, node: cst.CSTNode) -> set[str]:
-        value = self._qn.get(node)
-        if value is None:
-            return set()
-        if isinstance(value, LazyValue):
-            value = value()
-        return {q.name for q in value}
+        """Qualified names an expression resolves to through imports: {'torch.cuda.synchronize'}.
+
+        Like LibCST's QualifiedNameProvider for import-bound names, without scope analysis:
+        an import anywhere in the file binds its name file-wide (shadowing is not modelled).
+        """
+        cached = self._qcache.get(node)
+        if cached is not None:
+            return cached
+        out: set[str] = set()
+        if node in self.in_import:
+            pass
+        elif isinstance(node, cst.Name):
+            if not _is_reference(self, node):
+                pass
+            elif node.value in self._imports:
+                out = set(self._imports[node.value])
+            elif node.value in _BUILTINS:
+                out = {f"builtins.{node.value}"}
+            else:
+                out = {node.value}
+        elif isinstance(node, cst.Attribute):
+            out = {f"{q}.{node.attr.value}" for q in self.qnames(node.value)}
+        self._qcache[node] = out
+        return out
 
     def is_import(self, node: cst.CSTNode) -> bool:
-        """True when the name resolves to something bound by an import (a module or its member)."""
-        value = self._qn.get(node)
-        if isinstance(value, LazyValue):
-            value = value()
-        return any(q.source == QualifiedNameSource.IMPORT for q in value or ())
+        """True when the expression's root name is bound by an import (a module or its member)."""
+        root = node
+        while isinstance(root, cst.Attribute):
+            root = root.value
+        return isinstance(root, cst.Name) and root.value in self._imports and root not in self.in_import
 
     def parent(self, node: cst.CSTNode) -> cst.CSTNode | None:
         return self._parent.get(node)
 
     def lines(self, node: cst.CSTNode) -> tuple[int, int]:
-        pos = self._pos.get(node)
-        if pos is None:
-            return 0, 0
-        return pos.start.line, pos.end.line
+        if self._pos is None:
+            self._pos = _line_table(self.module)
+        return self._pos.get(node, (0, 0))
 
     def code(self, node: cst.CSTNode) -> str:
         text = self.module.code_for_node(node)
@@ -160,6 +178,114 @@ class PyContext:
     def manual(self, rule: type[Rule], node: cst.CSTNode, message: str, op: str = "", tip: str = "") -> None:
         start, end = self.lines(node)
         self.findings.append(Finding(rule.code, MANUAL, start, end, message, op, tip, applied=False))
+
+
+_BUILTINS = frozenset(dir(builtins))
+
+
+def _is_reference(ctx: "PyContext", node: cst.Name) -> bool:
+    """A Name used as a value (not an attribute name, keyword, parameter or definition name)."""
+    p = ctx._parent.get(node)
+    if isinstance(p, cst.Attribute):
+        return p.value is node
+    if isinstance(p, cst.Arg):
+        return p.value is node
+    if isinstance(p, cst.Param):
+        return p.default is node
+    if isinstance(p, (cst.FunctionDef, cst.ClassDef, cst.AsName, cst.ImportAlias)):
+        return False
+    return True
+
+
+def _index(module: cst.Module):
+    """Parents, import bindings (local name -> qualified names), Name nodes by value, import nodes."""
+    parents: dict[cst.CSTNode, cst.CSTNode] = {}
+    imports: dict[str, set[str]] = {}
+    names: dict[str, list[cst.Name]] = {}
+    in_import: set[cst.CSTNode] = set()
+    import_nodes: list[cst.CSTNode] = []
+    stack: list[cst.CSTNode] = []
+    depth = [0]
+
+    class V(cst.CSTVisitor):
+        def on_visit(self, node: cst.CSTNode) -> bool:
+            if stack:
+                parents[node] = stack[-1]
+            stack.append(node)
+            if isinstance(node, (cst.Import, cst.ImportFrom)):
+                depth[0] += 1
+                import_nodes.append(node)
+                _bind(node, imports)
+            if depth[0]:
+                in_import.add(node)
+            elif isinstance(node, cst.Name):
+                names.setdefault(node.value, []).append(node)
+            return True
+
+        def on_leave(self, original_node: cst.CSTNode) -> None:
+            stack.pop()
+            if isinstance(original_node, (cst.Import, cst.ImportFrom)):
+                depth[0] -= 1
+
+        def on_visit_attribute(self, node, attribute) -> None:
+            pass
+
+        def on_leave_attribute(self, original_node, attribute) -> None:
+            pass
+
+    module.visit(V())
+    return parents, imports, names, in_import, import_nodes
+
+
+def _line_table(module: cst.Module) -> dict[cst.CSTNode, tuple[int, int]]:
+    """(first, last) source line of every node, from one code-generation pass.
+
+    LibCST's PositionProvider computes columns and syntactic ranges too and costs ~7 parses;
+    the rules only need lines. Statements start after their leading blank/comment lines."""
+    from libcst._nodes.internal import CodegenState
+
+    table: dict[cst.CSTNode, tuple[int, int]] = {}
+    starts: dict[cst.CSTNode, int] = {}
+
+    class LineState(CodegenState):
+        line = 1
+
+        def add_token(self, value: str) -> None:
+            self.tokens.append(value)
+            self.line += value.count("\n")
+
+        def before_codegen(self, node: cst.CSTNode) -> None:
+            starts[node] = self.line + len(getattr(node, "leading_lines", ()) or ())
+
+        def after_codegen(self, node: cst.CSTNode) -> None:
+            end = self.line
+            if self.tokens and self.tokens[-1].endswith("\n"):
+                end -= 1
+            start = starts.pop(node)
+            table[node] = (start, max(start, end))
+
+    state = LineState(default_indent=module.default_indent, default_newline=module.default_newline)
+    module._codegen(state)
+    return table
+
+
+def _bind(node: cst.CSTNode, imports: dict[str, set[str]]) -> None:
+    if isinstance(node, cst.Import):
+        for a in node.names:
+            full = dotted(a.name) or ""
+            if a.asname is not None and isinstance(a.asname.name, cst.Name):
+                imports.setdefault(a.asname.name.value, set()).add(full)
+            else:
+                root = full.split(".")[0]
+                imports.setdefault(root, set()).add(root)
+    elif isinstance(node, cst.ImportFrom) and not isinstance(node.names, cst.ImportStar):
+        mod = "." * len(node.relative) + ((dotted(node.module) or "") if node.module is not None else "")
+        for a in node.names:
+            if not isinstance(a.name, cst.Name):
+                continue
+            asname = a.asname.name if a.asname is not None else None
+            local = asname.value if isinstance(asname, cst.Name) else a.name.value
+            imports.setdefault(local, set()).add(f"{mod}{a.name.value}" if mod.endswith(".") else f"{mod}.{a.name.value}")
 
 
 class PyRule(Rule, cst.BatchableCSTVisitor):
@@ -386,9 +512,11 @@ def cuda_refs(ctx: PyContext) -> CudaRefs:
     direct: list[CudaUse] = []
     alias_uses: dict[str, list[tuple[cst.CSTNode, cst.CSTNode, str]]] = {}
     assign_aliases: list[tuple[cst.Assign, cst.CSTNode]] = []
-    for node in list(ctx._qn):
-        if not isinstance(node, (cst.Name, cst.Attribute)):
-            continue
+    candidates: list[cst.CSTNode] = [n for n in ctx._parent if isinstance(n, cst.Attribute) and n.attr.value == "cuda"]
+    for local, quals in ctx._imports.items():
+        if any(q == "torch.cuda" or q.startswith("torch.cuda.") for q in quals):
+            candidates += ctx.names.get(local, [])
+    for node in candidates:
         names = ctx.qnames(node)
         hit = next((q for q in names if q == "torch.cuda" or q.startswith("torch.cuda.")), None)
         if hit is None:
@@ -413,15 +541,13 @@ def cuda_refs(ctx: PyContext) -> CudaRefs:
     for assign, expr in assign_aliases:
         uses = []
         target = assign.targets[0].target
-        scope = ctx._scope.get(target)
-        if scope is not None:
-            for assignment in scope.assignments[target.value]:
-                if getattr(assignment, "node", None) is not target:
-                    continue
-                for access in assignment.references:
-                    outer, suffix = _climb(ctx, access.node)
-                    cat, data = api_map.classify_cuda_member(suffix)
-                    uses.append(CudaUse(access.node, outer, suffix, cat, data))
+        # every other load of the same name in the file (no scope analysis: see PyContext.qnames)
+        for use in ctx.names.get(target.value, []):
+            if use is target or not _is_reference(ctx, use) or isinstance(ctx.parent(use), cst.AssignTarget):
+                continue
+            outer, suffix = _climb(ctx, use)
+            cat, data = api_map.classify_cuda_member(suffix)
+            uses.append(CudaUse(use, outer, suffix, cat, data))
         bindings.append(CudaBinding(assign, expr, "", uses))
     for b in bindings:
         b.decision = _decide(b)
@@ -453,22 +579,6 @@ def _decide(b: CudaBinding) -> str:
 def _import_bindings(ctx: PyContext, alias_uses: dict) -> list[CudaBinding]:
     found: list[CudaBinding] = []
 
-    class V(cst.CSTVisitor):
-        def visit_Import(self, node: cst.Import) -> None:
-            for alias in node.names:
-                full = dotted(alias.name) or ""
-                if alias.asname is not None and (full == "torch.cuda" or full.startswith("torch.cuda.")):
-                    found.append(_binding(node, alias, full))
-
-        def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
-            if node.relative or node.module is None or isinstance(node.names, cst.ImportStar):
-                return
-            mod = dotted(node.module) or ""
-            for alias in node.names:
-                full = f"{mod}.{alias.name.value}" if isinstance(alias.name, cst.Name) else ""
-                if full == "torch.cuda" or full.startswith("torch.cuda."):
-                    found.append(_binding(node, alias, full))
-
     def _binding(stmt, alias, full) -> CudaBinding:
         base = full[len("torch.cuda."):] if full != "torch.cuda" else ""
         local = (alias.asname.name.value if alias.asname else dotted(alias.name).split(".")[-1])  # type: ignore[union-attr]
@@ -481,7 +591,20 @@ def _import_bindings(ctx: PyContext, alias_uses: dict) -> list[CudaBinding]:
             uses.append(CudaUse(node, outer, path, cat, data))
         return CudaBinding(stmt, alias, base, uses)
 
-    ctx.module.visit(V())
+    for node in ctx.import_nodes:
+        if isinstance(node, cst.Import):
+            for alias in node.names:
+                full = dotted(alias.name) or ""
+                if alias.asname is not None and (full == "torch.cuda" or full.startswith("torch.cuda.")):
+                    found.append(_binding(node, alias, full))
+        elif isinstance(node, cst.ImportFrom):
+            if node.relative or node.module is None or isinstance(node.names, cst.ImportStar):
+                continue
+            mod = dotted(node.module) or ""
+            for alias in node.names:
+                full = f"{mod}.{alias.name.value}" if isinstance(alias.name, cst.Name) else ""
+                if full == "torch.cuda" or full.startswith("torch.cuda."):
+                    found.append(_binding(node, alias, full))
     return found
 
 

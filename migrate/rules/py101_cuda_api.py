@@ -6,7 +6,7 @@ import libcst as cst
 
 from parabench.migrate.core import SAFE
 from parabench.migrate.rules._base import register
-from parabench.migrate.rules._py import PyRule, _join, cuda_refs, dotted, new_import_module, parse_expr
+from parabench.migrate.rules._py import PyRule, _join, cuda_refs, dotted, new_import_module, parse_expr, torch_bound
 
 
 @register
@@ -27,6 +27,12 @@ class CudaApi(PyRule):
                 new = parse_expr(use.data)
                 self.change(use.outer, lambda n, new=new: new, f"torch.cuda.{use.path} -> {use.data}", op=f"torch.cuda.{use.path}")
         for b in refs.bindings:
+            if b.decision == "blocked" and not b.base and torch_bound(self.ctx.module):
+                # pattern 15: the alias stays for its unsupported uses; supported calls migrate one by one
+                for u in b.uses:
+                    if u.category == "supported" and isinstance(u.node, cst.Name):
+                        self.change(u.node, lambda n: parse_expr("torch.npu"), f"{u.node.value}.{u.path} -> torch.npu.{u.path}", op=f"torch.cuda.{u.path}")
+                continue
             if b.decision != "npu":
                 continue
             if isinstance(b.stmt, cst.Assign):

@@ -1,0 +1,183 @@
+"""Speed of `bench migrate` over a generated tree shaped like a real training repository.
+
+    python benchmarks/migrate_speed.py [--files 1200] [--jobs N] [--cuda-share 0.2] [--keep DIR]
+
+The tree mixes, like the repositories measured in REFERENCE.md section 4: model/data/utility
+modules that never touch CUDA (most files), modules that mention CUDA only in comments,
+docstrings or log messages, and training/distributed modules with real CUDA constructs
+(torch.cuda calls, .cuda(), device strings, nccl, env vars). Files are 150-450 lines. The script
+prints files/s for the whole run (discovery, pre-filter, LibCST where needed, writing the output
+tree) and how many files needed a full parse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PLAIN_BLOCK = '''
+
+class {name}(nn.Module):
+    """{doc}"""
+
+    def __init__(self, dim: int = {dim}, hidden: int = {hidden}, dropout: float = 0.{drop}):
+        super().__init__()
+        self.proj_in = nn.Linear(dim, hidden, bias=False)
+        self.proj_out = nn.Linear(hidden, dim, bias=False)
+        self.norm = nn.LayerNorm(dim)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = self.norm(x)
+        h = F.gelu(self.proj_in(h))
+        if mask is not None:
+            h = h.masked_fill(~mask[..., None], 0.0)
+        h = self.dropout(self.proj_out(h))
+        return x + h
+
+
+def {fname}(batch: dict, max_len: int = {dim}) -> dict:
+    """Pad and stack a list of token sequences."""
+    out = {{}}
+    for key, values in batch.items():
+        lengths = [len(v) for v in values]
+        width = min(max(lengths), max_len)
+        padded = torch.zeros(len(values), width, dtype=torch.long)
+        for i, v in enumerate(values):
+            n = min(len(v), width)
+            padded[i, :n] = torch.as_tensor(v[:n])
+        out[key] = padded
+        out[key + "_len"] = torch.as_tensor(lengths)
+    return out
+'''
+
+PROSE_BLOCK = '''
+
+def {fname}(model: nn.Module, path: str) -> None:
+    """Save a checkpoint; tensors saved on cuda are loaded back on the current device."""
+    # NOTE: torch.cuda.synchronize() is not needed here, torch.save copies to host first.
+    state = {{"model": model.state_dict(), "step": {dim}}}
+    logger.info("saving checkpoint (cuda tensors are moved to cpu)")
+    torch.save(state, path)
+'''
+
+CUDA_BLOCK = '''
+
+def {fname}(model: nn.Module, loader, args) -> float:
+    """One epoch on the GPU."""
+    device = torch.device("cuda", args.local_rank)
+    torch.cuda.set_device(device)
+    model = model.cuda()
+    scaler = torch.amp.GradScaler("cuda")
+    total = 0.0
+    for step, batch in enumerate(loader):
+        x = batch["input_ids"].to(device, non_blocking=True)
+        with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
+            loss = model(x).float().mean()
+        scaler.scale(loss).backward()
+        if step % {dim} == 0:
+            torch.cuda.synchronize()
+            mem = torch.cuda.max_memory_allocated() / 2**30
+            logger.info(f"step {{step}} loss {{loss.item():.3f}} mem {{mem:.1f}} GiB")
+        total += loss.item()
+    return total
+
+
+def {fname}_setup(args):
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    dist.init_process_group(backend="nccl")
+    return torch.cuda.device_count()
+'''
+
+HEADER = '''"""{doc}"""
+import logging
+import math
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+'''
+
+
+def _module(rng: random.Random, kind: str, idx: int) -> str:
+    parts = [HEADER.format(doc=f"Module {idx} of the generated benchmark repository.")]
+    blocks = rng.randint(4, 11)
+    for b in range(blocks):
+        fmt = dict(name=f"Block{idx}_{b}", fname=f"fn_{idx}_{b}", doc="A residual MLP block.", dim=rng.choice([64, 128, 256]),
+                   hidden=rng.choice([256, 512, 1024]), drop=rng.randint(0, 3))
+        if kind == "cuda" and b % 3 == 1:
+            parts.append(CUDA_BLOCK.format(**fmt))
+        elif kind == "prose" and b % 3 == 1:
+            parts.append(PROSE_BLOCK.format(**fmt))
+        else:
+            parts.append(PLAIN_BLOCK.format(**fmt))
+    return "".join(parts)
+
+
+def generate(root: Path, n_files: int, cuda_share: float, prose_share: float, seed: int = 0) -> dict[str, int]:
+    rng = random.Random(seed)
+    counts = {"cuda": 0, "prose": 0, "plain": 0, "init": 0, "other": 0}
+    for i in range(n_files):
+        pkg = root / f"pkg{i % 17}" / f"sub{i % 5}"
+        pkg.mkdir(parents=True, exist_ok=True)
+        r = rng.random()
+        if i % 20 == 0:
+            (pkg / "__init__.py").write_text('"""Package."""\n')
+            counts["init"] += 1
+            continue
+        kind = "cuda" if r < cuda_share else "prose" if r < cuda_share + prose_share else "plain"
+        counts[kind] += 1
+        (pkg / f"mod_{i}.py").write_text(_module(rng, kind, i))
+    for i in range(n_files // 50):  # a few launch scripts and configs, as in real repositories
+        (root / f"run_{i}.sh").write_text("#!/bin/bash\nexport CUDA_VISIBLE_DEVICES=0,1\ntorchrun --nproc_per_node 2 train.py --backend nccl\n")
+        (root / f"cfg_{i}.yaml").write_text("trainer:\n  device: cuda\n  backend: nccl\nmodel:\n  dim: 256\n")
+        counts["other"] += 2
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--files", type=int, default=1200, help="Python files to generate (default 1200)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count(), help="worker processes (default: all cores)")
+    ap.add_argument("--cuda-share", type=float, default=0.2, help="share of modules with real CUDA code")
+    ap.add_argument("--prose-share", type=float, default=0.15, help="share mentioning CUDA only in prose")
+    ap.add_argument("--keep", type=Path, help="generate into this directory and keep it")
+    args = ap.parse_args(argv)
+
+    from parabench.migrate.core import Options
+    from parabench.migrate.engine import run
+
+    base = Path(tempfile.mkdtemp(prefix="migrate_speed_")) if args.keep is None else args.keep
+    src, out = base / "repo", base / "repo_npu"
+    try:
+        counts = generate(src, args.files, args.cuda_share, args.prose_share)
+        total_files = sum(1 for p in src.rglob("*") if p.is_file())
+        py_bytes = sum(p.stat().st_size for p in src.rglob("*.py"))
+        t0 = time.perf_counter()
+        result = run([src], Options(), out, jobs=args.jobs, progress=False)
+        dt = time.perf_counter() - t0
+        full = sum(1 for r in result.files if r.full_parse and r.kind == "python")
+        changed = sum(1 for r in result.files if r.status == "changed")
+        py = sum(1 for r in result.files if r.kind == "python")
+        print(f"tree: {total_files} files ({py} .py, {py_bytes / py / 1024:.1f} KiB/.py avg; {counts})")
+        print(f"jobs: {args.jobs}; full LibCST parse: {full} .py files; changed: {changed}")
+        print(f"time: {dt:.2f} s -> {total_files / dt:.1f} files/s ({py / dt:.1f} .py files/s)")
+    finally:
+        if args.keep is None:
+            shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+print "python 2 syntax: torch.cuda is unparseable here"
