@@ -16,6 +16,7 @@ commands:
               bench run +model=llama backend=fsdp launcher.nproc_per_node=2
               bench run -m +model=llama backend=ddp,fsdp
               bench run +model=llama --cfg job      (print the composed config)
+  compare   tables and an HTML report comparing recorded runs: bench compare --help
   env       list every backend and device, available or not, and why; the versions that matter
   migrate   migrate CUDA PyTorch code to Ascend (torch_npu / MindSpeed): bench migrate --help
   smoke     run a migrated (NPU) program on this CPU, NPU calls redirected: bench smoke --help
@@ -80,8 +81,14 @@ def _job(cfg):
     hc = HydraConfig.get()
     plain = to_plain(cfg)
     job = prepare(plain)
+    out = Path(hc.runtime.output_dir)
+    tags = {"backend_config": hc.runtime.choices.get("backend"), "job_num": hc.job.num if hc.mode == RunMode.MULTIRUN else None}
     try:
-        return execute(job, plain, Path(hc.runtime.output_dir))
+        summaries = []
+        for rep in range(job.run.repeats):
+            run_dir = out / f"rep{rep}" if job.run.repeats > 1 else out
+            summaries.append(execute(job, plain, run_dir, {**tags, "repeat": rep}))
+        return summaries
     except RunFailed as exc:
         if hc.mode == RunMode.MULTIRUN:
             _FAILED_JOBS.append(f"{hc.job.num}: {exc}")
@@ -103,6 +110,10 @@ def cmd_run(argv: list[str]) -> int:
 
     import hydra
 
+    from parabench.confutil import register_resolvers
+
+    register_resolvers()
+
     @hydra.main(version_base="1.3", config_path="pkg://parabench.conf", config_name="config")
     def task(cfg):
         return _job(cfg)
@@ -111,6 +122,9 @@ def cmd_run(argv: list[str]) -> int:
     sys.argv = ["bench run", *argv]
     try:
         task()
+    except ValueError as exc:  # Hydra's own argument checks (e.g. -m together with --cfg)
+        print(f"bench: error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
     finally:
         sys.argv = saved
     if _FAILED_JOBS and not print_only:
@@ -133,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "run":
         return cmd_run(rest)
+    if command == "compare":
+        from parabench.compare import main as compare_main
+
+        return compare_main(rest)
     if command == "env":
         from parabench.envreport import main as env_main
 
@@ -145,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         from parabench.migrate.smoke import main as smoke_main
 
         return smoke_main(rest)
-    print(f"bench: error: unknown command {command!r} (choose from run, env, migrate, smoke; see bench --help)", file=sys.stderr)
+    print(f"bench: error: unknown command {command!r} (choose from run, compare, env, migrate, smoke; see bench --help)", file=sys.stderr)
     return 2
 
 

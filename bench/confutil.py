@@ -34,6 +34,17 @@ def _short(exc: Exception) -> str:
     return msg
 
 
+def register_resolvers() -> None:
+    """Config arithmetic the shipped experiments use, e.g. weak scaling's global batch
+    ``${mul:${data.micro_batch_size},${launcher.nproc_per_node}}``."""
+    import math
+
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("mul"):
+        OmegaConf.register_new_resolver("mul", lambda *xs: math.prod(int(x) for x in xs))
+
+
 def compose(overrides: list[str], return_hydra_config: bool = False):
     """Compose the config with ``overrides``; Hydra/OmegaConf errors become one-line UserErrors."""
     from hydra import compose as hydra_compose
@@ -42,6 +53,7 @@ def compose(overrides: list[str], return_hydra_config: bool = False):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    register_resolvers()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):

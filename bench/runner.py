@@ -190,7 +190,7 @@ def launch(job: JobSpec, run_dir: Path, env: dict[str, str], port: int) -> tuple
 # --------------------------------------------------------------------------------------------
 # One job.
 # --------------------------------------------------------------------------------------------
-def execute(job: JobSpec, plain: dict[str, Any], run_dir: Path) -> dict[str, Any] | None:
+def execute(job: JobSpec, plain: dict[str, Any], run_dir: Path, extra_tags: dict[str, Any] | None = None) -> dict[str, Any] | None:
     import yaml
 
     from parabench import envreport
@@ -216,7 +216,7 @@ def execute(job: JobSpec, plain: dict[str, Any], run_dir: Path) -> dict[str, Any
         "backend": job.backend.name, "device": job.device.type, "world_size": job.parallel.world_size,
         "model": job.model.name, "precision": job.run.precision, "host": socket.gethostname(),
         "git_sha": git_sha(), "parabench_version": __version__, "experiment": job.experiment,
-        "run_dir": str(run_dir), "parabench.kind": "job",
+        "run_dir": str(run_dir), "parabench.kind": "job", **(extra_tags or {}),
         **{f"version.{k}": v for k, v in versions.items() if v},
     }
     params = flatten(plain)

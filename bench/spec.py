@@ -225,6 +225,7 @@ class RunSpec:
     steps: int = 10  # measured
     precision: typing.Literal["fp32", "bf16", "fp16"] = "fp32"
     checksum: bool = True  # gather the loaded weights and checksum them (identical start proof)
+    repeats: int = 1  # run the job this many times (separate MLflow runs, tag `repeat`) for noise bands
     results_dir: str = "results"
 
 
@@ -364,7 +365,7 @@ def _validate_common(model: ModelSpec, data: DataSpec, optim: OptimSpec, device:
         ("data.micro_batch_size", data.micro_batch_size), ("optim.lr", optim.lr), ("optim.eps", optim.eps),
         ("launcher.nnodes", launch.nnodes), ("launcher.nproc_per_node", launch.nproc_per_node),
         ("launcher.collective_timeout_s", launch.collective_timeout_s), ("launcher.hang_timeout_s", launch.hang_timeout_s),
-        ("run.steps", run.steps),
+        ("run.steps", run.steps), ("run.repeats", run.repeats),
     ]:
         _positive(key, value)
     if model.hidden_size % model.num_attention_heads:

@@ -178,4 +178,21 @@ class MultirunCallback(Callback):
         )
         failed = [c for c in children if c.info.status != "FINISHED"]
         parent.set_tags({"children": len(children), "children_failed": len(failed)})
-        parent.end("FAILED" if failed or not children else "FINISHED")
+        try:
+            self._log_scaling(parent, [c.info.run_id for c in children if c.info.status == "FINISHED"])
+        finally:
+            parent.end("FAILED" if failed or not children else "FINISHED")
+
+    @staticmethod
+    def _log_scaling(parent: "JobRun", run_ids: list[str]) -> None:
+        """Scaling efficiency per backend variant and world size (see parabench.compare)."""
+        if not run_ids:
+            return
+        from parabench.compare import build_sections, load_runs, report_dict, scaling_metrics
+
+        sections = build_sections(load_runs(parent.client, run_ids), baseline=None, strict=False)
+        metrics, flags = scaling_metrics(sections)
+        parent.log_metrics((k, v, 0) for k, v in metrics.items())
+        if flags:
+            parent.set_tags({"scaling_flags": "; ".join(flags)[:5000]})
+        parent.client.log_dict(parent.run_id, report_dict(sections, {"run_ids": run_ids}), "scaling.json")

@@ -1,0 +1,89 @@
+"""bench compare: grouping, ratios, efficiencies and refusals on synthetic records; renderers."""
+
+import json
+
+import pytest
+
+from parabench.compare import RunRecord, build_sections, render_csv, render_html, render_text, report_dict, scaling_metrics
+from parabench.errors import UserError
+
+
+def rec(run_id, variant, world, tps, gbs=None, model="llama", precision="fp32", seq=128, **kw):
+    gbs = gbs if gbs is not None else 2 * world
+    base = dict(run_id=run_id, backend=variant.split("(")[0], variant=variant, world_size=world, model=model, device="cpu",
+                device_name="cpu", precision=precision, global_batch=gbs, seq_len=seq, tokens_per_s=tps,
+                tokens_per_s_per_device=tps / world, mfu=0.3, peak_tflops=0.1, peak_source="measured",
+                step_time_median_s=1.0, rank_spread_s=0.01, peak_memory_bytes=1e9, model_state_bytes=3e8, loss_final=9.0,
+                losses=[10.0, 9.5, 9.0], state_per_rank=[{"params": 1e8, "grads": 1e8, "optimizer": 2e8, "optimizer_other": 0}] * world)
+    base.update(kw)
+    return RunRecord(**base)
+
+
+def test_weak_scaling_efficiency_and_bands():
+    records = [rec("a", "ddp", 1, 100), rec("b", "ddp", 1, 110), rec("c", "ddp", 2, 180), rec("d", "ddp", 2, 190)]
+    (sec,) = build_sections(records, None, strict=False)
+    two = next(r for r in sec.rows if r.world_size == 2)
+    assert two.efficiency_kind == "weak"
+    assert two.efficiency == pytest.approx(185 / (2 * 105))
+    assert two.efficiency_band == pytest.approx((180 / 220, 190 / 200))
+    assert two.efficiency_note == ""  # band [0.82, 0.95] does not reach 1.0
+
+
+def test_strong_scaling_and_noise_flags():
+    records = [rec("a", "ddp", 1, 100, gbs=4), rec("b", "ddp", 1, 120, gbs=4), rec("c", "ddp", 2, 210, gbs=4),
+               rec("d", "ddp", 2, 230, gbs=4), rec("e", "fsdp", 1, 100, gbs=4), rec("f", "fsdp", 2, 200, gbs=4),
+               rec("g", "fsdp", 1, 101, gbs=4), rec("h", "fsdp", 2, 205, gbs=4)]
+    (sec,) = build_sections(records, None, strict=False)
+    ddp2 = next(r for r in sec.rows if r.variant == "ddp" and r.world_size == 2)
+    assert ddp2.efficiency_kind == "strong"
+    assert "overlaps 1.0" in ddp2.efficiency_note and "fsdp" in ddp2.efficiency_note
+    metrics, flags = scaling_metrics([sec])
+    assert metrics["efficiency/ddp/N2"] == pytest.approx(220 / (2 * 110)) and flags
+
+
+def test_baseline_ratio_at_same_world_and_batch_with_noise_mark():
+    records = [rec("a", "ddp", 2, 100), rec("b", "ddp", 2, 104), rec("c", "fsdp", 2, 90), rec("d", "fsdp", 2, 91),
+               rec("e", "deepspeed(zero_stage=3)", 2, 101), rec("f", "deepspeed(zero_stage=3)", 2, 103)]
+    (sec,) = build_sections(records, ("backend", "ddp"), strict=False)
+    by = {r.variant: r for r in sec.rows}
+    assert by["fsdp"].ratio == pytest.approx(90.5 / 102) and by["fsdp"].ratio_note == ""
+    assert "within noise" in by["deepspeed(zero_stage=3)"].ratio_note
+    assert by["ddp"].ratio == 1.0
+
+
+def test_incomparable_runs_are_grouped_apart_or_refused():
+    records = [rec("a", "ddp", 1, 100), rec("b", "ddp", 1, 50, model="llama2-7b"), rec("c", "ddp", 1, 70, precision="bf16")]
+    sections = build_sections(records, ("backend", "ddp"), strict=False)
+    assert len(sections) == 3 and all(len(s.rows) == 1 for s in sections)
+    assert "model differs" in sections[1].note or "model differs" in sections[2].note
+    with pytest.raises(UserError, match="not comparable: model differs"):
+        build_sections(records[:2], ("backend", "ddp"), strict=True)
+
+
+def test_missing_baseline_is_said_not_guessed():
+    (sec,) = build_sections([rec("a", "fsdp", 1, 100)], ("backend", "ddp"), strict=False)
+    assert sec.rows[0].ratio is None and "no backend=ddp run" in sec.rows[0].ratio_note
+
+
+def test_renderers_carry_the_same_numbers():
+    records = [rec("a", "ddp", 1, 100), rec("c", "ddp", 2, 180), rec("e", "fsdp", 1, 90), rec("f", "fsdp", 2, 170)]
+    report = report_dict(build_sections(records, ("backend", "ddp"), strict=False),
+                         {"created": "now", "tracking_uri": "sqlite://", "run_ids": list("acef"), "baseline": "backend=ddp"})
+    text = render_text(report)
+    assert "ddp" in text and "90.0%" in text  # 180 / (2 * 100)
+    assert "| backend |" in render_text(report, markdown=True)
+    assert render_csv(report).count("\n") == 5
+    page = render_html(report)
+    for plot in ("throughput-0", "efficiency-0", "memory-0", "loss-0"):
+        assert f"id='{plot}'" in page
+    data = json.loads(page.split("id='report-data'>")[1].split("</script>")[0])
+    assert data["sections"][0]["rows"][1]["efficiency"] == pytest.approx(0.9)
+
+
+def test_compare_cli_errors_are_one_line(tmp_path, capsys):
+    from parabench.compare import main
+
+    assert main(["--tracking-uri", f"sqlite:///{tmp_path / 'none.db'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no MLflow store" in err
+    assert main(["--baseline", "oops", "--tracking-uri", f"sqlite:///{tmp_path / 'none.db'}"]) == 2
