@@ -234,7 +234,8 @@ def check_capabilities(adapter: type[Adapter], job: JobSpec) -> None:
     """Refuse a job the backend declares it cannot run (before any process starts)."""
     caps = adapter.capabilities
     if job.device.type != "auto" and job.device.type not in caps.devices:
-        raise SpecError("device", f"backend {adapter.name} does not run on {job.device.type} (supported: {', '.join(sorted(caps.devices))})")
+        raise SpecError("device", f"backend {adapter.name} does not run on {job.device.type} (supported: {', '.join(sorted(caps.devices))}; "
+                                  "launcher.dry_run=true writes the launch bundle for a machine that has one)")
     if job.run.precision not in caps.precisions:
         raise SpecError("run.precision", f"backend {adapter.name} does not support {job.run.precision} (supported: {', '.join(sorted(caps.precisions))})")
     if job.launch.nnodes > 1 and not caps.multi_node:

@@ -41,20 +41,27 @@ class Torchrun(Launcher):
     @staticmethod
     def _args(job: JobSpec, port: int) -> list[str]:
         la = job.launch
-        return [f"--nnodes={la.nnodes}", f"--nproc-per-node={la.nproc_per_node}", f"--master-port={port}", "--max-restarts=0"]
+        args = [f"--nnodes={la.nnodes}", f"--nproc-per-node={la.nproc_per_node}", "--max-restarts=0"]
+        if la.rdzv_backend == "c10d":  # elastic rendezvous: every node names the same endpoint and id
+            return args + ["--rdzv-backend=c10d", f"--rdzv-id={la.rdzv_id}"]
+        return args + [f"--master-port={port}"]
 
     @classmethod
     def command(cls, job: JobSpec, port: int, run_dir: str, python: str = sys.executable) -> list[str]:
         la = job.launch
-        return [python, "-m", "torch.distributed.run", *cls._args(job, port), f"--node-rank={la.node_rank}",
-                f"--master-addr={la.master_addr}", *WORKER, run_dir]
+        where = ([f"--rdzv-endpoint={la.master_addr}:{port}"] if la.rdzv_backend == "c10d"
+                 else [f"--node-rank={la.node_rank}", f"--master-addr={la.master_addr}"])
+        return [python, "-m", "torch.distributed.run", *cls._args(job, port), *where, *WORKER, run_dir]
 
     @classmethod
     def bundle_command(cls, job: JobSpec, port: int) -> str:
         la = job.launch
-        return ("torchrun " + " ".join(cls._args(job, port))
-                + f' --node-rank="${{NODE_RANK:-{la.node_rank}}}" --master-addr="${{MASTER_ADDR:-{la.master_addr}}}"'
-                + ' -m parabench.worker "$RUN_DIR"')
+        if la.rdzv_backend == "c10d":
+            where = f' --rdzv-endpoint="${{MASTER_ADDR:-{la.master_addr}}}:{port}"'
+        else:
+            where = f' --node-rank="${{NODE_RANK:-{la.node_rank}}}" --master-addr="${{MASTER_ADDR:-{la.master_addr}}}"'
+        return "torchrun " + " ".join(cls._args(job, port)) + where + ' -m parabench.worker "$RUN_DIR"'
+
 
     @staticmethod
     def coords() -> tuple[int, int, int]:
@@ -63,6 +70,35 @@ class Torchrun(Launcher):
 
 
 LAUNCHERS: dict[str, type[Launcher]] = {Torchrun.name: Torchrun}
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Slurm's compressed host list ("gpu[01-03,07],cpu5") -> host names (scontrol's expansion, for
+    the common forms)."""
+    import re
+
+    hosts: list[str] = []
+    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
+        if plain:
+            hosts.append(plain)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            if not hi:
+                hosts.append(prefix + lo)
+                continue
+            hosts += [prefix + str(i).zfill(len(lo)) for i in range(int(lo), int(hi) + 1)]
+    return hosts
+
+
+def slurm_placement(env: dict[str, str]) -> dict[str, object]:
+    """launcher.* values for one node of a Slurm allocation with one task per node (the node
+    runs torchrun for its local ranks): nnodes, node_rank, master_addr (the first host)."""
+    missing = [k for k in ("SLURM_NNODES", "SLURM_NODEID", "SLURM_JOB_NODELIST") if k not in env]
+    if missing:
+        raise RuntimeError(f"launcher.slurm=true but this is not a Slurm job step ({', '.join(missing)} unset)")
+    return {"nnodes": int(env["SLURM_NNODES"]), "node_rank": int(env["SLURM_NODEID"]),
+            "master_addr": expand_nodelist(env["SLURM_JOB_NODELIST"])[0]}
 
 
 def get_launcher(name: str) -> type[Launcher]:

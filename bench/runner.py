@@ -8,6 +8,7 @@ composed), ``spec.json`` (what workers read), ``launch.sh`` (the exact command a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -35,12 +36,17 @@ TAIL_LINES = 25
 # Pre-flight: everything that can be refused before a process starts.
 # --------------------------------------------------------------------------------------------
 def prepare(plain: dict[str, Any]) -> JobSpec:
+    launcher = plain.get("launcher") or {}
+    if launcher.get("slurm") and not launcher.get("dry_run"):
+        plain = {**plain, "launcher": {**launcher, **_slurm_placement(launcher)}}
     job = from_config(plain)
     adapter = get_adapter(job.backend.name)
     check_capabilities(adapter, job)
     if job.launch.dry_run:
         # A launch bundle is written for another machine: no local backend or device needed.
-        job = resolve_device(job, job.device.type if job.device.type != "auto" else "cpu")
+        devices = adapter.capabilities.devices
+        kind = job.device.type if job.device.type != "auto" else ("cpu" if "cpu" in devices else sorted(devices)[0])
+        job = resolve_device(job, kind)
         adapter.validate(job)
         return job
     available = adapter.availability()
@@ -49,13 +55,24 @@ def prepare(plain: dict[str, Any]) -> JobSpec:
     kind = resolve(job.device.type)
     presence = DEVICES[kind].presence()
     if not presence.available:
-        raise SpecError("device", f"{kind} requested but not usable here: {presence.reason}")
+        raise SpecError("device", f"{kind} requested but not usable here: {presence.reason} "
+                                  "(launcher.dry_run=true writes the launch bundle for a machine that has it)")
     if job.launch.nnodes == 1 and kind != "cpu" and job.launch.nproc_per_node > presence.count:
         raise SpecError("launcher.nproc_per_node", f"{job.launch.nproc_per_node} ranks but only {presence.count} {kind} device(s)")
     job = resolve_device(job, kind)
     check_capabilities(adapter, job)
     adapter.validate(job)
     return job
+
+
+def _slurm_placement(launcher: dict[str, Any]) -> dict[str, Any]:
+    """This node's nnodes/node_rank/master_addr from the Slurm allocation (launcher.slurm=true)."""
+    from parabench.launchers import slurm_placement
+
+    try:
+        return slurm_placement(dict(os.environ))
+    except RuntimeError as exc:
+        raise SpecError("launcher.slurm", str(exc)) from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -223,7 +240,10 @@ def execute(job: JobSpec, plain: dict[str, Any], run_dir: Path, extra_tags: dict
     params.update({"derived.grad_accum": str(job.grad_accum), "derived.num_params": str(job.model.num_params()),
                    "derived.dp": str(job.parallel.dp), "derived.tp": str(job.parallel.tp), "derived.pp": str(job.parallel.pp),
                    "derived.threads_per_rank": env.get("OMP_NUM_THREADS", "")})
-    tracker = JobRun(job.tracking, job.run.results_dir)
+    # One MLflow run per job: on a multi-node job only node 0 records (the other nodes' workers
+    # write their rank files into the same, shared run directory).
+    tracking = job.tracking if job.launch.node_rank == 0 else dataclasses.replace(job.tracking, enabled=False)
+    tracker = JobRun(tracking, job.run.results_dir)
     tracker.start(f"{job.backend.name}-{job.model.name}-x{job.parallel.world_size}", params, tags)
     status = "FAILED"
     try:

@@ -208,6 +208,9 @@ class LaunchSpec:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0 = pick a free port (single node)
+    rdzv_backend: typing.Literal["static", "c10d"] = "static"  # static: master_addr/port + node_rank; c10d: elastic rendezvous
+    rdzv_id: str = "parabench"  # c10d rendezvous id, the same on every node
+    slurm: bool = False  # take nnodes, node_rank and master_addr from the Slurm allocation (one task per node)
     dry_run: bool = False  # write the launch bundle (script + env + resolved config) and stop
     collective_timeout_s: float = 180.0  # process-group timeout: a hung collective fails after this
     hang_timeout_s: float = 600.0  # runner watchdog: no progress for this long -> kill, FAILED

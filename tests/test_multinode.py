@@ -1,0 +1,60 @@
+"""Multi-node command construction (no cluster here: the command lines are the contract)."""
+
+import pytest
+
+from parabench.confutil import compose, to_plain
+from parabench.launchers import Torchrun, expand_nodelist, slurm_placement
+from parabench.runner import prepare
+from parabench.spec import from_config
+
+
+def job(*overrides):
+    return from_config(to_plain(compose(["+model=llama", *overrides])))
+
+
+def test_static_rendezvous_two_nodes():
+    j = job("launcher.nnodes=2", "launcher.nproc_per_node=8", "launcher.node_rank=1", "launcher.master_addr=10.0.0.1",
+            "launcher.master_port=29500", "data.global_batch_size=16", "data.micro_batch_size=1")
+    cmd = Torchrun.command(j, 29500, "/shared/run", python="python")
+    assert cmd == ["python", "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=8", "--max-restarts=0",
+                   "--master-port=29500", "--node-rank=1", "--master-addr=10.0.0.1", "-m", "parabench.worker", "/shared/run"]
+    assert Torchrun.bundle_command(j, 29500) == (
+        'torchrun --nnodes=2 --nproc-per-node=8 --max-restarts=0 --master-port=29500 --node-rank="${NODE_RANK:-1}" '
+        '--master-addr="${MASTER_ADDR:-10.0.0.1}" -m parabench.worker "$RUN_DIR"')
+
+
+def test_c10d_rendezvous():
+    j = job("launcher.nnodes=4", "launcher.nproc_per_node=8", "launcher.rdzv_backend=c10d", "launcher.rdzv_id=job42",
+            "launcher.master_addr=head", "launcher.master_port=29400", "data.global_batch_size=32", "data.micro_batch_size=1")
+    cmd = Torchrun.command(j, 29400, "/r", python="python")
+    assert "--rdzv-backend=c10d" in cmd and "--rdzv-id=job42" in cmd and "--rdzv-endpoint=head:29400" in cmd
+    assert not any(a.startswith("--node-rank") for a in cmd)
+
+
+def test_slurm_nodelist_expansion():
+    assert expand_nodelist("gpu[01-03,07],cpu5") == ["gpu01", "gpu02", "gpu03", "gpu07", "cpu5"]
+    assert expand_nodelist("node7") == ["node7"]
+
+
+def test_slurm_placement_fills_node_rank_and_master(monkeypatch):
+    env = {"SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[10-11]"}
+    assert slurm_placement(env) == {"nnodes": 2, "node_rank": 1, "master_addr": "gpu10"}
+    with pytest.raises(RuntimeError, match="not a Slurm job step"):
+        slurm_placement({})
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    j = prepare(to_plain(compose(["+model=llama", "launcher.slurm=true", "launcher.master_port=29500",
+                                  "launcher.nproc_per_node=1", "data.global_batch_size=4", "data.micro_batch_size=2"])))
+    assert (j.launch.nnodes, j.launch.node_rank, j.launch.master_addr) == (2, 1, "gpu10")
+    assert j.parallel.world_size == 2
+
+
+def test_submitit_slurm_preset_composes_one_task_per_node():
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    cfg = compose(["+model=llama", "hydra/launcher=slurm_torchrun", "launcher.nnodes=2", "launcher.nproc_per_node=8",
+                   "launcher.slurm=true", "launcher.master_port=29500"], return_hydra_config=True)
+    from omegaconf import OmegaConf
+
+    launcher = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+    assert launcher["nodes"] == 2 and launcher["tasks_per_node"] == 1 and launcher["gpus_per_node"] == 8
+    assert "SlurmLauncher" in launcher["_target_"]
