@@ -352,7 +352,7 @@ class MegatronEngine(Engine):
         self.layout, self.stage, self.tp_rank = layout, stage, tp_rank
         for c in range(o.vpp):
             model = GPTModel(
-                config=config, transformer_layer_spec=layer_spec(c if o.vpp > 1 else None) if callable(layer_spec) else layer_spec, vocab_size=spec.vocab_size,
+                config=config, transformer_layer_spec=layer_spec(c if o.vpp > 1 else None), vocab_size=spec.vocab_size,
                 max_sequence_length=job.data.seq_len, pre_process=layout.is_first(stage, c),
                 post_process=layout.is_last(stage, c), share_embeddings_and_output_weights=spec.tie_word_embeddings,
                 position_embedding_type="rope", rotary_percent=1.0, rotary_base=spec.rope_theta,
@@ -447,11 +447,13 @@ class MegatronEngine(Engine):
     def _layer_spec(use_te: bool, config):
         from megatron.core.models.gpt import gpt_layer_specs
 
+        # Returns vp_stage -> spec (a ModuleSpec is itself callable: it builds the module).
         if use_te:
-            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+            te_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+            return lambda vp_stage: te_spec
         spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
         if not config.sequence_parallel:
-            return spec
+            return lambda vp_stage: spec
         # Without Apex the local spec's norm is torch's (WrappedTorchNorm), which asserts
         # sequence_parallel is off: its weight lacks the ``sequence_parallel`` mark that makes
         # finalize_model_grads all-reduce norm gradients over the TP group (each rank saw only its

@@ -1,0 +1,216 @@
+"""backend=megatron: refusals before launch, an in-process engine check, and end-to-end parity with
+ddp through the real CLI (torchrun workers on gloo, CUDA redirected to the host).
+
+Parity (fp32, same seed, same global batch of 8 sequences): identical canonical checksum after
+loading; step-0 loss within 1e-5 relative; loss after 10 optimizer steps within 1e-3 relative.
+"""
+
+import dataclasses
+import math
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from conftest import FAST, bench, summaries  # noqa: E402
+
+from parabench.cli import main  # noqa: E402
+
+pytestmark = pytest.mark.megatron
+
+M = ["+model=llama", "backend=megatron"]
+INVALID = {
+    "heads not divisible by tp": (M + ["backend.tp=3", "launcher.nproc_per_node=3"], "backend.tp"),
+    "layers not divisible by pp": (M + ["backend.pp=3", "launcher.nproc_per_node=3"], "backend.pp"),
+    "world not divisible by tp x pp x cp": (M + ["backend.tp=2", "launcher.nproc_per_node=3"], "backend.tp"),
+    "sequence parallel without tp": (M + ["backend.sequence_parallel=true"], "backend.sequence_parallel"),
+    "interleaving without enough layers": (M + ["backend.pp=2", "backend.vpp=4", "launcher.nproc_per_node=2"], "backend.vpp"),
+    "interleaving without pipeline": (M + ["backend.vpp=2"], "backend.vpp"),
+    "context parallel on cpu": (M + ["backend.cp=2", "launcher.nproc_per_node=2"], "backend.cp"),
+    "micro-batch count inconsistent": (M + ["backend.num_microbatches=4"], "backend.num_microbatches"),
+    "param gather overlap without distributed optimizer": (M + ["backend.overlap_param_gather=true"], "backend.overlap_param_gather"),
+    "interleaving with micro-batches not a multiple of pp": (
+        M + ["backend.pp=2", "backend.vpp=2", "launcher.nproc_per_node=2", "data.global_batch_size=6"], "backend.vpp"),
+    "transformer engine on cpu": (M + ["backend.transformer_impl=transformer_engine"], "backend.transformer_impl"),
+    "key of another backend": (M + ["+backend.zero_stage=2"], "backend.zero_stage"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(INVALID))
+def test_invalid_megatron_config_is_refused_before_launch(name, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args, must_name = INVALID[name]
+    results = tmp_path / "results"
+    code = main(["run", *args, f"run.results_dir={results}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and err.startswith("bench: error:") and must_name in err, err
+    assert not results.exists()
+
+
+def test_version_and_availability_are_stated():
+    from parabench.adapters.megatron import SUPPORTED_VERSIONS, MegatronAdapter
+
+    avail = MegatronAdapter.availability()
+    assert avail.available and avail.versions["megatron-core"] in SUPPORTED_VERSIONS, avail
+
+
+def test_unsupported_version_is_refused(monkeypatch):
+    import parabench.adapters.megatron as mg
+
+    monkeypatch.setattr(mg, "_installed_version", lambda: "0.9.0")
+    avail = mg.MegatronAdapter.availability()
+    assert not avail.available and "0.9.0 is not supported" in avail.reason and "0.16.1" in avail.reason
+    monkeypatch.setattr(mg, "_installed_version", lambda: None)
+    assert "pip install 'parabench[megatron]'" in mg.MegatronAdapter.availability().reason
+
+
+def test_engine_in_process_matches_the_canonical_model(tmp_path):
+    """World of 1 (TP=PP=DP=1): the engine's checksum is the canonical one, 3 AdamW steps follow the
+    canonical torch model + torch.optim.AdamW, and close() undoes every patch."""
+    import datetime
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    from parabench.adapters.base import WorkerContext
+    from parabench.adapters.megatron import MegatronAdapter
+    from parabench.adapters.torch_common import make_adamw
+    from parabench.confutil import compose, to_plain
+    from parabench.data import TokenSource
+    from parabench.devices import DEVICES
+    from parabench.migrate import runtime
+    from parabench.model import build_llama, canonical_weights, causal_lm_loss, weights_checksum
+    from parabench.spec import from_config, resolve_device
+
+    job = resolve_device(from_config(to_plain(compose(M + ["data.seq_len=32", "data.global_batch_size=4", "model.num_hidden_layers=2"]))), "cpu")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    apply_before = torch.autograd.function.BackwardCFunction.apply
+    try:
+        engine = MegatronAdapter.create_engine(WorkerContext(job=job, rank=0, world_size=1, local_rank=0,
+                                                             device=DEVICES["cpu"](0), run_dir=tmp_path))
+        try:
+            assert weights_checksum(engine.full_state_dict()) == weights_checksum(canonical_weights(job.model, job.run.seed))
+            assert engine.data_parallel() == (0, 1)
+            ref = build_llama(job.model, seed=job.run.seed)
+            opt = make_adamw(list(ref.named_parameters()), job.optim)
+            source = TokenSource(job.data, job.model.vocab_size)
+            for step in range(3):
+                batches = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in source.rank_micro_batches(step, 0, 1)]
+                got = float(engine.train_step(batches))
+                want = 0.0
+                for x, y in batches:
+                    loss = causal_lm_loss(ref(x), y) / len(batches)
+                    loss.backward()
+                    want += float(loss)
+                torch.nn.utils.clip_grad_norm_(list(ref.parameters()), job.optim.grad_clip)
+                opt.step()
+                opt.zero_grad()
+                assert math.isclose(got, want, rel_tol=1e-5), (step, got, want)
+            state = engine.model_state_bytes()
+            n = job.model.num_params()
+            assert state.params + state.grads + state.optimizer == 16 * n  # fp32 AdamW, replicated
+        finally:
+            engine.close()
+        assert runtime.current() is None and not torch.cuda.is_available()
+        assert torch.autograd.function.BackwardCFunction.apply is apply_before
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expected_model_state_formulas():
+    from parabench.adapters.megatron import MegatronAdapter, rank_param_counts
+    from parabench.confutil import compose, to_plain
+    from parabench.spec import from_config
+
+    def job(*extra):
+        return from_config(to_plain(compose(M + list(extra))))
+
+    j = job("backend.distributed_optimizer=true", "launcher.nproc_per_node=2")
+    psi = job().model.num_params()
+    assert rank_param_counts(j) == {(0, 0): psi}
+    assert MegatronAdapter.expected_model_state(j).bytes == (4 + 4 + 8 / 2) * psi
+    bf16 = dataclasses.replace(j, run=dataclasses.replace(j.run, precision="bf16"))
+    assert MegatronAdapter.expected_model_state(bf16).bytes == (6 + 12 / 2) * psi  # Megatron's 6 + 12/d
+    j = job("backend.tp=2", "backend.pp=2", "launcher.nproc_per_node=4")
+    counts = rank_param_counts(j)
+    m = j.model
+    norms = (2 * m.num_hidden_layers + 1) * m.hidden_size
+    assert sum(counts.values()) == psi + norms  # only the norms are replicated over TP
+    assert counts[(0, 0)] == counts[(0, 1)] and counts[(1, 0)] > counts[(0, 0)]  # the last stage holds the norm + lm_head
+
+
+# --------------------------------------------------------------------------------------------
+# End to end: each configuration against one ddp reference (2 ranks, same global batch of 8).
+# --------------------------------------------------------------------------------------------
+COMMON = [*FAST, "run.steps=11", "data.global_batch_size=8", "data.micro_batch_size=2", "tracking.enabled=false"]
+RUNS = {
+    # name: (world, overrides, labels of the jobs in sweep order). A sweep's jobs share one CLI start-up.
+    "ddp": (2, ["backend=ddp"], ["ddp"]),
+    "tp2": (2, ["backend=megatron", "backend.tp=2", "backend.sequence_parallel=false,true"], ["tp2", "tp2-sp"]),
+    "pp2": (2, ["backend=megatron", "backend.pp=2", "backend.vpp=1,2"], ["pp2", "pp2-vpp2"]),  # 4 micro-batches
+    "dp2": (2, ["backend=megatron", "backend.distributed_optimizer=true", "backend.overlap_grad_reduce=true",
+                "backend.overlap_param_gather=true"], ["dp2-distopt"]),
+    "tp2pp2": (4, ["backend=megatron", "backend.tp=2", "backend.pp=2"], ["tp2pp2"]),  # 4 ranks, oversubscribed
+}
+CONFIGS = [label for name, (_, _, labels) in RUNS.items() if name != "ddp" for label in labels]
+
+
+@pytest.fixture(scope="module")
+def e2e(tmp_path_factory):
+    out = {}
+    for name, (world, overrides, labels) in RUNS.items():
+        results = tmp_path_factory.mktemp(name)
+        multi = len(labels) > 1
+        proc = bench(["run", *(["-m"] if multi else []), *COMMON, *overrides, f"launcher.nproc_per_node={world}"], results)
+        assert proc.returncode == 0, (name, proc.stderr[-4000:])
+        jobs = summaries(results)  # run-dir name -> summary; sweep dirs are numbered in sweep order
+        assert len(jobs) == len(labels), sorted(jobs)
+        out.update(zip(labels, (jobs[k] for k in sorted(jobs))))
+    return out
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(a), abs(b))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", CONFIGS)
+def test_megatron_matches_ddp(e2e, config):
+    ddp, mg = e2e["ddp"], e2e[config]
+    assert mg["backend"] == "megatron" and len(mg["losses"]) == len(ddp["losses"]) == 11
+    assert mg["initial_checksum"] == ddp["initial_checksum"]  # identical canonical start
+    assert rel(mg["losses"][0], ddp["losses"][0]) <= 1e-5, (mg["losses"][0], ddp["losses"][0])
+    assert rel(mg["losses"][10], ddp["losses"][10]) <= 1e-3, (mg["losses"][10], ddp["losses"][10])
+    assert mg["losses"][10] < mg["losses"][0] - 0.1  # it trains
+
+
+@pytest.mark.slow
+def test_megatron_metrics(e2e):
+    n = e2e["ddp"]["num_params"]
+    # Distributed optimizer over dp=2, fp32: 4 + 4 + 8/2 bytes per parameter (+ buffer padding).
+    dist = e2e["dp2-distopt"]
+    assert dist["world_size"] == 2 and dist["model_state_expected_bytes"] == 12 * n
+    for rank in dist["model_state_per_rank"]:
+        core = rank["params"] + rank["grads"] + rank["optimizer"]
+        assert 12 * n <= core <= 12 * n + 64 * 1024, (core, 12 * n)
+    # Replicated optimizer on a TP shard: exactly 16 bytes per parameter held (no padding without dp).
+    tp = e2e["tp2"]
+    for rank in tp["model_state_per_rank"]:
+        assert rank["params"] + rank["grads"] + rank["optimizer"] == tp["model_state_expected_bytes"]
+    assert tp["model_state_bytes_max"] < 0.6 * e2e["ddp"]["model_state_bytes_max"]
+    # Pipeline bubble: (p-1)/m for 1F1B, (p-1)/(v m) interleaved; measured on every rank.
+    assert e2e["pp2"]["extra.pipeline_bubble_predicted"] == 1 / 4
+    assert e2e["pp2-vpp2"]["extra.pipeline_bubble_predicted"] == 1 / 8
+    assert all(0 <= e2e["pp2"][f"extra.rank{r}.pipeline_bubble_measured"] < 1 for r in (0, 1))
+    # TP communication counted: at least the 4 decoder all-reduces per layer and micro-batch.
+    for config in ("tp2", "tp2-sp"):
+        s = e2e[config]
+        assert s["extra.tp_decoder_allreduces_predicted_per_step"] == 4 * 4 * 4
+        assert s["extra.rank0.tp_collectives_per_step"] >= s["extra.tp_decoder_allreduces_predicted_per_step"]
+        assert s["extra.rank0.tp_comm_bytes_per_step"] > 0
