@@ -93,6 +93,8 @@ def main(argv: list[str]) -> int:
         mark = "available" if b["available"] else "unavailable"
         print(f"  {name:<10} {mark:<12} {b['reason']}")
         print(f"  {'':<10} {'':<12} devices {', '.join(b['devices'])}; precisions {', '.join(b['precisions'])}; launcher {b['launcher']}")
+        for key, value in b["versions"].items():  # what the adapter's availability probe found
+            print(f"  {'':<10} {'':<12} {key} {value}")
     print("\nversions")
     for k, v in rep["versions"].items():
         print(f"  {k:<14} {v or '-'}")
