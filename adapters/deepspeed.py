@@ -357,6 +357,7 @@ class DeepSpeedEngine(Engine):
             # put the canonical fp32 values back so every backend starts from the same weights.
             self._set_fp32_masters(canonical_weights(job.model, job.run.seed))
         self._grad_snapshot: dict[str, int] | None = None
+        self._steps = 0
         self._torch = torch
 
     # -- training ---------------------------------------------------------------------------
@@ -367,13 +368,17 @@ class DeepSpeedEngine(Engine):
         if n != self.gas:
             raise RuntimeError(f"{n} micro-batches but gradient_accumulation_steps={self.gas}")
         total = self._torch.zeros((), device=self.ctx.device.torch_device)
-        for i, (inputs, targets) in enumerate(micro_batches):
+        first, self._steps = self._steps == 0, self._steps + 1
+        for inputs, targets in micro_batches:
             loss = causal_lm_loss(self.engine(inputs), targets)
             self.engine.backward(loss)  # scales by 1/gradient_accumulation_steps itself
-            if i == n - 1 and self._grad_snapshot is None:
-                # Gradients as held at the accumulation boundary (DeepSpeed frees them after the step);
-                # taken once: the layout is the same every step.
-                self._grad_snapshot = self._grad_bytes()
+            if first:
+                # Gradients held after each micro-batch's backward (DeepSpeed frees them after the
+                # step); the most over the micro-batches, taken in the first step only (the layout
+                # repeats every step).
+                held = self._grad_bytes()
+                if self._grad_snapshot is None or held["grads"] > self._grad_snapshot["grads"]:
+                    self._grad_snapshot = held
             self.engine.step()  # an optimizer step only at the accumulation boundary
             total += loss.detach() / n
         return total
@@ -412,8 +417,10 @@ class DeepSpeedEngine(Engine):
 
         out = {}
         for name, p in zip(self.names, self.params):
-            if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):
-                full = safe_get_full_fp32_param(p)
+            if hasattr(p, "ds_id"):
+                full = safe_get_full_fp32_param(p)  # an all-gather of the stage-3 partitions
+            elif hasattr(p, "_hp_mapping"):
+                full = _gather_hp_fragments(p)  # collective: every rank calls it, fragment or not
             else:
                 full = self._master_for(p)
                 full = p if full is None else full
@@ -447,7 +454,15 @@ class DeepSpeedEngine(Engine):
         working = [getattr(p, "ds_tensor", None) for p in self.params] + [p.data for p in self.params]
         params = held_bytes(working)
         param_ptrs = {t.untyped_storage().data_ptr() for t in working if t is not None and t.numel()}
-        masters = [p for g in inner.param_groups for p in g["params"] if p.untyped_storage().data_ptr() not in param_ptrs]
+        # The fp32 masters are the tensors the wrapped optimizer steps: its state keys (ZeRO-3 empties
+        # its param_groups between steps) and param groups; stage-0 fp32 steps the parameters themselves.
+        candidates = list(inner.state.keys()) + [p for g in inner.param_groups for p in g["params"]]
+        masters, seen = [], set()
+        for t in candidates:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in param_ptrs and id(t) not in seen:
+                seen.add(id(t))
+                masters.append(t)
         moments, other = [], []
         for state in inner.state.values():
             for value in state.values():
@@ -498,6 +513,25 @@ class DeepSpeedEngine(Engine):
             "deepspeed_version": deepspeed.__version__,
             "torch_extensions_dir": os.environ.get("TORCH_EXTENSIONS_DIR"),
         }
+
+
+def _gather_hp_fragments(param):
+    """The full fp32 master of a stage-1/2 (or BF16_Optimizer) parameter, bit-exact.
+
+    DeepSpeed's ``safe_get_full_fp32_param`` sums zero-padded fragments with an all-reduce, which
+    turns -0.0 into +0.0 (the canonical init has a few) and so changes the weights checksum. Summing
+    the fragments' bit patterns as int32 instead is exact: every element is owned by one rank."""
+    import torch
+    import torch.distributed as dist
+
+    mapping = param._hp_mapping
+    buf = torch.zeros(param.numel(), dtype=torch.int32, device=param.device)
+    if mapping is not None:  # None: no part of this parameter lives in this rank's partition
+        address = mapping.lp_fragment_address
+        fragment = mapping.get_hp_fragment().detach().float().contiguous().view(torch.int32).flatten()
+        buf.narrow(0, address.start, address.numel).copy_(fragment)
+    dist.all_reduce(buf, group=param._dp_group)
+    return buf.view(torch.float32).view(param.shape)
 
 
 def _tensors(value, depth: int = 0):

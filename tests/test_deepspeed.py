@@ -1,0 +1,277 @@
+"""backend=deepspeed: refusals before launch, config merging, and end to end through the real CLI
+(parity with ddp, ZeRO formula for the optimizer states, one MLflow parent per sweep)."""
+
+import importlib.util
+import json
+
+import pytest
+
+from conftest import FAST, bench, mlflow_runs
+
+if importlib.util.find_spec("deepspeed") is None:
+    pytest.skip("deepspeed is not installed (pip install --no-build-isolation deepspeed==0.19.8 torch==2.13.0)",
+                allow_module_level=True)
+
+pytestmark = pytest.mark.deepspeed
+
+DS = ["+model=llama", "backend=deepspeed"]
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(a), abs(b))
+
+
+def _cpu_fp16() -> bool:
+    from parabench.adapters.deepspeed import _cpu_fp16_supported
+
+    return _cpu_fp16_supported()
+
+
+# --------------------------------------------------------------------------------------------
+# Before launch: one line, exit 2, nothing written.
+# --------------------------------------------------------------------------------------------
+def _write(tmp_path, doc) -> str:
+    p = tmp_path / "ds_config.json"
+    p.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    return str(p)
+
+
+INVALID = {
+    "stage 4": (lambda t: [*DS, "backend.zero_stage=4"], "backend.zero_stage"),
+    "offload with stage 0": (lambda t: [*DS, "backend.zero_stage=0", "backend.offload_optimizer=cpu"], "backend.offload_optimizer"),
+    "param offload below stage 3": (lambda t: [*DS, "backend.zero_stage=2", "backend.offload_param=cpu"], "backend.offload_param"),
+    "fp16 and bf16 both on": (lambda t: [*DS, f"backend.config_file={_write(t, {'fp16': {'enabled': True}, 'bf16': {'enabled': True}})}"],
+                              "backend.config_file"),
+    "file precision differs": (lambda t: [*DS, f"backend.config_file={_write(t, {'bf16': {'enabled': True}})}"], "run.precision"),
+    "file batch differs": (lambda t: [*DS, f"backend.config_file={_write(t, {'train_batch_size': 8})}"], "data.global_batch_size"),
+    "file stage differs": (lambda t: [*DS, "backend.zero_stage=1", f"backend.config_file={_write(t, {'zero_optimization': {'stage': 3}})}"],
+                           "backend.zero_stage"),
+    "file optimizer block": (lambda t: [*DS, f"backend.config_file={_write(t, {'optimizer': {'type': 'Adam'}})}"], "optimizer"),
+    "file missing": (lambda t: [*DS, "backend.config_file=/nonexistent/ds.json"], "backend.config_file"),
+    "file not json": (lambda t: [*DS, f"backend.config_file={_write(t, '{oops')}"], "backend.config_file"),
+    "micro-batch does not divide the batch": (lambda t: [*DS, "data.global_batch_size=6", "data.micro_batch_size=4"], "data.global_batch_size"),
+    "micro-batch x ranks does not divide": (lambda t: [*DS, "data.global_batch_size=4", "data.micro_batch_size=4",
+                                                        "launcher.nproc_per_node=2"], "data.global_batch_size"),
+    "negative bucket": (lambda t: [*DS, "backend.reduce_bucket_size=-1"], "backend.reduce_bucket_size"),
+    "zero_stage swept over ddp too": (lambda t: ["-m", "+model=llama", "backend=ddp,deepspeed", "backend.zero_stage=1"], "backend.zero_stage"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(INVALID))
+def test_invalid_deepspeed_settings_are_refused_before_launch(name, tmp_path, capsys, monkeypatch):
+    from parabench.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    make, must_name = INVALID[name]
+    results = tmp_path / "results"
+    code = main(["run", *make(tmp_path), f"run.results_dir={results}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("bench: error:") and must_name in err, err
+    assert not results.exists() and not (tmp_path / "mlflow.db").exists()
+
+
+@pytest.mark.skipif(_cpu_fp16(), reason="this CPU runs fp16")
+def test_fp16_refused_on_a_cpu_without_fp16(tmp_path, capsys, monkeypatch):
+    from parabench.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", *DS, "run.precision=fp16", f"run.results_dir={tmp_path / 'r'}"]) == 2
+    assert "run.precision" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------
+# The config: built from the spec, merged with a user's file.
+# --------------------------------------------------------------------------------------------
+def _job(*overrides):
+    from parabench.confutil import compose, to_plain
+    from parabench.spec import from_config
+
+    return from_config(to_plain(compose([*DS, *overrides])))
+
+
+def test_config_is_built_from_the_spec():
+    from parabench.adapters.deepspeed import deepspeed_config
+
+    cfg = deepspeed_config(_job("backend.zero_stage=3", "run.precision=bf16", "launcher.nproc_per_node=2",
+                                "data.global_batch_size=8", "backend.stage3_param_persistence_threshold=0"))
+    assert cfg["train_batch_size"] == 8 and cfg["train_micro_batch_size_per_gpu"] == 2 and cfg["gradient_accumulation_steps"] == 2
+    assert cfg["bf16"] == {"enabled": True} and cfg["fp16"] == {"enabled": False}
+    assert cfg["zero_optimization"] == {"stage": 3, "stage3_param_persistence_threshold": 0}
+    assert cfg["gradient_clipping"] == 1.0 and cfg["zero_allow_untested_optimizer"] is True
+    off = deepspeed_config(_job("backend.offload_optimizer=cpu"))
+    assert off["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": False}
+    assert "zero_force_ds_cpu_optimizer" not in off  # DeepSpeedCPUAdam: DeepSpeed's default check stays on
+
+
+def test_user_file_merges_auto_equal_values_and_free_knobs(tmp_path):
+    from parabench.adapters.deepspeed import deepspeed_config
+
+    path = _write(tmp_path, {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2, "bfloat16": {"enabled": False},
+                             "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000, "sub_group_size": 7},
+                             "communication_data_type": "fp32"})
+    cfg = deepspeed_config(_job(f"backend.config_file={path}"))
+    assert cfg["train_batch_size"] == 4  # "auto" -> the harness's value
+    assert cfg["zero_optimization"]["reduce_bucket_size"] == 1000 and cfg["zero_optimization"]["sub_group_size"] == 7
+    assert cfg["communication_data_type"] == "fp32" and "bfloat16" not in cfg
+    with pytest.raises(Exception) as exc:  # a knob set on both sides, differently
+        deepspeed_config(_job(f"backend.config_file={path}", "backend.reduce_bucket_size=2000"))
+    assert "reduce_bucket_size" in str(exc.value)
+
+
+def test_zero_formula_per_stage():
+    from parabench.adapters.deepspeed import zero_formula
+
+    psi = _job().model.num_params()
+    expect = {0: 16 * psi, 1: 8 * psi + 6 * psi, 2: 4 * psi + 8 * psi, 3: 10 * psi}  # fp32 on 2 ranks
+    for stage, value in expect.items():
+        assert zero_formula(_job(f"backend.zero_stage={stage}", "launcher.nproc_per_node=2")).bytes == value
+    assert zero_formula(_job("backend.zero_stage=2", "run.precision=bf16", "launcher.nproc_per_node=2")).bytes == 2 * psi + 7 * psi
+
+
+def test_stage_presets_and_the_experiment_expand_and_validate(tmp_path, monkeypatch):
+    from parabench.cli import _preflight
+    from parabench.confutil import compose, to_plain
+
+    for s in range(4):
+        assert to_plain(compose(["+model=llama", f"backend=deepspeed/zero{s}", "backend.overlap_comm=true"]))["backend"]["zero_stage"] == s
+    monkeypatch.chdir(tmp_path)
+    assert _preflight(["-m", "+model=llama", "+experiment=zero_stages", f"run.results_dir={tmp_path / 'r'}"]) is False
+    assert not (tmp_path / "r").exists()
+
+
+def test_bench_env_reports_version_accelerator_and_ops(tmp_path):
+    proc = bench(["env", "--json"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    ds = json.loads(proc.stdout)["backends"]["deepspeed"]
+    assert ds["available"] and ds["versions"]["deepspeed"] == "0.19.8"
+    assert ds["versions"]["accelerator"].startswith("cpu") and "cpu_adam" in ds["versions"]["ops_buildable"]
+
+
+# --------------------------------------------------------------------------------------------
+# End to end (torchrun, gloo). One sweep at 2 ranks, one at 1 rank.
+# --------------------------------------------------------------------------------------------
+STAGES = [0, 1, 2, 3]
+
+
+def _by_label(results) -> dict[str, dict]:
+    """'ddp' / 'zero<S>' / 'zero<S>_offload' -> summary (with the job's spec beside it)."""
+    out = {}
+    for path in sorted(results.glob("runs/*/*/*/summary.json")):
+        summary = json.loads(path.read_text())
+        spec = json.loads((path.parent / "spec.json").read_text())
+        summary["spec"], summary["run_dir"] = spec, path.parent
+        label = spec["backend"]["name"]
+        if label == "deepspeed":
+            o = spec["backend"]["options"]
+            label = f"zero{o['zero_stage']}" + ("_offload" if o["offload_optimizer"] != "none" else "")
+        out[label] = summary
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """ddp, ZeRO 0-3 and ZeRO-2 + optimizer offload: 11 fp32 steps (10 updates) on 2 ranks, one sweep."""
+    results = tmp_path_factory.mktemp("ds2")
+    backends = "ddp," + ",".join(f"deepspeed/zero{s}" for s in STAGES) + ",deepspeed/zero2_offload"
+    proc = bench(["run", "-m", *FAST, f"backend={backends}", "run.steps=11", "launcher.nproc_per_node=2"], results, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return results, _by_label(results)
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """ZeRO-1 and ZeRO-3 on one rank in bf16 (fp32 masters restored to the canonical weights)."""
+    results = tmp_path_factory.mktemp("ds1")
+    proc = bench(["run", "-m", *FAST, "backend=deepspeed/zero1,deepspeed/zero3", "run.steps=2", "run.precision=bf16"],
+                 results, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return results, _by_label(results)
+
+
+@pytest.mark.slow
+def test_identical_initial_weights_as_ddp(two_ranks, one_rank):
+    checksums = {f"{k}@2": s["initial_checksum"] for k, s in two_ranks[1].items()}
+    checksums.update({f"{k}@1 bf16": s["initial_checksum"] for k, s in one_rank[1].items()})
+    assert len(checksums) == 8 and len(set(checksums.values())) == 1, checksums
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", STAGES)
+def test_fp32_loss_parity_with_ddp(two_ranks, stage):
+    ddp, ds = two_ranks[1]["ddp"]["losses"], two_ranks[1][f"zero{stage}"]["losses"]
+    assert len(ddp) == len(ds) == 11
+    assert rel(ddp[0], ds[0]) <= 1e-6
+    assert rel(ddp[10], ds[10]) <= 1e-4  # after 10 optimizer steps
+    assert ds[10] < ds[0] - 0.1
+
+
+@pytest.mark.slow
+def test_offload_with_cpu_adam_trains_like_ddp(two_ranks):
+    ddp, ds = two_ranks[1]["ddp"]["losses"], two_ranks[1]["zero2_offload"]["losses"]
+    assert rel(ddp[0], ds[0]) <= 1e-6
+    # DeepSpeedCPUAdam: the same AdamW, a different (vectorised C++) implementation
+    assert max(rel(a, b) for a, b in zip(ddp, ds)) <= OFFLOAD_TOLERANCE
+    art = json.loads((two_ranks[1]["zero2_offload"]["run_dir"] / "backend_artifacts.json").read_text())
+    assert art["client_optimizer"] == "deepspeed.ops.adam.cpu_adam.DeepSpeedCPUAdam"
+
+
+OFFLOAD_TOLERANCE = 1e-3
+
+
+def _check_optimizer_bytes(summary, world: int) -> None:
+    psi = summary["num_params"]
+    spec = summary["spec"]
+    stage = spec["backend"]["options"]["zero_stage"]
+    k = 8 if stage == 0 and spec["run"]["precision"] == "fp32" else 12
+    for rank in summary["model_state_per_rank"]:
+        d = rank["detail"]
+        formula = k * psi if stage == 0 else k * psi / world
+        assert d["optimizer_formula_bytes"] == int(formula)
+        pad = d.get("padding_elements", 0)
+        assert 0 <= pad < 64 * world, pad  # alignment padding only, and reported
+        assert rank["optimizer"] == (k * psi if stage == 0 else k * (psi + pad) // world), (stage, rank)
+        assert rank["optimizer_other"] <= 8 * 8  # Adam step counters
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", ["zero0", "zero1", "zero2", "zero3", "zero2_offload"])
+def test_optimizer_state_bytes_equal_the_zero_formula_on_two_ranks(two_ranks, label):
+    s = two_ranks[1][label]
+    _check_optimizer_bytes(s, 2)
+    assert s["model_state_expected_bytes"] > 0 and "ZeRO stage" in s["model_state_expected_formula"]
+    assert "model_state_diff_bytes" in s
+    if label == "zero2_offload":
+        assert all(r["host"] == r["optimizer"] for r in s["model_state_per_rank"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", ["zero1", "zero3"])
+def test_optimizer_state_bytes_equal_the_zero_formula_on_one_rank(one_rank, label):
+    s = one_rank[1][label]
+    _check_optimizer_bytes(s, 1)
+    psi = s["num_params"]
+    rank = s["model_state_per_rank"][0]
+    assert rank["params"] >= 2 * psi and rank["params"] < 2 * psi + 1024 ** 2  # bf16 working copies (+ padding)
+
+
+@pytest.mark.slow
+def test_sweep_is_one_parent_with_a_child_per_configuration_and_the_config_is_an_artifact(two_ranks):
+    results, by = two_ranks
+    runs = mlflow_runs(results)
+    parents = runs[runs["tags.parabench.kind"] == "sweep"]
+    children = runs[runs["tags.parabench.kind"] == "job"]
+    assert len(parents) == 1 and len(children) == 6
+    assert set(children["tags.mlflow.parentRunId"]) == {parents.iloc[0]["run_id"]}
+    assert set(runs["status"]) == {"FINISHED"}
+    ds = children[children["tags.backend"] == "deepspeed"]
+    assert sorted(ds["params.backend.zero_stage"]) == ["0", "1", "2", "2", "3"]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{results / 'mlflow.db'}")
+    run_id = ds[ds["params.backend.zero_stage"] == "3"].iloc[0]["run_id"]
+    local = client.download_artifacts(run_id, "backend_artifacts.json", str(results))
+    doc = json.loads(open(local).read())
+    assert doc["deepspeed_config"]["zero_optimization"]["stage"] == 3
+    assert doc["deepspeed_config"]["train_batch_size"] == 4 and doc["deepspeed_optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
