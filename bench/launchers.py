@@ -69,7 +69,67 @@ class Torchrun(Launcher):
         return int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)), int(env.get("WORLD_SIZE", 1))
 
 
-LAUNCHERS: dict[str, type[Launcher]] = {Torchrun.name: Torchrun}
+class Msrun(Launcher):
+    """MindSpore's ``msrun``: one scheduler process plus the workers, all running the same command.
+
+    msrun starts each process as ``python <args>`` from PATH (the adapter's ``launch_env`` puts this
+    interpreter's bin first) and exports, per worker, ``RANK_ID`` (= node_rank x local workers +
+    local index, given ``--node_rank``), ``DEVICE_ID`` (the local index), ``MS_WORKER_NUM`` and
+    ``MS_ROLE=MS_WORKER``. The scheduler gets the same command with ``MS_ROLE=MS_SCHED`` and
+    ``RANK_ID=0``, so the command is this module's entry (:func:`msrun_entry`), which serves the
+    scheduler without touching rank 0's files and hands workers to ``parabench.worker``.
+    With ``--join=True`` msrun waits for all workers and exits non-zero if any worker fails
+    (killing the others).
+    """
+
+    name = "msrun"
+    ENTRY = ["-m", "parabench.launchers"]
+
+    @staticmethod
+    def _args(job: JobSpec, port: int) -> list[str]:
+        la = job.launch
+        return [f"--worker_num={la.world_size}", f"--local_worker_num={la.nproc_per_node}", f"--master_port={port}",
+                "--join=True"]
+
+    @classmethod
+    def command(cls, job: JobSpec, port: int, run_dir: str, python: str = sys.executable) -> list[str]:
+        la = job.launch
+        msrun = os.path.join(os.path.dirname(python), "msrun")
+        if not os.access(msrun, os.X_OK):
+            msrun = which("msrun") or "msrun"
+        return [msrun, *cls._args(job, port), f"--node_rank={la.node_rank}", f"--master_addr={la.master_addr}",
+                f"--log_dir={os.path.join(run_dir, 'logs')}", "python", *cls.ENTRY, run_dir]
+
+    @classmethod
+    def bundle_command(cls, job: JobSpec, port: int) -> str:
+        la = job.launch
+        return ("msrun " + " ".join(cls._args(job, port))
+                + f' --node_rank="${{NODE_RANK:-{la.node_rank}}}" --master_addr="${{MASTER_ADDR:-{la.master_addr}}}"'
+                + ' --log_dir="$RUN_DIR/logs" python -m parabench.launchers "$RUN_DIR"')
+
+    @staticmethod
+    def coords() -> tuple[int, int, int]:
+        env = os.environ
+        return int(env.get("RANK_ID", 0)), int(env.get("DEVICE_ID", 0)), int(env.get("MS_WORKER_NUM", 1))
+
+
+def msrun_entry(argv: list[str]) -> int:
+    """What msrun runs in every process: the scheduler serves the world, workers train."""
+    if os.environ.get("MS_ROLE") == "MS_SCHED":
+        # The scheduler computes nothing: CPU target whatever the workers' device. init() returns
+        # only on failure; when all workers have left, it ends this process itself.
+        import mindspore
+        from mindspore.communication import init
+
+        mindspore.set_device("CPU")
+        init()
+        return 0
+    from parabench.worker import main
+
+    return main(argv)
+
+
+LAUNCHERS: dict[str, type[Launcher]] = {Torchrun.name: Torchrun, Msrun.name: Msrun}
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -109,3 +169,7 @@ def which(tool: str) -> str | None:
     """A launcher tool next to this interpreter first (a venv's bin need not be on PATH)."""
     beside = os.path.join(os.path.dirname(sys.executable), tool)
     return beside if os.access(beside, os.X_OK) else shutil.which(tool)
+
+
+if __name__ == "__main__":  # msrun's command: python -m parabench.launchers RUN_DIR
+    sys.exit(msrun_entry(sys.argv[1:]))
