@@ -164,15 +164,25 @@ def main(argv: list[str] | None = None) -> int:
         counts = generate(src, args.files, args.cuda_share, args.prose_share)
         total_files = sum(1 for p in src.rglob("*") if p.is_file())
         py_bytes = sum(p.stat().st_size for p in src.rglob("*.py"))
-        t0 = time.perf_counter()
+        import resource
+
+        def cpu() -> float:
+            a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+            return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+        load0 = os.getloadavg()[0]
+        c0, t0 = cpu(), time.perf_counter()
         result = run([src], Options(), out, jobs=args.jobs, progress=False)
-        dt = time.perf_counter() - t0
+        dt, dcpu = time.perf_counter() - t0, cpu() - c0
         full = sum(1 for r in result.files if r.full_parse and r.kind == "python")
         changed = sum(1 for r in result.files if r.status == "changed")
         py = sum(1 for r in result.files if r.kind == "python")
         print(f"tree: {total_files} files ({py} .py, {py_bytes / py / 1024:.1f} KiB/.py avg; {counts})")
         print(f"jobs: {args.jobs}; full LibCST parse: {full} .py files; changed: {changed}")
         print(f"time: {dt:.2f} s -> {total_files / dt:.1f} files/s ({py / dt:.1f} .py files/s)")
+        # other processes on the machine slow the wall clock; CPU time shows what an idle machine gets
+        print(f"cpu: {dcpu:.2f} s over {args.jobs} jobs -> {total_files / dcpu * args.jobs:.1f} files/s if the "
+              f"{args.jobs} cores were free (load average at start {load0:.1f} on {os.cpu_count()} cores)")
     finally:
         if args.keep is None:
             shutil.rmtree(base, ignore_errors=True)

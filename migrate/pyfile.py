@@ -17,6 +17,14 @@ _STATIC_WORDS = (
     "cudnn", "tf32", "cpp_extension", "mamba_ssm", "causal_conv1d", "cupy", "deep_gemm", "accelerator",
 )
 _STATIC_RE = re.compile("|".join(_STATIC_WORDS), re.IGNORECASE)
+# String constants only matter when the whole string is a device/backend/env/module/command name;
+# prose ("moving batch to cuda") never triggers a rule (roles are decided on the syntax tree later).
+_STRING_GATE = re.compile(
+    r"^(?:cuda(?::\d*)?|nccl|gpu|(?:\w+:\w+,)*cuda:nccl(?:,\w+:\w+)*"
+    r"|[A-Z0-9_]*(?:CUDA|NCCL)[A-Z0-9_]*|nvidia-smi(?:\s.*)?"
+    r"|[\w.]*(?:cuda|amp_C|flash_attn|transformer_engine|triton|xformers|bitsandbytes|pynvml|apex|mamba_ssm|causal_conv1d)[\w.]*)$",
+    re.DOTALL,
+)
 _MEGATRON_RE = re.compile("megatron")
 _MAIN_RE = re.compile("__main__")
 
@@ -60,7 +68,7 @@ def needs_full_parse(text: str, options: Options) -> tuple[bool, str]:
             if search(node.attr):
                 return True, ""
         elif isinstance(node, ast.Constant):
-            if isinstance(node.value, str) and id(node) not in docstrings and search(node.value):
+            if isinstance(node.value, str) and id(node) not in docstrings and _STRING_GATE.match(node.value):
                 return True, ""
         elif isinstance(node, ast.alias):
             if search(node.name):
@@ -97,7 +105,7 @@ def migrate_python(text: str, path: str, options: Options) -> tuple[str, list[Fi
     visitors = [r(ctx) for r in rules if issubclass(r, PyRule)]
     if visitors:
         module.visit(_dispatcher(visitors))
-    new = module.visit(_Apply(ctx.edits)) if ctx.edits else module
+    new = module.visit(_Apply(ctx.edits, _ancestors(ctx))) if ctx.edits else module
     for rule in rules:
         if issubclass(rule, ModuleRule):
             new = rule().post(module, new, ctx)
@@ -166,12 +174,14 @@ def _apply_class():
     class Apply(cst.CSTTransformer):
         """Applies edits recorded against original nodes; edits compose bottom-up."""
 
-        def __init__(self, edits):
+        def __init__(self, edits, needed):
             super().__init__()
             self.edits = edits
+            self.needed = needed
 
         def on_visit(self, node) -> bool:
-            return True
+            # only descend where an edit lies below: untouched subtrees are reused, not rebuilt
+            return node in self.needed
 
         def on_leave(self, original_node, updated_node):
             fns = self.edits.get(original_node)
@@ -189,10 +199,20 @@ def _apply_class():
     return Apply
 
 
-def _Apply(edits):  # noqa: N802 - factory keeps libcst out of this module's import time
+def _ancestors(ctx) -> set:
+    needed: set = set()
+    for node in ctx.edits:
+        cur = node
+        while cur is not None and cur not in needed:
+            needed.add(cur)
+            cur = ctx.parent(cur)
+    return needed
+
+
+def _Apply(edits, needed):  # noqa: N802 - factory keeps libcst out of this module's import time
     global _APPLY
     try:
         cls = _APPLY
     except NameError:
         cls = _APPLY = _apply_class()
-    return cls(edits)
+    return cls(edits, needed)

@@ -247,3 +247,11 @@ def test_list_rules(capsys):
     assert main(["--list-rules"]) == 0
     table = capsys.readouterr().out
     assert table.startswith("| Code | Name | Safety |") and "| PY101 | cuda-api | safe |" in table
+
+
+def test_docs_rule_table_in_sync():
+    from parabench.migrate.cli import rules_table
+
+    doc = (HERE.parent.parent / "docs" / "migrate.md").read_text()
+    table = doc.split("<!-- rules:begin -->\n", 1)[1].split("<!-- rules:end -->", 1)[0]
+    assert table == rules_table(), "regenerate the table in docs/migrate.md from `bench migrate --list-rules`"
