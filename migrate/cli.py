@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from parabench.migrate.core import MANUAL, MODES, TARGETS, Options
+from parabench.migrate.core import MODES, TARGETS, Options
 
 
 class UsageError(Exception):
