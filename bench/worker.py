@@ -76,7 +76,7 @@ def _run(job, adapter, run_dir: Path, rank: int, local_rank: int, world: int) ->
                                               "time": time.time()})
 
     result = train(engine, ctx, on_step)
-    result.update(initial_checksum=checksum, setup_s=setup_s, device_name=device.name(), pid=os.getpid())
+    result.update(initial_checksum=checksum, setup_s=setup_s, device_name=ctx.device.name(), pid=os.getpid())
     if rank == 0:
         artifacts = engine.artifacts()
         if artifacts:
