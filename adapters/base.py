@@ -214,6 +214,12 @@ class Adapter(ABC):
         return {}
 
     @classmethod
+    def bundle_files(cls, job: JobSpec) -> dict[str, str]:
+        """Extra files (name -> text) for the run directory and launch bundle, e.g. the flags a
+        framework reads from its command line."""
+        return {}
+
+    @classmethod
     def expected_model_state(cls, job: JobSpec) -> StateFormula | None:
         """The per-rank model-state bytes a published formula predicts for this job, if any."""
         return None

@@ -48,6 +48,11 @@ class Device:
     def presence(cls) -> Presence:
         raise NotImplementedError
 
+    @classmethod
+    def launch_env(cls, nproc_per_node: int, threads_per_rank: int) -> dict[str, str]:
+        """Environment for this device kind's workers (accelerators: leave host threading alone)."""
+        return {}
+
     # -- worker side -------------------------------------------------------------------------
     def __init__(self, local_rank: int = 0):
         self.local_rank = local_rank
@@ -91,6 +96,12 @@ class CPUDevice(Device):
     @property
     def torch_device(self) -> str:
         return "cpu"
+
+    @classmethod
+    def launch_env(cls, nproc_per_node: int, threads_per_rank: int) -> dict[str, str]:
+        # Ranks share the cores: each gets its own slice of intra-op threads.
+        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc_per_node)
+        return {"OMP_NUM_THREADS": str(threads)}
 
     def peak_memory(self) -> tuple[int, str]:
         # ru_maxrss is KiB on Linux: the process's peak resident set (includes libraries and

@@ -51,7 +51,8 @@ def prepare(plain: dict[str, Any]) -> JobSpec:
         return job
     available = adapter.availability()
     if not available.available:
-        raise SpecError("backend", f"{adapter.name} cannot run here: {available.reason}")
+        raise SpecError("backend", f"{adapter.name} cannot run here: {available.reason} "
+                                   "(launcher.dry_run=true writes the launch bundle without running)")
     kind = resolve(job.device.type)
     presence = DEVICES[kind].presence()
     if not presence.available:
@@ -98,8 +99,8 @@ def launch_env(job: JobSpec) -> dict[str, str]:
         # torch_npu without CANN breaks `import torch` (and torchrun) unless autoload is off;
         # the NPU worker imports torch_npu explicitly (REFERENCE.md section 6).
         "TORCH_DEVICE_BACKEND_AUTOLOAD": "0",
-        "OMP_NUM_THREADS": str(threads_per_rank(job)),
     }
+    env.update(DEVICES[job.device.type].launch_env(job.launch.nproc_per_node, job.device.threads_per_rank))
     env.update(adapter.launch_env(job))
     return env
 
@@ -119,6 +120,9 @@ def write_bundle(job: JobSpec, run_dir: Path, env: dict[str, str], port: int) ->
         'RUN_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
     ]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items()) if not is_secret(k)]
+    for name, text in get_adapter(job.backend.name).bundle_files(job).items():
+        (run_dir / name).write_text(text)
+        lines.insert(4, f"# {name}: written beside this script for the backend")
     lines.append("exec " + launcher.bundle_command(job, port))
     path = run_dir / "launch.sh"
     path.write_text("\n".join(lines) + "\n")
