@@ -334,6 +334,7 @@ class DeepSpeedEngine(Engine):
 
         self.ctx = ctx
         job, o = ctx.job, ctx.job.backend.options
+        _clear_stale_build_locks(Path(os.environ.get("TORCH_EXTENSIONS_DIR", extensions_dir(job))), job.launch.hang_timeout_s)
         self.config = deepspeed_config(job)
         model = build_llama(job.model, seed=job.run.seed).to(ctx.device.torch_device)
         set_activation_checkpointing(model, o.activation_checkpointing)
@@ -515,6 +516,21 @@ class DeepSpeedEngine(Engine):
         }
 
 
+def _clear_stale_build_locks(root: Path, max_age_s: float) -> None:
+    """Remove JIT-build lock files left by a killed build. torch's build baton waits forever on a
+    lock file; one older than the runner's hang watchdog belongs to a run that was killed."""
+    import time
+
+    for lock in root.glob("*/lock") if root.is_dir() else []:
+        try:
+            age = time.time() - lock.stat().st_mtime
+            if age > max_age_s:
+                lock.unlink()
+                print(f"[parabench deepspeed] removed a stale build lock {lock} ({age:.0f} s old)", flush=True)
+        except FileNotFoundError:
+            pass
+
+
 def _gather_hp_fragments(param):
     """The full fp32 master of a stage-1/2 (or BF16_Optimizer) parameter, bit-exact.
 
@@ -535,7 +551,7 @@ def _gather_hp_fragments(param):
 
 
 def _tensors(value, depth: int = 0):
-    """Tensors inside an attribute value (tensor, list/tuple, dict, nested up to three levels)."""
+    """Tensors inside an attribute value (tensor, list/tuple, dict, dataclass; up to three levels)."""
     if hasattr(value, "untyped_storage"):
         yield value
     elif depth < 3 and isinstance(value, (list, tuple)):
@@ -543,4 +559,7 @@ def _tensors(value, depth: int = 0):
             yield from _tensors(v, depth + 1)
     elif depth < 3 and isinstance(value, dict):
         for v in value.values():
+            yield from _tensors(v, depth + 1)
+    elif depth < 3 and hasattr(value, "__dataclass_fields__"):  # e.g. the stage-1/2 IPGBucket
+        for v in vars(value).values():
             yield from _tensors(v, depth + 1)
