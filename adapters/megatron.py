@@ -235,6 +235,7 @@ class _Counters:
         self.tp_calls = 0
         self.tp_bytes = 0
         self.compute_s = 0.0
+        self.active = False  # count only inside train_step (not the checksum's gathers)
         self._undo: list = []
 
     def patch(self, obj: Any, name: str, make) -> None:
@@ -247,7 +248,7 @@ class _Counters:
             group = kwargs.get("group")
             if group is None:
                 group = next((a for a in args if a is not None and hasattr(a, "size") and not hasattr(a, "dtype")), None)
-            if group is self.tp_group:
+            if self.active and group is self.tp_group:
                 self.tp_calls += 1
                 t = tensor[0] if isinstance(tensor, (list, tuple)) else tensor
                 self.tp_bytes += t.numel() * t.element_size() * (len(tensor) if isinstance(tensor, (list, tuple)) else 1)
@@ -517,10 +518,16 @@ class MegatronEngine(Engine):
         def forward_step(data_iterator, model):
             tokens, labels = next(data_iterator)
             positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+            if o.cp > 1:  # this CP rank's 2 of 2*cp sequence chunks (load-balanced causal split)
+                from megatron.core.utils import get_batch_on_this_cp_rank
+
+                b = get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels, "position_ids": positions})
+                tokens, labels, positions = b["tokens"], b["labels"], b["position_ids"]
             per_token = model(tokens, positions, None, labels=labels)  # loss on the last stage, hidden states elsewhere
             return per_token, _loss
 
         data = [iter(micro_batches) for _ in self.chunks] if len(self.chunks) > 1 else iter(micro_batches)
+        self.counters.active = True
         t0 = time.perf_counter()
         losses = self.forward_backward(
             forward_step_func=forward_step, data_iterator=data, model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
@@ -529,6 +536,7 @@ class MegatronEngine(Engine):
         )
         self.schedule_s += time.perf_counter() - t0
         ok, _grad_norm, _ = self.optimizer.step()
+        self.counters.active = False
         if not ok:
             raise RuntimeError("megatron optimizer step was skipped (non-finite gradients)")
         self.steps += 1
@@ -591,7 +599,8 @@ class MegatronEngine(Engine):
         main_bytes = held_bytes(main)
         return ModelStateBytes(
             params=param_bytes, grads=held_bytes(grads), optimizer=held_bytes(moments) + main_bytes,
-            optimizer_other=held_bytes(other), detail={"fp32_main_params": main_bytes},
+            optimizer_other=held_bytes(other),
+            detail={"fp32_main_params": main_bytes, "param_count": sum(p.numel() for p in params)},
         )
 
     def extra_metrics(self) -> dict[str, float]:
@@ -601,7 +610,8 @@ class MegatronEngine(Engine):
             out["pipeline_bubble_predicted"] = (o.pp - 1) / (o.vpp * m)  # Narayanan et al. 2021, 2104.04473
         if self.steps and self.schedule_s > 0:
             rank = self.ctx.rank
-            out[f"rank{rank}.pipeline_bubble_measured"] = max(0.0, 1.0 - self.counters.compute_s / self.schedule_s)
+            if o.pp > 1:
+                out[f"rank{rank}.pipeline_bubble_measured"] = max(0.0, 1.0 - self.counters.compute_s / self.schedule_s)
             if o.tp > 1:
                 layers = self.ctx.job.model.num_hidden_layers // o.pp
                 out[f"rank{rank}.tp_collectives_per_step"] = self.counters.tp_calls / self.steps
