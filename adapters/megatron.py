@@ -272,7 +272,9 @@ class _Counters:
 
 
 class MegatronEngine(Engine):
-    def __init__(self, ctx: WorkerContext):
+    def __init__(self, ctx: WorkerContext, redirect_cuda: bool = True):
+        """``redirect_cuda=False`` when something else already maps CUDA onto the device (MindSpeed's
+        adaptor applies torch_npu's transfer_to_npu)."""
         import torch
 
         self.ctx = ctx
@@ -282,7 +284,7 @@ class MegatronEngine(Engine):
         self._redirection = None
         self.counters = _Counters()
         try:
-            if self.device_type in ("cpu", "npu"):
+            if redirect_cuda and self.device_type in ("cpu", "npu"):
                 from parabench.migrate.runtime import install
 
                 # CUDA -> host (or NPU): torch.cuda.*, device="cuda" literals, CUDA RNG, .cuda(), nccl.
