@@ -9,8 +9,8 @@ AdamW: ``torch.optim.AdamW``'s update computed by MindSpore's fused ``AdamWeight
 with torch's bias correction folded into the primitive's lr, eps and decay inputs (the algebra is in
 ``AdamW`` below; a unit test checks it against torch to float32 rounding). The ready-made optimizers
 do not fit: ``mindspore.mint.optim.AdamW`` (torch's formula) runs a fused ``AdamW`` primitive that
-has no CPU kernel in 2.10, and ``nn.AdamWeightDecay`` passes lr, eps and decay through unchanged,
-i.e. no bias correction, so its losses drift from torch's.
+has no CPU kernel in 2.10, and ``nn.AdamWeightDecay`` computes the primitive's formula with lr, eps
+and decay as given, i.e. without bias correction, so its losses drift from torch's.
 
 Parallelism: data parallel only. Processes are started by ``msrun`` (launchers.Msrun) and join with
 ``mindspore.communication.init()`` (``mccl`` on CPU, ``hccl`` on Ascend). Gradients are averaged
@@ -267,7 +267,12 @@ def _ascend_device(local_rank: int):
             return int(ms.runtime.max_memory_allocated()), "mindspore.runtime.max_memory_allocated"
 
         def name(self) -> str:
-            return f"Ascend NPU (MindSpore device_id {self.local_rank})"
+            import mindspore as ms
+
+            try:  # e.g. "Ascend910B1": the MFU peak table is keyed by such names
+                return str(ms.hal.get_device_name(self.local_rank, "Ascend"))
+            except (RuntimeError, AttributeError):
+                return f"Ascend NPU (MindSpore device_id {self.local_rank})"
 
     return MindSporeAscend(local_rank)
 

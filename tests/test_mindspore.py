@@ -1,0 +1,190 @@
+"""backend=mindspore: AdamW equivalence with torch, refusals before launch, and parity with ddp
+through the real CLI (msrun workers on mccl, MLflow store in a temp dir)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from conftest import FAST, bench, mlflow_runs, summaries
+
+ms = pytest.importorskip("mindspore")
+
+pytestmark = pytest.mark.mindspore
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(a), abs(b))
+
+
+# --------------------------------------------------------------------------------------------
+# Unit: the optimizer is torch.optim.AdamW, decay on 2-D weights only.
+# --------------------------------------------------------------------------------------------
+def test_adamw_matches_torch_adamw_on_a_tiny_tensor():
+    import torch
+
+    from parabench.adapters.mindspore import _cells
+    from parabench.spec import OptimSpec
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    spec = OptimSpec(lr=3e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    rng = np.random.default_rng(0)
+    w0, b0 = rng.standard_normal((4, 3)).astype(np.float32), rng.standard_normal(3).astype(np.float32)
+    # Gradients of very different scales: small ones make eps and the bias correction matter.
+    steps = [(rng.standard_normal((4, 3)).astype(np.float32) * s, rng.standard_normal(3).astype(np.float32) * s)
+             for s in (1.0, 1e-3, 10.0, 1e-6, 1.0, 0.1)]
+
+    tw, tb = torch.nn.Parameter(torch.tensor(w0)), torch.nn.Parameter(torch.tensor(b0))
+    from parabench.adapters.torch_common import make_adamw
+
+    topt = make_adamw([("w", tw), ("b", tb)], spec)
+
+    cells = _cells()
+    mw, mb = ms.Parameter(ms.Tensor(w0), name="w"), ms.Parameter(ms.Tensor(b0), name="b")
+    params = ms.ParameterTuple([mw, mb])
+    opt = cells.AdamW(params, spec)
+
+    class Step(ms.nn.Cell):
+        def __init__(self):
+            super().__init__(auto_prefix=False)
+            self.params, self.opt = params, opt
+
+        def construct(self, gw, gb, lr, eps, wd):
+            return self.opt(self.params, (gw, gb), lr, eps, wd)
+
+    step = Step()
+    for t, (gw, gb) in enumerate(steps, 1):
+        tw.grad, tb.grad = torch.tensor(gw), torch.tensor(gb)
+        topt.step()
+        step(ms.Tensor(gw), ms.Tensor(gb), *(ms.Tensor(np.float32(x)) for x in opt.step_scalars(t)))
+        for mine, ref in ((mw, tw), (mb, tb)):
+            ref = ref.detach().numpy()
+            np.testing.assert_allclose(mine.asnumpy(), ref, rtol=2e-6, atol=1e-7, err_msg=f"step {t}")
+
+
+def test_step_scalars_fold_the_bias_correction():
+    from parabench.adapters.mindspore import _cells
+    from parabench.spec import OptimSpec
+
+    spec = OptimSpec(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt = _cells().AdamW(ms.ParameterTuple([ms.Parameter(ms.Tensor(np.zeros((2, 2), np.float32)), name="p")]), spec)
+    lr, eps, wd = opt.step_scalars(3)
+    bc1, bc2 = 1 - 0.9 ** 3, 1 - 0.95 ** 3
+    assert math.isclose(lr, 1e-3 * math.sqrt(bc2) / bc1) and math.isclose(eps, 1e-8 * math.sqrt(bc2))
+    assert math.isclose(lr * wd, 1e-3 * 0.1)  # decoupled decay: p *= 1 - lr * wd, as torch
+
+
+# --------------------------------------------------------------------------------------------
+# Refusals: before any process starts, one line naming the key.
+# --------------------------------------------------------------------------------------------
+REFUSED = {
+    "semi_auto on cpu": (["backend.parallel_mode=semi_auto_parallel"], "backend.parallel_mode", "Ascend only"),
+    "auto on cpu": (["backend.parallel_mode=auto_parallel"], "backend.parallel_mode", "Ascend only"),
+    "cuda": (["device=cuda"], "device", "cuda"),
+    "bf16": (["run.precision=bf16"], "run.precision", "fp32"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_refused_before_launch(name, tmp_path, capsys, monkeypatch):
+    from parabench.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    args, key, reason = REFUSED[name]
+    results = tmp_path / "results"
+    code = main(["run", "+model=llama", "backend=mindspore", *args, f"run.results_dir={results}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert key in err and reason in err, err
+    assert not results.exists()
+
+
+def test_pynative_needs_numpy_below_2(tmp_path, capsys, monkeypatch):
+    from parabench.cli import main
+
+    if int(np.__version__.split(".")[0]) < 2:
+        pytest.skip("numpy<2 here: PyNative is allowed")
+    monkeypatch.chdir(tmp_path)
+    code = main(["run", "+model=llama", "backend=mindspore", "backend.mode=pynative", f"run.results_dir={tmp_path / 'r'}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "backend.mode" in err and "numpy<2" in err, err
+
+
+def test_msrun_command_and_coordinates(monkeypatch):
+    from parabench.launchers import Msrun, get_launcher
+    from parabench.spec import from_config
+
+    job = from_config({"model": {"name": "t", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+                                 "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 32},
+                       "backend": {"name": "mindspore"}, "launcher": {"nproc_per_node": 2}})
+    from parabench.adapters.registry import get_adapter
+
+    assert get_launcher(get_adapter("mindspore").capabilities.launcher) is Msrun
+    cmd = Msrun.command(job, 12345, "/runs/x")
+    assert cmd[0].endswith("msrun") and "--worker_num=2" in cmd and "--local_worker_num=2" in cmd
+    assert "--join=True" in cmd and "--master_port=12345" in cmd and "--log_dir=/runs/x/logs" in cmd
+    assert cmd[-4:] == ["python", "-m", "parabench.launchers", "/runs/x"]
+    monkeypatch.setenv("RANK_ID", "3")
+    monkeypatch.setenv("DEVICE_ID", "1")
+    monkeypatch.setenv("MS_WORKER_NUM", "4")
+    assert Msrun.coords() == (3, 1, 4)
+    env = get_adapter("mindspore").launch_env(job)
+    import os
+    import sys
+
+    assert env["PATH"].split(os.pathsep)[0] == os.path.dirname(sys.executable)
+
+
+# --------------------------------------------------------------------------------------------
+# End to end: mindspore vs ddp, same seed and data, 11 fp32 steps (10 updates), 1 and 2 processes.
+# --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def sweeps(tmp_path_factory):
+    out = {}
+    for world in (1, 2):
+        results = tmp_path_factory.mktemp(f"ms_w{world}")
+        proc = bench(["run", "-m", *FAST, "backend=ddp,mindspore", "run.steps=11", f"launcher.nproc_per_node={world}"],
+                     results)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[world] = (results, {s["backend"]: s for s in summaries(results).values()})
+    return out
+
+
+@pytest.mark.slow
+def test_same_initial_weights_as_ddp(sweeps):
+    checksums = {(w, b): s["initial_checksum"] for w, (_, by) in sweeps.items() for b, s in by.items()}
+    assert len(checksums) == 4 and len(set(checksums.values())) == 1, checksums
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+def test_loss_parity_with_ddp(sweeps, world):
+    ddp, mine = sweeps[world][1]["ddp"]["losses"], sweeps[world][1]["mindspore"]["losses"]
+    assert len(ddp) == len(mine) == 11
+    assert rel(ddp[0], mine[0]) <= 1e-5, (ddp[0], mine[0])
+    assert rel(ddp[10], mine[10]) <= 1e-3, (ddp[10], mine[10])  # after 10 optimizer steps
+    assert mine[10] < mine[0] - 0.1  # it trains
+
+
+@pytest.mark.slow
+def test_world_size_does_not_change_the_math(sweeps):
+    one, two = sweeps[1][1]["mindspore"]["losses"], sweeps[2][1]["mindspore"]["losses"]
+    assert rel(one[0], two[0]) <= 1e-6 and rel(one[10], two[10]) <= 1e-4
+
+
+@pytest.mark.slow
+def test_model_states_and_metrics_are_recorded(sweeps):
+    s = sweeps[2][1]["mindspore"]
+    n = s["num_params"]
+    for rank in s["model_state_per_rank"]:
+        assert rank["params"] + rank["grads"] + rank["optimizer"] == 16 * n  # fp32 AdamW, replicated
+    assert s["model_state_expected_bytes"] == 16 * n and s["device"] == "cpu"
+    runs = mlflow_runs(sweeps[2][0])
+    run = runs[runs["tags.backend"] == "mindspore"].iloc[0]
+    assert run["status"] == "FINISHED" and run["tags.world_size"] == "2"
+    assert run["tags.version.mindspore"] == ms.__version__
+    for metric in ("tokens_per_s", "step_time_median_s", "mfu", "peak_tflops_per_device", "peak_memory_bytes_max",
+                   "model_state_bytes_max", "loss"):
+        assert run[f"metrics.{metric}"] > 0, metric
+    assert "measured" in run["tags.peak_source"]  # the CPU's own GEMM peak, never an NPU figure
