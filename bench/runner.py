@@ -242,7 +242,7 @@ def execute(job: JobSpec, plain: dict[str, Any], run_dir: Path, extra_tags: dict
     }
     params = flatten(plain)
     params.update({"derived.grad_accum": str(job.grad_accum), "derived.num_params": str(job.model.num_params()),
-                   "derived.dp": str(job.parallel.dp), "derived.tp": str(job.parallel.tp), "derived.pp": str(job.parallel.pp),
+                   "derived.dp": str(job.parallel.dp), "derived.tp": str(job.parallel.tp), "derived.pp": str(job.parallel.pp), "derived.cp": str(job.parallel.cp),
                    "derived.threads_per_rank": env.get("OMP_NUM_THREADS", "")})
     # One MLflow run per job: on a multi-node job only node 0 records (the other nodes' workers
     # write their rank files into the same, shared run directory).
@@ -311,7 +311,9 @@ def build_summary(job: JobSpec, adapter, results: list[dict]) -> dict[str, Any]:
         "initial_checksum": checksums.pop() if len(checksums) == 1 else f"MISMATCH {sorted(checksums)}",
         "losses": results[0]["losses"], "step_times_max": [max(r["step_times"][i] for r in results) for i in range(len(results[0]["step_times"]))],
         "model_state_per_rank": state_per_rank,
-        "model_state_bytes_per_param": max(core) / job.model.num_params(),
+        # per rank: bytes / the parameters that rank's shard holds (TP/PP shards hold a part of the model)
+        "model_state_bytes_per_param": max(c / (s.get("detail", {}).get("param_count") or job.model.num_params())
+                                           for c, s in zip(core, state_per_rank)),
         "peak_memory_kind": results[0]["peak_memory_kind"],
         "peak_memory_bytes_per_rank": [r["peak_memory_bytes"] for r in results],
     })
