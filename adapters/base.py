@@ -214,6 +214,14 @@ class Adapter(ABC):
         return {}
 
     @classmethod
+    def device_presence(cls, kind: str):
+        """Is a device of this kind usable by this backend here? Default: torch's view (devices.py);
+        a backend with its own runtime (MindSpore) answers for itself."""
+        from parabench.devices import DEVICES
+
+        return DEVICES[kind].presence()
+
+    @classmethod
     def bundle_files(cls, job: JobSpec) -> dict[str, str]:
         """Extra files (name -> text) for the run directory and launch bundle, e.g. the flags a
         framework reads from its command line."""
@@ -226,7 +234,9 @@ class Adapter(ABC):
 
     @classmethod
     def init_worker(cls, ctx: WorkerContext) -> Comm:
-        """Set up the device and join the world (worker only). Default: torch.distributed."""
+        """Set up the device and join the world (worker only). Default: torch.distributed.
+        An adapter with its own runtime may replace ``ctx.device`` with its own view of the device
+        (the worker reads the device name and memory from ``ctx.device`` afterwards)."""
         ctx.device.setup()
         return TorchComm(ctx.job, ctx.device)
 

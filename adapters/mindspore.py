@@ -92,6 +92,28 @@ class MindSporeAdapter(Adapter):
         return Availability(True, f"mindspore {ms}{note}", versions)
 
     @classmethod
+    def device_presence(cls, kind: str):
+        """MindSpore reaches Ascend through CANN itself, not through torch_npu."""
+        import subprocess
+
+        from parabench.devices import DEVICES, Presence, cann_library
+
+        if kind != "npu":
+            return DEVICES[kind].presence()
+        if cann_library() is None:
+            return Presence(False, "MindSpore's Ascend target needs the CANN runtime (libhccl.so), which is not found: "
+                                   "install CANN and source set_env.sh")
+        probe = "import mindspore as ms; print(ms.hal.device_count('Ascend'))"
+        try:
+            out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+        except subprocess.TimeoutExpired:
+            return Presence(False, "probing Ascend through MindSpore timed out after 120 s")
+        if out.returncode != 0:
+            return Presence(False, f"MindSpore could not open Ascend: {(out.stderr.strip().splitlines() or ['no output'])[-1]}")
+        count = int((out.stdout.strip().splitlines() or ["0"])[-1] or 0)
+        return Presence(count > 0, f"{count} x Ascend NPU (MindSpore)" if count else "MindSpore sees no Ascend NPU", count)
+
+    @classmethod
     def validate(cls, job: JobSpec) -> None:
         opts = job.backend.options
         if opts.parallel_mode != "data_parallel":

@@ -23,7 +23,7 @@ from typing import Any
 from parabench import __version__
 from parabench.adapters.base import check_capabilities
 from parabench.adapters.registry import get_adapter
-from parabench.devices import DEVICES, resolve
+from parabench.devices import DEVICES
 from parabench.errors import RunFailed, SpecError
 from parabench.launchers import get_launcher
 from parabench.spec import JobSpec, from_config, resolve_device
@@ -53,8 +53,10 @@ def prepare(plain: dict[str, Any]) -> JobSpec:
     if not available.available:
         raise SpecError("backend", f"{adapter.name} cannot run here: {available.reason} "
                                    "(launcher.dry_run=true writes the launch bundle without running)")
-    kind = resolve(job.device.type)
-    presence = DEVICES[kind].presence()
+    kind = job.device.type
+    if kind == "auto":  # cuda > npu > cpu, among what this backend supports and sees
+        kind = next((k for k in ("cuda", "npu") if k in adapter.capabilities.devices and adapter.device_presence(k).available), "cpu")
+    presence = adapter.device_presence(kind)
     if not presence.available:
         raise SpecError("device", f"{kind} requested but not usable here: {presence.reason} "
                                   "(launcher.dry_run=true writes the launch bundle for a machine that has it)")
@@ -105,6 +107,15 @@ def launch_env(job: JobSpec) -> dict[str, str]:
     return env
 
 
+def _export(key: str, value: str) -> str:
+    """One ``export`` line; a PATH-like value that extends this machine's keeps ``$KEY`` so the
+    bundle extends the target machine's instead."""
+    here = os.environ.get(key, "")
+    if here and value.endswith(here) and value != here:
+        return f'export {key}={shlex.quote(value[: -len(here)])}"${key}"'
+    return f"export {key}={shlex.quote(value)}"
+
+
 def write_bundle(job: JobSpec, run_dir: Path, env: dict[str, str], port: int) -> Path:
     """``launch.sh``: the exact, relocatable command a user can run on the target machine."""
     from parabench.tracking import is_secret
@@ -119,7 +130,7 @@ def write_bundle(job: JobSpec, run_dir: Path, env: dict[str, str], port: int) ->
         "set -euo pipefail",
         'RUN_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
     ]
-    lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items()) if not is_secret(k)]
+    lines += [_export(k, v) for k, v in sorted(env.items()) if not is_secret(k)]
     for name, text in get_adapter(job.backend.name).bundle_files(job).items():
         (run_dir / name).write_text(text)
         lines.insert(4, f"# {name}: written beside this script for the backend")
@@ -282,7 +293,7 @@ def _artifact_files(run_dir: Path) -> list[Path]:
 
 def _report_failure(run_dir: Path, reason: str, tracker) -> None:
     print(f"\nparabench: run FAILED: {reason}", file=sys.stderr)
-    for log in sorted((run_dir / "logs").glob("rank*.log")) + [run_dir / "logs" / "launcher.log"]:
+    for log in sorted((run_dir / "logs").glob("*.log")):  # ranks, the launcher, msrun's scheduler/workers
         print(f"---- last lines of {log} ----\n{_tail(log)}", file=sys.stderr)
     tracker.set_tags({"failure_reason": reason[:5000]})
 
