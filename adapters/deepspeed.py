@@ -437,14 +437,16 @@ class DeepSpeedEngine(Engine):
         inner = getattr(opt, "optimizer", None)
         if inner is not None:
             tensors += [p.grad for g in inner.param_groups for p in g["params"]]
-        buckets = []
+        buckets, sources = [], {"grads.param.grad": held_bytes(tensors)}
         for attr, value in vars(opt).items():
-            if "grad" not in attr.lower() and not attr.startswith("ipg"):
+            if "grad" not in attr.lower() and "ipg" not in attr.lower():
                 continue
             found = [t for t in _tensors(value) if t.dim() > 0]
-            (buckets if attr.startswith("ipg") else tensors).extend(found)
-        grads = held_bytes(tensors)
-        return {"grads": grads, "comm_buckets": held_bytes(buckets)}
+            if found:
+                is_bucket = "ipg" in attr.lower()  # reduce buckets: communication buffers, not gradients
+                (buckets if is_bucket else tensors).extend(found)
+                sources[f"{'buckets' if is_bucket else 'grads'}.{attr.split('__')[-1]}"] = held_bytes(found)
+        return {"grads": held_bytes(tensors), "comm_buckets": held_bytes(buckets), "sources": sources}
 
     def model_state_bytes(self) -> ModelStateBytes:
         from parabench.metrics import held_bytes
@@ -478,6 +480,7 @@ class DeepSpeedEngine(Engine):
             "fp32_master_elements": master_elements,
             "optimizer_formula_bytes": int(optimizer_formula(job)),
             "comm_bucket_bytes": snap["comm_buckets"],
+            **{k: v for k, v in snap.get("sources", {}).items() if v},  # where the gradient bytes live
         }
         if o.zero_stage >= 1:
             # DeepSpeed pads each flat group so that it splits evenly (and aligned) over Nd ranks.

@@ -217,7 +217,7 @@ def test_offload_with_cpu_adam_trains_like_ddp(two_ranks):
     assert art["client_optimizer"] == "deepspeed.ops.adam.cpu_adam.DeepSpeedCPUAdam"
 
 
-OFFLOAD_TOLERANCE = 1e-3
+OFFLOAD_TOLERANCE = 1e-4  # measured: 9.2e-8 over 11 steps on 2 ranks (AVX2 CPU)
 
 
 def _check_optimizer_bytes(summary, world: int) -> None:
@@ -232,7 +232,7 @@ def _check_optimizer_bytes(summary, world: int) -> None:
         pad = d.get("padding_elements", 0)
         assert 0 <= pad < 64 * world, pad  # alignment padding only, and reported
         assert rank["optimizer"] == (k * psi if stage == 0 else k * (psi + pad) // world), (stage, rank)
-        assert rank["optimizer_other"] <= 8 * 8  # Adam step counters
+        assert rank["optimizer_other"] <= 8 * 64  # Adam step counters (one per tensor for torch AdamW at stage 0)
 
 
 @pytest.mark.slow
