@@ -199,8 +199,9 @@ def _write(task: Task, text: str) -> None:
     os.replace(tmp, task.dest)
 
 
-def _process_star(args: tuple[Task, Options]) -> FileResult:
-    return process(*args)
+def _process_indexed(args: tuple[int, Task, Options]) -> tuple[int, FileResult]:
+    i, task, options = args
+    return i, process(task, options)
 
 
 def run(
@@ -270,17 +271,19 @@ def _map(tasks: list[Task], options: Options, jobs: int | None, progress: bool |
                 bar.update(1)
     else:
         import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
 
         # fork: workers inherit the imported rules; nothing from the input is ever imported
-        ctx = mp.get_context("fork") if sys.platform.startswith("linux") else None
+        ctx = mp.get_context("fork") if sys.platform.startswith("linux") else mp.get_context()
         _preload(options)
-        chunk = max(1, min(32, len(tasks) // (jobs * 8) or 1))
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-            for r in pool.map(_process_star, [(t, options) for t in tasks], chunksize=chunk):
-                out.append(r)
+        # chunks keep pickling/IPC small; unordered so one slow file does not hold back the bar
+        chunk = max(1, min(16, len(tasks) // (jobs * 8) or 1))
+        slots: list[FileResult | None] = [None] * len(tasks)
+        with ctx.Pool(processes=jobs) as pool:
+            for i, r in pool.imap_unordered(_process_indexed, [(i, t, options) for i, t in enumerate(tasks)], chunksize=chunk):
+                slots[i] = r
                 if bar:
                     bar.update(1)
+        out = slots  # type: ignore[assignment]
     if bar:
         bar.close()
     return out
@@ -288,8 +291,11 @@ def _map(tasks: list[Task], options: Options, jobs: int | None, progress: bool |
 
 def _preload(options: Options) -> None:
     """Import libcst and the rules once in the parent so forked workers start warm."""
-    import libcst  # noqa: F401
+    import libcst
 
+    import parabench.migrate.pyfile  # noqa: F401
     from parabench.migrate.rules._base import all_rules
+    from parabench.migrate.rules._walk import walk
 
     all_rules()
+    walk(libcst.parse_module("import a\nx = f'{a!r:>{w}}'\n"))  # field orders of the common node types

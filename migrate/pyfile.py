@@ -38,53 +38,78 @@ def _text_gate(options: Options) -> re.Pattern[str]:
 
 
 def needs_full_parse(text: str, options: Options) -> tuple[bool, str]:
-    """Decide cheaply whether any rule could fire. Returns (need, reason-if-unparseable).
+    """Decide cheaply whether any rule could fire. Returns (need, reason-if-unparseable)."""
+    need, reason, _tree = _prefilter(text, options)
+    return need, reason
+
+
+def _prefilter(text: str, options: Options) -> tuple[bool, str, ast.Module | None]:
+    """-> (need, reason-if-unparseable, the ``ast`` tree when one was built).
 
     Stage 1: a regex over the raw text (most files never mention a trigger word).
     Stage 2: the C ``ast`` parser; only identifiers, attribute names, imports and non-docstring
     string constants count, so comments, docstrings and prose-only mentions are skipped.
+    The tree is kept: it gives the line of every top-level statement (see ``Layout``).
     """
     gate = _text_gate(options)
     if not gate.search(text):
-        return False, ""
+        return False, "", None
     try:
         tree = ast.parse(text)
     except (SyntaxError, ValueError) as exc:
-        return False, f"unparseable: {type(exc).__name__}: {getattr(exc, 'msg', exc)} (line {getattr(exc, 'lineno', '?')})"
+        return False, f"unparseable: {type(exc).__name__}: {getattr(exc, 'msg', exc)} (line {getattr(exc, 'lineno', '?')})", None
     if options.mode == "runtime":
-        return True, ""
-    docstrings = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
-            first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
-                docstrings.add(id(first.value))
-    search = gate.search
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name):
+        return True, "", tree
+    # one pass; a container is always reached before its body, so its docstring is known in time
+    docstrings: set[int] = set()
+    search, string_gate = gate.search, _STRING_GATE.match
+    containers = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    Name, Attribute, Constant, alias, ImportFrom, keyword = ast.Name, ast.Attribute, ast.Constant, ast.alias, ast.ImportFrom, ast.keyword
+    AST = ast.AST
+    stack: list[ast.AST] = [tree]
+    pop, push = stack.pop, stack.append
+    while stack:
+        node = pop()
+        t = type(node)
+        if t is Name:
             if search(node.id):
-                return True, ""
-        elif isinstance(node, ast.Attribute):
+                return True, "", tree
+            continue
+        if t is Attribute:
             if search(node.attr):
-                return True, ""
-        elif isinstance(node, ast.Constant):
-            if isinstance(node.value, str) and id(node) not in docstrings and _STRING_GATE.match(node.value):
-                return True, ""
-        elif isinstance(node, ast.alias):
+                return True, "", tree
+        elif t is Constant:
+            if type(node.value) is str and id(node) not in docstrings and string_gate(node.value):
+                return True, "", tree
+            continue
+        elif t is alias:
             if search(node.name):
-                return True, ""
-        elif isinstance(node, ast.ImportFrom):
+                return True, "", tree
+            continue
+        elif t is ImportFrom:
             if node.module and search(node.module):
-                return True, ""
-        elif isinstance(node, ast.keyword):
+                return True, "", tree
+        elif t is keyword:
             if node.arg and search(node.arg):
-                return True, ""
-    return False, ""
+                return True, "", tree
+        elif t in containers and node.body:
+            first = node.body[0]
+            if type(first) is ast.Expr and type(first.value) is Constant:
+                docstrings.add(id(first.value))
+        for field in node._fields:
+            value = getattr(node, field, None)
+            if type(value) is list:
+                for v in value:
+                    if isinstance(v, AST):
+                        push(v)
+            elif isinstance(value, AST):
+                push(value)
+    return False, "", None
 
 
 def migrate_python(text: str, path: str, options: Options) -> tuple[str, list[Finding], bool, str]:
     """Returns (new_text, findings, full_parse, skip_reason)."""
-    need, reason = needs_full_parse(text, options)
+    need, reason, tree = _prefilter(text, options)
     if reason:
         return text, [], False, reason
     if not need:
@@ -93,23 +118,25 @@ def migrate_python(text: str, path: str, options: Options) -> tuple[str, list[Fi
     import libcst as cst
 
     from parabench.migrate.rules._base import rules_for
-    from parabench.migrate.rules._py import ModuleRule, PyContext, PyRule
+    from parabench.migrate.rules._py import Layout, ModuleRule, PyContext, PyRule
 
     try:
-        module = cst.parse_module(text)
+        module = cst.parse_module(text)  # the only LibCST parse of the file
     except Exception as exc:  # libcst.ParserSyntaxError and friends
         return text, [], True, f"unparseable: {str(exc).splitlines()[0]}"
     rules = rules_for("python", options)
     active = frozenset(r.code for r in rules)
-    ctx = PyContext(module, options, active)
+    # "\r" line ends: ast and LibCST could count lines differently; use whole-module passes
+    layout = Layout.build(module, tree) if tree is not None and "\r" not in text else None
+    ctx = PyContext(module, options, active, layout)
     visitors = [r(ctx) for r in rules if issubclass(r, PyRule)]
     if visitors:
-        module.visit(_dispatcher(visitors))
+        _dispatch(ctx.order, visitors)
     new = module.visit(_Apply(ctx.edits, _ancestors(ctx))) if ctx.edits else module
     for rule in rules:
         if issubclass(rule, ModuleRule):
             new = rule().post(module, new, ctx)
-    new_text = new.code
+    new_text = text if new is module else _render(new, module, layout, text)
     findings = sorted(ctx.findings, key=lambda f: (f.line, f.rule, f.end_line, f.message))
     if new_text != text:
         try:
@@ -138,34 +165,41 @@ def _visit_methods(cls: type) -> list[str]:
     return names
 
 
-def _dispatcher(visitors):
-    """One traversal calling every rule's visit_<Node> (libcst's visit_batched introspects each
-    visitor with inspect.getmembers per file, which cost ~8 ms per rule)."""
-    import libcst as cst
-
+def _dispatch(order, visitors) -> None:
+    """Call every rule's visit_<Node> on the nodes in pre-order, as one LibCST visit pass would
+    (libcst's visit_batched introspects each visitor with inspect.getmembers per file, ~8 ms per
+    rule, and ``visit`` itself rebuilds every node it passes)."""
     table: dict[str, list] = {}
     for v in visitors:
         for name in _visit_methods(type(v)):
             table.setdefault(name[len("visit_"):], []).append(getattr(v, name))
+    get = table.get
+    for node in order:
+        fns = get(type(node).__name__)
+        if fns:
+            for fn in fns:
+                fn(node)
 
-    class Dispatch(cst.CSTVisitor):
-        def on_visit(self, node) -> bool:
-            fns = table.get(type(node).__name__)
-            if fns:
-                for fn in fns:
-                    fn(node)
-            return True
 
-        def on_leave(self, original_node) -> None:
-            return None
-
-        def on_visit_attribute(self, node, attribute) -> None:
-            return None
-
-        def on_leave_attribute(self, original_node, attribute) -> None:
-            return None
-
-    return Dispatch()
+def _render(new, original, layout, text: str) -> str:
+    """Source of ``new``: top-level statements that are still the original objects are copied
+    from ``text``, only the rebuilt or inserted ones go through code generation."""
+    if layout is None or not original.has_trailing_newline or new.header is not original.header or new.footer is not original.footer:
+        return new.code
+    starts = [0]
+    find = text.find
+    while (i := find("\n", starts[-1])) >= 0:
+        starts.append(i + 1)
+    # starts[k] = offset of line k+1; the footer's blank/comment lines are the last lines
+    bounds = [starts[r - 1] for r in layout.region] + [starts[len(starts) - 1 - len(original.footer)]]
+    if any(b < a for a, b in zip(bounds, bounds[1:])):
+        return new.code
+    out = [text[: bounds[0]]]
+    for stmt in new.body:
+        i = layout.index.get(stmt)
+        out.append(text[bounds[i]: bounds[i + 1]] if i is not None else new.code_for_node(stmt))
+    out.append(text[bounds[-1]:])
+    return "".join(out)
 
 
 def _apply_class():

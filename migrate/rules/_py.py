@@ -18,6 +18,7 @@ import builtins
 from parabench.migrate import api_map
 from parabench.migrate.core import MANUAL, REVIEW, Finding, Options
 from parabench.migrate.rules._base import Rule
+from parabench.migrate.rules._walk import walk
 
 DEVICE_RE = re.compile(r"^cuda(:\d+)?$")
 BACKEND_COMPOUND_RE = re.compile(r"^(?:[a-z]+:[a-z]+,)*cuda:nccl(?:,[a-z]+:[a-z]+)*$")
@@ -97,14 +98,17 @@ def fstring_to_npu(node: cst.FormattedString) -> cst.FormattedString:
 class PyContext:
     """One parsed module plus resolved metadata, shared by every Python rule of a run."""
 
-    def __init__(self, module: cst.Module, options: Options, active: frozenset[str]):
+    def __init__(self, module: cst.Module, options: Options, active: frozenset[str], layout: "Layout | None" = None):
         self.module = module
         self.options = options
         self.active = active
-        self._pos: dict | None = None  # computed on the first finding
-        # one plain traversal: parents, import bindings, name occurrences. No scope analysis:
-        # LibCST's ScopeProvider + QualifiedNameProvider cost about four parses per file.
-        self._parent, self._imports, self.names, self.in_import, self.import_nodes = _index(module)
+        self.layout = layout  # first line of each top-level statement (from the pre-filter's ast), if known
+        self._pos: dict = {}  # node -> (first, last) line, filled per top-level statement on demand
+        self._pos_full = False
+        # one read-only traversal: parents, import bindings, name occurrences, pre-order for the
+        # rules. No scope analysis: LibCST's ScopeProvider + QualifiedNameProvider cost about
+        # four parses per file.
+        self.order, self._parent, self._imports, self.names, self.in_import, self.import_nodes = _index(module)
         self._qcache: dict[cst.CSTNode, set[str]] = {}
         self.edits: dict[cst.CSTNode, list[Callable]] = {}
         self.findings: list[Finding] = []
@@ -149,8 +153,18 @@ class PyContext:
         return self._parent.get(node)
 
     def lines(self, node: cst.CSTNode) -> tuple[int, int]:
-        if self._pos is None:
+        pos = self._pos.get(node)
+        if pos is not None or self._pos_full:
+            return pos or (0, 0)
+        top = node
+        while (up := self._parent.get(top)) is not None and up is not self.module:
+            top = up
+        index = self.layout.index.get(top) if self.layout is not None and up is self.module else None
+        if index is None:  # no layout, or not inside a statement: one code-generation pass over the module
             self._pos = _line_table(self.module)
+            self._pos_full = True
+        else:  # only the top-level statement that holds the node
+            self._pos.update(_line_table(top, self.layout.region[index], self.module))
         return self._pos.get(node, (0, 0))
 
     def code(self, node: cst.CSTNode) -> str:
@@ -198,50 +212,33 @@ def _is_reference(ctx: "PyContext", node: cst.Name) -> bool:
 
 
 def _index(module: cst.Module):
-    """Parents, import bindings (local name -> qualified names), Name nodes by value, import nodes."""
-    parents: dict[cst.CSTNode, cst.CSTNode] = {}
+    """Pre-order nodes, parents, import bindings (local name -> qualified names), Name nodes by
+    value (outside imports), nodes inside import statements, import statements."""
+    order, parents = walk(module)
     imports: dict[str, set[str]] = {}
     names: dict[str, list[cst.Name]] = {}
     in_import: set[cst.CSTNode] = set()
     import_nodes: list[cst.CSTNode] = []
-    stack: list[cst.CSTNode] = []
-    depth = [0]
-
-    class V(cst.CSTVisitor):
-        def on_visit(self, node: cst.CSTNode) -> bool:
-            if stack:
-                parents[node] = stack[-1]
-            stack.append(node)
-            if isinstance(node, (cst.Import, cst.ImportFrom)):
-                depth[0] += 1
-                import_nodes.append(node)
-                _bind(node, imports)
-            if depth[0]:
-                in_import.add(node)
-            elif isinstance(node, cst.Name):
+    Name, Import, ImportFrom = cst.Name, cst.Import, cst.ImportFrom
+    for node in order:
+        t = type(node)  # exact types: isinstance through LibCST's ABC metaclass is slow
+        if t is Name:
+            if node not in in_import:
                 names.setdefault(node.value, []).append(node)
-            return True
-
-        def on_leave(self, original_node: cst.CSTNode) -> None:
-            stack.pop()
-            if isinstance(original_node, (cst.Import, cst.ImportFrom)):
-                depth[0] -= 1
-
-        def on_visit_attribute(self, node, attribute) -> None:
-            pass
-
-        def on_leave_attribute(self, original_node, attribute) -> None:
-            pass
-
-    module.visit(V())
-    return parents, imports, names, in_import, import_nodes
+        elif t is Import or t is ImportFrom:
+            import_nodes.append(node)
+            _bind(node, imports)
+            in_import.update(walk(node)[0])
+    return order, parents, imports, names, in_import, import_nodes
 
 
-def _line_table(module: cst.Module) -> dict[cst.CSTNode, tuple[int, int]]:
-    """(first, last) source line of every node, from one code-generation pass.
+def _line_table(node: cst.CSTNode, first_line: int = 1, module: cst.Module | None = None) -> dict[cst.CSTNode, tuple[int, int]]:
+    """(first, last) source line of every node under ``node`` (a module, or a top-level statement
+    whose text starts at ``first_line``), from one code-generation pass.
 
     LibCST's PositionProvider computes columns and syntactic ranges too and costs ~7 parses;
     the rules only need lines. Statements start after their leading blank/comment lines."""
+    module = module if module is not None else node
     from libcst._nodes.internal import CodegenState
 
     table: dict[cst.CSTNode, tuple[int, int]] = {}
@@ -265,8 +262,47 @@ def _line_table(module: cst.Module) -> dict[cst.CSTNode, tuple[int, int]]:
             table[node] = (start, max(start, end))
 
     state = LineState(default_indent=module.default_indent, default_newline=module.default_newline)
-    module._codegen(state)
+    state.line = first_line
+    node._codegen(state)
     return table
+
+
+@dataclasses.dataclass
+class Layout:
+    """Where each top-level statement of the module lies in the source text, without a LibCST
+    code-generation pass: the first line of its first token comes from the pre-filter's ``ast``
+    tree, its leading blank/comment lines from the LibCST node. ``region[i]`` is the first line of
+    statement i's text (its leading lines included); regions tile the file between header and footer."""
+
+    region: list[int]
+    index: dict[cst.CSTNode, int]
+
+    @staticmethod
+    def build(module: cst.Module, tree) -> "Layout | None":
+        body = tree.body
+        region: list[int] = []
+        k = 0
+        for stmt in module.body:
+            if k >= len(body):
+                return None
+            first = body[k]
+            before = len(stmt.leading_lines)
+            if isinstance(stmt, cst.SimpleStatementLine):
+                k += len(stmt.body)
+            else:
+                k += 1
+                decorators = getattr(stmt, "decorators", ())
+                if decorators:
+                    if not first.decorator_list:
+                        return None
+                    first_line = first.decorator_list[0].lineno
+                    before += len(decorators[0].leading_lines)
+                    region.append(first_line - before)
+                    continue
+            region.append(first.lineno - before)
+        if k != len(body) or any(b <= a for a, b in zip(region, region[1:])) or (region and region[0] < 1):
+            return None
+        return Layout(region, {stmt: i for i, stmt in enumerate(module.body)})
 
 
 def _bind(node: cst.CSTNode, imports: dict[str, set[str]]) -> None:
