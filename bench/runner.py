@@ -204,8 +204,11 @@ def launch(job: JobSpec, run_dir: Path, env: dict[str, str], port: int) -> tuple
             if info and info.get("step", 0) != last_step:
                 last_step, last_change = info["step"], time.monotonic()
                 bar.update(info)
-            if time.monotonic() - last_change > job.launch.hang_timeout_s:
-                reason = f"no step finished for {job.launch.hang_timeout_s:.0f} s (launcher.hang_timeout_s): killed"
+            # before the first step: setup (imports, JIT builds); afterwards: one step at a time
+            limit, key = ((job.launch.setup_timeout_s, "setup_timeout_s") if last_step < 1
+                          else (job.launch.hang_timeout_s, "hang_timeout_s"))
+            if time.monotonic() - last_change > limit:
+                reason = f"no step finished for {limit:.0f} s (launcher.{key}): killed"
                 _kill(proc)
                 break
     except KeyboardInterrupt:

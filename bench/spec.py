@@ -213,6 +213,7 @@ class LaunchSpec:
     slurm: bool = False  # take nnodes, node_rank and master_addr from the Slurm allocation (one task per node)
     dry_run: bool = False  # write the launch bundle (script + env + resolved config) and stop
     collective_timeout_s: float = 180.0  # process-group timeout: a hung collective fails after this
+    setup_timeout_s: float = 1800.0  # runner watchdog until the first step (imports, JIT op builds)
     hang_timeout_s: float = 600.0  # runner watchdog: no progress for this long -> kill, FAILED
 
     @property
@@ -368,6 +369,7 @@ def _validate_common(model: ModelSpec, data: DataSpec, optim: OptimSpec, device:
         ("data.micro_batch_size", data.micro_batch_size), ("optim.lr", optim.lr), ("optim.eps", optim.eps),
         ("launcher.nnodes", launch.nnodes), ("launcher.nproc_per_node", launch.nproc_per_node),
         ("launcher.collective_timeout_s", launch.collective_timeout_s), ("launcher.hang_timeout_s", launch.hang_timeout_s),
+        ("launcher.setup_timeout_s", launch.setup_timeout_s),
         ("run.steps", run.steps), ("run.repeats", run.repeats),
     ]:
         _positive(key, value)

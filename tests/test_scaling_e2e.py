@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def scaling(tmp_path_factory):
     results = tmp_path_factory.mktemp("scaling")
-    proc = bench(["run", "-m", "+experiment=scaling_cpu", "run.steps=2", "run.warmup_steps=0", "data.seq_len=32"], results)
+    proc = bench(["run", "-m", "+experiment=scaling_cpu", "backend=ddp,fsdp", "run.steps=2", "run.warmup_steps=0", "data.seq_len=32"], results)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return results
 
