@@ -432,7 +432,7 @@ def render_html(report: dict[str, Any]) -> str:
                 bars[f"{label} r{rank}"] = {k: v / 2**20 for k, v in st.items()}
         parts.append(bar_stack_svg("Model-state memory per rank", "MiB", bars, plot_id=f"memory-{i}"))
         curves = {label: list(enumerate(losses)) for label, losses in sec["loss_curves"].items() if losses}
-        parts.append(line_svg("Loss curves", "step", "loss", curves, plot_id=f"loss-{i}"))
+        parts.append(line_svg("Loss curves", "step", "loss", curves, plot_id=f"loss-{i}", from_zero=False))
         parts.append("</div>")
     legend = "".join(f"<li>{html.escape(line)}</li>" for line in _legend(report["meta"]))
     data = html.escape(json.dumps(report), quote=False)

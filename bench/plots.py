@@ -36,13 +36,19 @@ def _frame(title: str, xlabel: str, ylabel: str, plot_id: str, body: str) -> str
             f"transform='rotate(-90 14 {(T + H - B) / 2})'>{html.escape(ylabel)}</text>{body}</svg>")
 
 
-def line_svg(title: str, xlabel: str, ylabel: str, series: dict[str, list[tuple[float, float]]], plot_id: str) -> str:
+def line_svg(title: str, xlabel: str, ylabel: str, series: dict[str, list[tuple[float, float]]], plot_id: str,
+             from_zero: bool = True) -> str:
     points = [p for s in series.values() for p in s]
     if not points:
         return _frame(title, xlabel, ylabel, plot_id, f"<text x='{W / 2}' y='{H / 2}' text-anchor='middle'>no data</text>")
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
-    y0, y1 = min(0.0, min(ys)), max(ys) * 1.08 if max(ys) > 0 else 1.0
+    if from_zero:
+        y0, y1 = min(0.0, min(ys)), max(ys) * 1.08 if max(ys) > 0 else 1.0
+    else:  # zoom on the data (loss curves): a small margin around the range
+        pad = (max(ys) - min(ys)) * 0.08 or abs(max(ys)) * 0.01 or 1.0
+        y0, y1 = min(ys) - pad, max(ys) + pad
+        y0 = _ticks(y0, y1)[0]
     yt = _ticks(y0, y1)
     y1 = max(y1, yt[-1])
     sx = lambda x: L + (x - x0) / (x1 - x0) * (W - L - R)  # noqa: E731
