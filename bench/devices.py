@@ -99,9 +99,7 @@ class CPUDevice(Device):
 
     @classmethod
     def launch_env(cls, nproc_per_node: int, threads_per_rank: int) -> dict[str, str]:
-        # Ranks share the cores: each gets its own slice of intra-op threads.
-        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc_per_node)
-        return {"OMP_NUM_THREADS": str(threads)}
+        return {"OMP_NUM_THREADS": str(cpu_threads(nproc_per_node, threads_per_rank))}
 
     def peak_memory(self) -> tuple[int, str]:
         # ru_maxrss is KiB on Linux: the process's peak resident set (includes libraries and
@@ -242,6 +240,11 @@ def resolve(kind: str) -> str:
         if DEVICES[candidate].presence().available:
             return candidate
     return "cpu"
+
+
+def cpu_threads(nproc_per_node: int, threads_per_rank: int = 0) -> int:
+    """Intra-op threads per CPU rank: the ranks of a node share its cores (or the user's choice)."""
+    return threads_per_rank or max(1, (os.cpu_count() or 1) // nproc_per_node)
 
 
 def cpu_model() -> str:

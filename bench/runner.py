@@ -88,9 +88,9 @@ def free_port() -> int:
 
 
 def threads_per_rank(job: JobSpec) -> int:
-    if job.device.threads_per_rank:
-        return job.device.threads_per_rank
-    return max(1, (os.cpu_count() or 1) // job.launch.nproc_per_node)
+    from parabench.devices import cpu_threads
+
+    return cpu_threads(job.launch.nproc_per_node, job.device.threads_per_rank)
 
 
 def launch_env(job: JobSpec) -> dict[str, str]:
