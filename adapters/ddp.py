@@ -9,6 +9,7 @@ held once, not twice.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 from dataclasses import dataclass
 
@@ -67,13 +68,7 @@ class DDPAdapter(Adapter):
                                       static_graph=opts.static_graph)
 
         def sync(last: bool):
-            return ddp.no_sync() if not last else _null()
+            return ddp.no_sync() if not last else contextlib.nullcontext()
 
         autocast = torch.bfloat16 if job.run.precision == "bf16" else None
         return DDPEngine(ctx, ddp, list(model.named_parameters()), sync, autocast)
-
-
-def _null():
-    import contextlib
-
-    return contextlib.nullcontext()

@@ -17,7 +17,6 @@ adapter's (this class derives from it). What MindSpeed adds, inside the worker p
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import importlib.util
 import sys
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from typing import Literal
 
 from parabench.adapters.base import Availability, Capabilities, Engine, WorkerContext
 from parabench.adapters.megatron import MegatronAdapter, MegatronOptions
+from parabench.devices import package_version
 from parabench.errors import SpecError
 from parabench.spec import JobSpec
 
@@ -95,18 +95,12 @@ def mindspeed_argv(job: JobSpec) -> list[str]:
     return args
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
 
 def version_set() -> dict[str, str | None]:
     from parabench.envreport import cann_version
 
-    return {"torch": _version("torch"), "torch-npu": _version("torch-npu"), "cann": cann_version(),
-            "mindspeed": _version("mindspeed"), "megatron-core": _version("megatron-core")}
+    return {"torch": package_version("torch"), "torch-npu": package_version("torch-npu"), "cann": cann_version(),
+            "mindspeed": package_version("mindspeed"), "megatron-core": package_version("megatron-core")}
 
 
 def check_matrix(found: dict[str, str | None]) -> str | None:

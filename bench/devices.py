@@ -31,7 +31,8 @@ class Presence:
     count: int = 0
 
 
-def _version(dist: str) -> str | None:
+def package_version(dist: str) -> str | None:
+    """Installed version of a distribution, or None (no import of the package itself)."""
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
@@ -123,7 +124,7 @@ class CUDADevice(Device):
 
     @classmethod
     def presence(cls) -> Presence:
-        if _version("torch") is None:
+        if package_version("torch") is None:
             return Presence(False, "torch is not installed")
         import torch
 
@@ -178,7 +179,7 @@ class NPUDevice(Device):
 
     @classmethod
     def presence(cls) -> Presence:
-        version = _version("torch-npu") or _version("torch_npu")
+        version = package_version("torch-npu") or package_version("torch_npu")
         if version is None or importlib.util.find_spec("torch_npu") is None:
             return Presence(False, "torch_npu is not installed (pip install torch-npu, on a machine with the CANN toolkit)")
         if cann_library() is None:

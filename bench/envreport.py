@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import platform
@@ -10,15 +9,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from parabench.devices import package_version
+
 # distribution names whose versions are recorded with every run
 VERSIONED = ["torch", "deepspeed", "megatron-core", "mindspore", "torch-npu", "mindspeed", "mlflow", "hydra-core", "numpy"]
 
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def cann_version() -> str | None:
@@ -35,7 +30,7 @@ def cann_version() -> str | None:
 
 
 def versions() -> dict[str, str | None]:
-    out: dict[str, str | None] = {d: _version(d) for d in VERSIONED}
+    out: dict[str, str | None] = {d: package_version(d) for d in VERSIONED}
     out["python"] = platform.python_version()
     out["cann"] = cann_version()
     return out
@@ -70,7 +65,7 @@ def report() -> dict[str, Any]:
     return {"python": sys.version.split()[0], "executable": sys.executable, "cpu": cpu_info(), "devices": devices,
             "backends": backends, "versions": versions(),
             "notes": ["TORCH_DEVICE_BACKEND_AUTOLOAD=0 is set by parabench: with torch_npu installed but no CANN, "
-                      "`import torch` fails otherwise."] if _version("torch-npu") else []}
+                      "`import torch` fails otherwise."] if package_version("torch-npu") else []}
 
 
 def main(argv: list[str]) -> int:

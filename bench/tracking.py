@@ -55,8 +55,8 @@ def _experiment_id(client, name: str, results_dir: str) -> str:
         if exp.lifecycle_stage == "deleted":
             client.restore_experiment(exp.experiment_id)
         return exp.experiment_id
-    uri = client.tracking_uri if hasattr(client, "tracking_uri") else ""
-    artifacts = artifact_root(results_dir) + "/" + name if not str(uri).startswith("http") else None
+    # a local store keeps artifacts beside it under results/; a server decides for itself
+    artifacts = None if str(client.tracking_uri).startswith("http") else artifact_root(results_dir) + "/" + name
     return client.create_experiment(name, artifact_location=artifacts)
 
 
@@ -93,7 +93,7 @@ class JobRun:
     def start(self, run_name: str, params: Mapping[str, str], tags: Mapping[str, str]) -> str | None:
         if not self.tracking.enabled:
             return None
-        from mlflow.entities import Param, RunTag
+        from mlflow.entities import Param
 
         self.client = _client(self.tracking, self.results_dir)
         exp = _experiment_id(self.client, self.tracking.experiment, self.results_dir)
