@@ -1,11 +1,16 @@
 """Migrate one Python source text: cheap pre-filter, then LibCST rules, then a compile check.
 
+The pre-filter (regex, then the C ``ast`` parser) decides whether any rule could fire and which
+top-level statements can matter; LibCST - the expensive part - parses only those, with the other
+statements' lines left empty so every line number stays the same, and the result is spliced back
+into the source text. Where splicing is not exact the whole file is parsed instead.
 The input is parsed, never imported or executed (``compile`` only builds a code object).
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 
 from parabench.migrate.core import Finding, Options
@@ -37,65 +42,90 @@ def _text_gate(options: Options) -> re.Pattern[str]:
     return _STATIC_RE
 
 
-def needs_full_parse(text: str, options: Options) -> tuple[bool, str]:
-    """Decide cheaply whether any rule could fire. Returns (need, reason-if-unparseable)."""
-    need, reason, _tree = _prefilter(text, options)
-    return need, reason
+@dataclasses.dataclass
+class Plan:
+    """What the pre-filter decided for one file.
+
+    ``need``: some rule could fire (else the file is copied unparsed). ``parse_text``: the text to
+    give LibCST - the source itself, or the source with the top-level statements that cannot
+    matter blanked (their lines emptied, so every line number stays the same). ``first``: the first
+    line of every top-level statement of the file; ``parsed``: which of them ``parse_text`` keeps;
+    ``tree``: the ``ast`` statements of ``parse_text`` (for ``Layout``)."""
+
+    need: bool
+    reason: str = ""
+    parse_text: str = ""
+    tree: object = None
+    first: list[int] | None = None
+    parsed: list[int] | None = None
+
+    @property
+    def partial(self) -> bool:
+        return self.parsed is not None
 
 
-def _prefilter(text: str, options: Options) -> tuple[bool, str, ast.Module | None]:
-    """-> (need, reason-if-unparseable, the ``ast`` tree when one was built).
-
-    Stage 1: a regex over the raw text (most files never mention a trigger word).
+def _prefilter(text: str, options: Options) -> Plan:
+    """Stage 1: a regex over the raw text (most files never mention a trigger word).
     Stage 2: the C ``ast`` parser; only identifiers, attribute names, imports and non-docstring
     string constants count, so comments, docstrings and prose-only mentions are skipped.
-    The tree is kept: it gives the line of every top-level statement (see ``Layout``).
-    """
+    Stage 3 (``_select``): which top-level statements LibCST has to see at all."""
     gate = _text_gate(options)
     if not gate.search(text):
-        return False, "", None
+        return Plan(False)
     try:
         tree = ast.parse(text)
     except (SyntaxError, ValueError) as exc:
-        return False, f"unparseable: {type(exc).__name__}: {getattr(exc, 'msg', exc)} (line {getattr(exc, 'lineno', '?')})", None
-    if options.mode == "runtime":
-        return True, "", tree
-    # one pass; a container is always reached before its body, so its docstring is known in time
-    docstrings: set[int] = set()
-    search, string_gate = gate.search, _STRING_GATE.match
-    containers = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+        return Plan(False, f"unparseable: {type(exc).__name__}: {getattr(exc, 'msg', exc)} (line {getattr(exc, 'lineno', '?')})")
+    return _select(text, tree, options, gate)
+
+
+_Module, _Expr, _Constant, _Import, _ImportFrom, _If = ast.Module, ast.Expr, ast.Constant, ast.Import, ast.ImportFrom, ast.If
+
+
+def _docstring(body: list) -> ast.AST | None:
+    first = body[0] if body else None
+    if type(first) is _Expr and type(first.value) is _Constant and type(first.value.value) is str:
+        return first.value
+    return None
+
+
+def _hits(nodes: list, search, docstrings: set[int]) -> bool:
+    """Does any identifier, attribute name, import or role-bearing string under ``nodes`` match?
+    One pass; a container is always reached before its body, so its docstring is known in time."""
+    string_gate = _STRING_GATE.match
+    containers = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
     Name, Attribute, Constant, alias, ImportFrom, keyword = ast.Name, ast.Attribute, ast.Constant, ast.alias, ast.ImportFrom, ast.keyword
     AST = ast.AST
-    stack: list[ast.AST] = [tree]
+    stack = list(nodes)
     pop, push = stack.pop, stack.append
     while stack:
         node = pop()
         t = type(node)
         if t is Name:
             if search(node.id):
-                return True, "", tree
+                return True
             continue
         if t is Attribute:
             if search(node.attr):
-                return True, "", tree
+                return True
         elif t is Constant:
             if type(node.value) is str and id(node) not in docstrings and string_gate(node.value):
-                return True, "", tree
+                return True
             continue
         elif t is alias:
             if search(node.name):
-                return True, "", tree
+                return True
             continue
         elif t is ImportFrom:
             if node.module and search(node.module):
-                return True, "", tree
+                return True
         elif t is keyword:
             if node.arg and search(node.arg):
-                return True, "", tree
+                return True
         elif t in containers and node.body:
-            first = node.body[0]
-            if type(first) is ast.Expr and type(first.value) is Constant:
-                docstrings.add(id(first.value))
+            doc = _docstring(node.body)
+            if doc is not None:
+                docstrings.add(id(doc))
         for field in node._fields:
             value = getattr(node, field, None)
             if type(value) is list:
@@ -104,39 +134,191 @@ def _prefilter(text: str, options: Options) -> tuple[bool, str, ast.Module | Non
                         push(v)
             elif isinstance(value, AST):
                 push(value)
-    return False, "", None
+    return False
 
 
-def migrate_python(text: str, path: str, options: Options) -> tuple[str, list[Finding], bool, str]:
-    """Returns (new_text, findings, full_parse, skip_reason)."""
-    need, reason, tree = _prefilter(text, options)
-    if reason:
-        return text, [], False, reason
-    if not need:
+_IDENT_RE = re.compile(r"[A-Za-z_]\w*")
+# a line that could end an assignment `name = <expr>.cuda` (cuda_refs follows such aliases file-wide)
+_ALIAS_RE = re.compile(r"cuda[ \t)\\]*(?:[;#].*)?$", re.MULTILINE)
+
+
+def _bindings(nodes) -> list[tuple[str, str]]:
+    """(local name, qualified name) bound by every import under ``nodes`` (as rules._py._bind)."""
+    out = []
+    for node in nodes:
+        for n in ast.walk(node) if type(node) not in (_Import, _ImportFrom) else (node,):
+            if type(n) is _Import:
+                for a in n.names:
+                    out.append((a.asname, a.name) if a.asname else ((root := a.name.split(".")[0]), root))
+            elif type(n) is _ImportFrom:
+                mod = "." * n.level + (n.module or "")
+                for a in n.names:
+                    if a.name != "*":
+                        out.append((a.asname or a.name, f"{mod}{a.name}" if mod.endswith(".") else f"{mod}.{a.name}"))
+    return out
+
+
+def _select(text: str, tree: ast.Module, options: Options, gate: re.Pattern[str]) -> Plan:
+    """Which top-level statements can matter to a rule; the rest are blanked for LibCST.
+
+    A statement is parsed when it holds a trigger (as in stage 2), or is structural for the
+    module-level rules (module docstring, top-level imports, ``if __name__ ...``), or references a
+    name bound by an import of a trigger module (``from torch.cuda import amp`` ... ``amp.X``) or
+    by ``x = <...>.cuda`` (the aliases ``cuda_refs`` follows), or holds an import (at any depth)
+    binding a name that a parsed statement mentions (qualified names resolve file-wide). Names are
+    matched as words in the statement's text: a superset, never fewer statements than needed."""
+    body = tree.body
+    runtime = options.mode == "runtime"
+    docstrings: set[int] = set()
+    doc = _docstring(body)
+    if doc is not None:
+        docstrings.add(id(doc))
+    search = gate.search
+    if len(body) < 2 or "\r" in text or not text.endswith("\n"):
+        return Plan(runtime or _hits([tree], search, docstrings), "", text, tree)
+    # units: top-level statements as LibCST sees them (`a = 1; b = 2` is one line)
+    first: list[int] = []
+    groups: list[tuple[int, int]] = []
+    i, n = 0, len(body)
+    while i < n:
+        s = body[i]
+        decorators = getattr(s, "decorator_list", None)
+        j = i + 1
+        while j < n and body[j].lineno == body[j - 1].end_lineno:
+            j += 1
+        first.append(decorators[0].lineno if decorators else s.lineno)
+        groups.append((i, j))
+        i = j
+    if any(b <= a for a, b in zip(first, first[1:])):
+        return Plan(runtime or _hits([tree], search, docstrings), "", text, tree)
+    starts = [0]
+    find = text.find
+    while (k := find("\n", starts[-1])) >= 0:
+        starts.append(k + 1)
+    offs = [starts[f - 1] for f in first] + [len(text)]
+    m = len(groups)
+    segs = [text[offs[k]: offs[k + 1]] for k in range(m)]
+    keep = [False] * m
+    if doc is not None:
+        keep[0] = True
+    triggered: list[int] = []
+    unit_search = re.compile(gate.pattern + "|gpu", re.IGNORECASE).search  # "gpu" only counts as a whole string
+    for k, (i, j) in enumerate(groups):
+        stmts = body[i:j]
+        t0 = type(stmts[0])
+        if t0 is _Import or t0 is _ImportFrom or any(type(s) in (_Import, _ImportFrom) for s in stmts[1:]):
+            keep[k] = True
+        elif t0 is _If and any(type(x) is ast.Name and x.id == "__name__" for x in ast.walk(stmts[0].test)):
+            keep[k] = True
+        if not runtime and unit_search(segs[k]) and _hits(stmts, search, docstrings):
+            keep[k] = True
+            triggered.append(k)
+    if not runtime and not triggered:
+        return Plan(False)
+    if not runtime:
+        binds: dict[int, list[tuple[str, str]]] = {}
+        for k, (i, j) in enumerate(groups):
+            if "import" in segs[k]:
+                binds[k] = _bindings(body[i:j])
+        special = {local for pairs in binds.values() for local, qual in pairs if search(qual)}
+        for k in triggered:
+            if _ALIAS_RE.search(segs[k]):
+                i, j = groups[k]
+                for stmt in body[i:j]:
+                    for x in ast.walk(stmt):
+                        if (type(x) is ast.Assign and len(x.targets) == 1 and type(x.targets[0]) is ast.Name
+                                and type(x.value) is ast.Attribute and x.value.attr == "cuda"):
+                            special.add(x.targets[0].id)
+        if special:
+            uses = re.compile(r"\b(?:" + "|".join(sorted(map(re.escape, special))) + r")\b").search
+            for k in range(m):
+                if not keep[k] and uses(segs[k]):
+                    keep[k] = True
+        pending = {k: {local for local, _ in pairs} for k, pairs in binds.items() if not keep[k]}
+        if pending:
+            mentioned: set[str] = set()
+            for k in range(m):
+                if keep[k]:
+                    mentioned.update(_IDENT_RE.findall(segs[k]))
+            changed = True
+            while changed:
+                changed = False
+                for k, names in list(pending.items()):
+                    if names & mentioned:
+                        keep[k] = True
+                        mentioned.update(_IDENT_RE.findall(segs[k]))
+                        del pending[k]
+                        changed = True
+    kept = [k for k in range(m) if keep[k]]
+    if sum(len(segs[k]) for k in kept) > _PARTIAL_MAX * len(text):
+        return Plan(True, "", text, tree)  # blanking would save little
+    parts = [text[: offs[0]]]
+    for k in range(m):
+        parts.append(segs[k] if keep[k] else "\n" * segs[k].count("\n"))
+    sub = ast.Module(body=[s for k in kept for s in body[groups[k][0]: groups[k][1]]], type_ignores=[])
+    return Plan(True, "", "".join(parts), sub, first, kept)
+
+
+_PARTIAL_MAX = 0.8  # parse the whole file when the statements that matter hold more of its text
+
+
+def migrate_python(text: str, path: str, options: Options, *, partial: bool = True) -> tuple[str, list[Finding], bool, str]:
+    """Returns (new_text, findings, full_parse, skip_reason). ``partial=False`` gives LibCST the
+    whole file even where the pre-filter found statements that cannot matter (tests compare both)."""
+    plan = _prefilter(text, options)
+    if plan.reason:
+        return text, [], False, plan.reason
+    if not plan.need:
         return text, [], False, ""
+    if plan.partial and not partial:
+        plan = Plan(True, "", text, ast.parse(text))
+    if plan.partial:
+        done = _migrate(text, path, options, plan)
+        if done is not None:
+            return done
+        # the partial result could not be spliced back exactly: parse the whole file
+        plan = Plan(True, "", text, ast.parse(text))
+    done = _migrate(text, path, options, plan)
+    assert done is not None
+    return done
 
+
+def _migrate(text: str, path: str, options: Options, plan: Plan) -> tuple[str, list[Finding], bool, str] | None:
+    """Run the rules on ``plan.parse_text``; None when a partial parse cannot be spliced back."""
     import libcst as cst
 
     from parabench.migrate.rules._base import rules_for
     from parabench.migrate.rules._py import Layout, ModuleRule, PyContext, PyRule
 
     try:
-        module = cst.parse_module(text)  # the only LibCST parse of the file
+        module = cst.parse_module(plan.parse_text)  # the only LibCST parse of the file
     except Exception as exc:  # libcst.ParserSyntaxError and friends
+        if plan.partial:
+            return None
         return text, [], True, f"unparseable: {str(exc).splitlines()[0]}"
     rules = rules_for("python", options)
     active = frozenset(r.code for r in rules)
     # "\r" line ends: ast and LibCST could count lines differently; use whole-module passes
-    layout = Layout.build(module, tree) if tree is not None and "\r" not in text else None
+    layout = Layout.build(module, plan.tree, plan.first, plan.parsed) if plan.tree is not None and "\r" not in text else None
+    if plan.partial and layout is None:
+        return None
     ctx = PyContext(module, options, active, layout)
     visitors = [r(ctx) for r in rules if issubclass(r, PyRule)]
     if visitors:
         _dispatch(ctx.order, visitors)
-    new = module.visit(_Apply(ctx.edits, _ancestors(ctx))) if ctx.edits else module
+    origin: dict = {}
+    new = module.visit(_Apply(ctx.edits, _ancestors(ctx), origin, set(module.body))) if ctx.edits else module
     for rule in rules:
         if issubclass(rule, ModuleRule):
             new = rule().post(module, new, ctx)
-    new_text = text if new is module else _render(new, module, layout, text)
+    if new is module:
+        new_text = text
+    else:
+        new_text = _render(new, module, layout, text, plan, origin)
+        if new_text is None:
+            if plan.partial:
+                return None
+            new_text = new.code
     findings = sorted(ctx.findings, key=lambda f: (f.line, f.rule, f.end_line, f.message))
     if new_text != text:
         try:
@@ -146,6 +328,8 @@ def migrate_python(text: str, path: str, options: Options) -> tuple[str, list[Fi
                 compile(text, path, "exec", dont_inherit=True)
             except SyntaxError:
                 return text, [], True, f"unparseable: {exc.msg} (line {exc.lineno})"
+            if plan.partial:
+                return None
             return text, [], True, f"internal: migrated code did not compile ({exc.msg}, line {exc.lineno}); left unchanged"
     return new_text, findings, True, ""
 
@@ -181,25 +365,87 @@ def _dispatch(order, visitors) -> None:
                 fn(node)
 
 
-def _render(new, original, layout, text: str) -> str:
-    """Source of ``new``: top-level statements that are still the original objects are copied
-    from ``text``, only the rebuilt or inserted ones go through code generation."""
-    if layout is None or not original.has_trailing_newline or new.header is not original.header or new.footer is not original.footer:
-        return new.code
+def _line_starts(text: str) -> list[int]:
+    """starts[k] = offset of line k+1."""
     starts = [0]
     find = text.find
     while (i := find("\n", starts[-1])) >= 0:
         starts.append(i + 1)
-    # starts[k] = offset of line k+1; the footer's blank/comment lines are the last lines
-    bounds = [starts[r - 1] for r in layout.region] + [starts[len(starts) - 1 - len(original.footer)]]
-    if any(b < a for a, b in zip(bounds, bounds[1:])):
-        return new.code
+    return starts
+
+
+def _render(new, parsed, layout, text: str, plan: Plan, origin: dict) -> str | None:
+    """Source of ``new`` spliced into ``text``: top-level statements that are still the parsed
+    objects are copied from ``text`` (with the statements blanked for a partial parse around them),
+    rebuilt ones replace only the lines that changed, inserted ones are generated.
+    None when that cannot be done exactly."""
+    if layout is None or not parsed.has_trailing_newline or not _same(new.header, parsed.header) or not _same(new.footer, parsed.footer):
+        return None
+    starts = _line_starts(text)
+    ptext = plan.parse_text
+    pstarts = starts if ptext is text else _line_starts(ptext)
+    if len(pstarts) != len(starts):
+        return None
+    # line index (0-based) where each parsed statement's text begins; the footer's lines are the last ones
+    rows = [r - 1 for r in layout.region] + [len(starts) - 1 - len(parsed.footer)]
+    if any(b < a for a, b in zip(rows, rows[1:])):
+        return None
+    bounds = [starts[r] for r in rows]
     out = [text[: bounds[0]]]
+    seen: list[int] = []
     for stmt in new.body:
         i = layout.index.get(stmt)
-        out.append(text[bounds[i]: bounds[i + 1]] if i is not None else new.code_for_node(stmt))
+        if i is None and stmt in origin:
+            i = layout.index[origin[stmt]]
+            old = ptext[pstarts[rows[i]]: pstarts[rows[i + 1]]]
+            piece = _patch(text[bounds[i]: bounds[i + 1]], old, new.code_for_node(stmt))
+            if piece is None:
+                return None
+            out.append(piece)
+            seen.append(i)
+        elif i is not None:
+            out.append(text[bounds[i]: bounds[i + 1]])
+            seen.append(i)
+        else:  # inserted by a module rule
+            if plan.partial and _blanked_between(plan, seen[-1] if seen else -1):
+                return None  # before or after the blanked statements? Only the whole file says
+            out.append(new.code_for_node(stmt))
+    if plan.partial and seen != list(range(len(rows) - 1)):
+        return None  # a parsed statement was dropped or replaced: its region holds blanked ones too
     out.append(text[bounds[-1]:])
     return "".join(out)
+
+
+def _same(a, b) -> bool:
+    """The same line objects (a transform that does not descend rebuilds the tuple, not the lines)."""
+    return a is b or (len(a) == len(b) and all(x is y for x, y in zip(a, b)))
+
+
+def _blanked_between(plan: Plan, a: int) -> bool:
+    """Are there blanked statements between parsed statements ``a`` and ``a + 1``?"""
+    parsed, units = plan.parsed, len(plan.first)
+    before = parsed[a] if a >= 0 else -1
+    after = parsed[a + 1] if a + 1 < len(parsed) else units
+    return after != before + 1
+
+
+def _patch(region: str, old: str, new: str) -> str | None:
+    """``region`` (source text) with the lines where ``old`` (the parsed text of the same lines)
+    and ``new`` differ replaced by ``new``'s. None when a differing line is not in ``region``
+    as parsed (a blanked line)."""
+    r, o, n = region.split("\n"), old.split("\n"), new.split("\n")
+    if len(r) != len(o):
+        return None
+    p = 0
+    top = min(len(o), len(n))
+    while p < top and o[p] == n[p]:
+        p += 1
+    s = 0
+    while s < top - p and o[-1 - s] == n[-1 - s]:
+        s += 1
+    if o[p: len(o) - s] != r[p: len(r) - s]:
+        return None
+    return "\n".join(r[:p] + n[p: len(n) - s] + r[len(r) - s:])
 
 
 def _apply_class():
@@ -208,10 +454,12 @@ def _apply_class():
     class Apply(cst.CSTTransformer):
         """Applies edits recorded against original nodes; edits compose bottom-up."""
 
-        def __init__(self, edits, needed):
+        def __init__(self, edits, needed, origin, top):
             super().__init__()
             self.edits = edits
             self.needed = needed
+            self.origin = origin  # rebuilt top-level statement -> the parsed one it replaces
+            self.top = top
 
         def on_visit(self, node) -> bool:
             # only descend where an edit lies below: untouched subtrees are reused, not rebuilt
@@ -222,6 +470,8 @@ def _apply_class():
             if fns:
                 for fn in fns:
                     updated_node = fn(updated_node)
+            if updated_node is not original_node and original_node in self.top:
+                self.origin[updated_node] = original_node
             return updated_node
 
         def on_visit_attribute(self, node, attribute) -> None:
@@ -243,10 +493,10 @@ def _ancestors(ctx) -> set:
     return needed
 
 
-def _Apply(edits, needed):  # noqa: N802 - factory keeps libcst out of this module's import time
+def _Apply(edits, needed, origin, top):  # noqa: N802 - factory keeps libcst out of this module's import time
     global _APPLY
     try:
         cls = _APPLY
     except NameError:
         cls = _APPLY = _apply_class()
-    return cls(edits, needed)
+    return cls(edits, needed, origin, top)

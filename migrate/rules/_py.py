@@ -167,6 +167,19 @@ class PyContext:
             self._pos.update(_line_table(top, self.layout.region[index], self.module))
         return self._pos.get(node, (0, 0))
 
+    def body_line(self, index: int) -> int:
+        """First line of the top-level statement that a statement inserted at ``index`` of the
+        parsed body would precede (the last statement when inserted at the end), in the whole file
+        also when only some statements were parsed; 1 for an empty module."""
+        body = self.module.body
+        if not body:
+            return 1
+        layout = self.layout
+        if layout is not None and layout.parsed is not None and layout.starts is not None:
+            at = layout.parsed[index - 1] + 1 if index > 0 else 0
+            return layout.starts[min(at, len(layout.starts) - 1)]
+        return self.lines(body[min(index, len(body) - 1)])[0]
+
     def code(self, node: cst.CSTNode) -> str:
         text = self.module.code_for_node(node)
         return text if len(text) <= 200 else text[:197] + "..."
@@ -276,9 +289,13 @@ class Layout:
 
     region: list[int]
     index: dict[cst.CSTNode, int]
+    # partial parse (see pyfile._select): first line of every top-level statement of the whole file,
+    # and which of those the parsed statements are; None when the whole file was parsed
+    starts: list[int] | None = None
+    parsed: list[int] | None = None
 
     @staticmethod
-    def build(module: cst.Module, tree) -> "Layout | None":
+    def build(module: cst.Module, tree, starts: list[int] | None = None, parsed: list[int] | None = None) -> "Layout | None":
         body = tree.body
         region: list[int] = []
         k = 0
@@ -302,7 +319,9 @@ class Layout:
             region.append(first.lineno - before)
         if k != len(body) or any(b <= a for a, b in zip(region, region[1:])) or (region and region[0] < 1):
             return None
-        return Layout(region, {stmt: i for i, stmt in enumerate(module.body)})
+        if parsed is not None and len(parsed) != len(region):
+            return None
+        return Layout(region, {stmt: i for i, stmt in enumerate(module.body)}, starts, parsed)
 
 
 def _bind(node: cst.CSTNode, imports: dict[str, set[str]]) -> None:
@@ -554,7 +573,7 @@ def cuda_refs(ctx: PyContext) -> CudaRefs:
             candidates += ctx.names.get(local, [])
     for node in candidates:
         names = ctx.qnames(node)
-        hit = next((q for q in names if q == "torch.cuda" or q.startswith("torch.cuda.")), None)
+        hit = next((q for q in sorted(names) if q == "torch.cuda" or q.startswith("torch.cuda.")), None)  # sorted: set order varies per process
         if hit is None:
             continue
         if isinstance(node, cst.Attribute):
@@ -690,12 +709,6 @@ def torch_bound(module: cst.Module) -> bool:
             ):
                 return True
     return False
-
-
-def insertion_line(original: cst.Module, index: int, ctx: "PyContext") -> int:
-    if index < len(original.body):
-        return ctx.lines(original.body[index])[0]
-    return ctx.lines(original.body[-1])[1] + 1 if original.body else 1
 
 
 def insert_statements(new: cst.Module, index: int, code: str) -> cst.Module:

@@ -6,7 +6,7 @@ import libcst as cst
 
 from parabench.migrate.core import SAFE, Finding
 from parabench.migrate.rules._base import register
-from parabench.migrate.rules._py import ModuleRule, PyContext, dotted, imports_module, insert_statements, insertion_line, top_imports
+from parabench.migrate.rules._py import ModuleRule, PyContext, dotted, imports_module, insert_statements, top_imports
 
 
 @register

@@ -42,8 +42,7 @@ class TransferToNpu(ModuleRule):
                     break
             else:
                 at = imports[-1][0] + 1 if imports else _after_docstring(original)
-        anchor = original.body[min(at, len(original.body) - 1)] if original.body else None
-        line = ctx.lines(anchor)[0] if anchor is not None else 1
+        line = ctx.body_line(at)
         ctx.findings.append(Finding(self.code, self.safety, line, line, "import transfer_to_npu at the entry point",
                                     op="torch_npu.contrib.transfer_to_npu", after=SHIM.splitlines()[1]))
         return insert_statements(new, at, SHIM)

@@ -1,0 +1,221 @@
+"""LibCST sees only the top-level statements that can matter (migrate/pyfile.py ``_select``).
+
+The output must be exactly what a whole-file parse gives - text, findings with their lines, skip
+reasons - for every fixture, the golden project, generated repository modules and the cases that
+link statements: names imported from torch.cuda used elsewhere, imports inside functions binding
+names used in other functions, ``c = torch.cuda`` aliases, module-level inserts between blanked
+statements, decorators, ``a; b`` lines, comments, no trailing newline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from parabench.migrate import pyfile
+from parabench.migrate.core import Options
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE.parents[1] / "benchmarks"))
+import migrate_speed  # noqa: E402  (the benchmark's generator of repository-shaped modules)
+
+OPTIONS = {
+    "npu": Options(),
+    "mindspeed": Options(target="mindspeed"),
+    "runtime": Options(mode="runtime"),
+    "safe": Options(safe_only=True),
+}
+
+FILLER = '''
+
+class Plain{i}:
+    """Nothing here can need a change."""
+
+    def step(self, x):
+        return [v * 2 for v in x]
+
+
+def helper_{i}(values, scale=1.0):
+    # a comment that mentions torch.cuda.synchronize() is not code
+    total = 0.0
+    for v in values:
+        total += v * scale
+    return total
+'''
+
+CASES = {
+    # a name imported from torch.cuda, used only in a statement without any trigger word
+    "from_import_use_elsewhere": '''"""Doc."""
+import torch
+from torch.cuda import amp
+{filler}
+def train(model, x):
+    with amp.autocast():
+        return model(x)
+{filler}''',
+    # an import inside one function binds a name file-wide (no scope analysis); it decides the
+    # role of the "nccl" string in another function
+    "nested_import_binds": '''import os
+{filler}
+def setup():
+    import torch.distributed as d
+    return d
+{filler}
+def init():
+    d.init_process_group("nccl")
+''',
+    # `c = torch.cuda` in one function, `c.synchronize()` in another
+    "assign_alias": '''import torch
+{filler}
+def a():
+    c = torch.cuda
+    return c
+{filler}
+def b():
+    c.synchronize()
+''',
+    # `import torch_npu` goes before `from torch.utils import data`, after a blanked function:
+    # before or after it is only known from the whole file (the partial result is refused)
+    "insert_between_blanked": '''import os
+
+
+def early():
+    return 1
+
+
+from torch.utils import data
+{filler}
+def f():
+    torch.cuda.synchronize()
+''',
+    "insert_after_plain_torch": '''# licence header
+# second line
+
+import torch
+import numpy as np
+{filler}
+@staticmethod
+@functools.lru_cache(None)
+def g():
+    x = 1; y = torch.cuda.device_count()
+    return x + y
+{filler}
+if __name__ == "__main__":
+    g()
+''',
+    "no_trailing_newline": '''import torch
+{filler}
+def f():
+    return torch.cuda.is_available()
+{filler}
+x = 1''',
+    "entry_script_megatron": '''"""Pretrain."""
+import torch
+from megatron.training import pretrain, get_args
+{filler}
+def forward_step(data_iterator, model):
+    args = get_args()
+    return model(data_iterator)
+{filler}
+if __name__ == "__main__":
+    pretrain(forward_step, backend="nccl")
+''',
+    "comments_between": '''import torch
+{filler}
+# comment before a blanked function
+
+    # an indented comment after it
+def f():
+    t = torch.zeros(3).cuda()
+    return t
+# trailing comment
+''',
+}
+
+
+def _case_text(name: str) -> str:
+    filler = "".join(FILLER.format(i=i) for i in range(3))
+    return CASES[name].replace("{filler}", filler)
+
+
+def _fixture_files() -> list[Path]:
+    roots = [HERE / "fixtures", HERE / "golden"]
+    return sorted(p for root in roots for p in root.rglob("*.py"))
+
+
+def _generated() -> list[tuple[str, str]]:
+    rng = random.Random(7)
+    return [(f"gen_{kind}_{i}", migrate_speed._module(rng, kind, i)) for kind in ("cuda", "prose", "plain") for i in range(6)]
+
+
+def _same(text: str, name: str, options: Options) -> None:
+    part = pyfile.migrate_python(text, name, options)
+    whole = pyfile.migrate_python(text, name, options, partial=False)
+    assert part[0] == whole[0], f"{name}: output text differs from a whole-file parse"
+    assert [dataclasses.astuple(f) for f in part[1]] == [dataclasses.astuple(f) for f in whole[1]], f"{name}: findings differ"
+    assert part[3] == whole[3], name
+
+
+@pytest.mark.parametrize("opt", sorted(OPTIONS))
+def test_partial_parse_gives_the_whole_file_result(opt):
+    options = OPTIONS[opt]
+    sources = []
+    for p in _fixture_files():
+        try:
+            sources.append((p.name, p.read_text(encoding="utf-8")))
+        except UnicodeDecodeError:  # the not-UTF-8 fixture: never reaches the Python migration
+            continue
+    sources += _generated() + [(n, _case_text(n)) for n in CASES]
+    partial_used = 0
+    for name, text in sources:
+        _same(text, name, options)
+        plan = pyfile._prefilter(text, options)
+        if plan.partial and pyfile._migrate(text, name, options, plan) is not None:
+            partial_used += 1
+    # the comparison means something only if the partial path really ran on many of them
+    # (runtime mode only parses entry scripts: few fixtures have `if __name__ == "__main__"`)
+    assert partial_used >= (3 if opt == "runtime" else 40), partial_used
+
+
+def _plan(name: str, options: Options = OPTIONS["npu"]):
+    text = _case_text(name)
+    plan = pyfile._prefilter(text, options)
+    assert plan.partial, name
+    kept = plan.parse_text
+    assert kept.count("\n") == text.count("\n")  # every line number stays
+    return text, plan, kept
+
+
+def test_statements_linked_by_names_are_parsed():
+    text, plan, kept = _plan("from_import_use_elsewhere")
+    assert "with amp.autocast():" in kept and "class Plain0" not in kept
+    new, findings, _, _ = pyfile.migrate_python(text, "x.py", OPTIONS["npu"])
+    assert "from torch.npu import amp" in new or "torch.npu" in new
+    text, plan, kept = _plan("nested_import_binds")
+    assert "import torch.distributed as d" in kept and 'd.init_process_group("nccl")' in kept
+    new, findings, _, _ = pyfile.migrate_python(text, "x.py", OPTIONS["npu"])
+    assert 'd.init_process_group("hccl")' in new
+    text, plan, kept = _plan("assign_alias")
+    assert "c.synchronize()" in kept and "def helper_0" not in kept
+    new, _, _, _ = pyfile.migrate_python(text, "x.py", OPTIONS["npu"])
+    assert "c = torch.npu" in new
+
+
+def test_ambiguous_insert_falls_back_to_the_whole_file():
+    text = _case_text("insert_between_blanked")
+    plan = pyfile._prefilter(text, OPTIONS["npu"])
+    assert plan.partial and pyfile._migrate(text, "x.py", OPTIONS["npu"], plan) is None
+    new, _, _, _ = pyfile.migrate_python(text, "x.py", OPTIONS["npu"])
+    assert "    return 1\nimport torch_npu\n\n\nfrom torch.utils import data\n" in new
+
+
+def test_runtime_mode_parses_imports_and_entry_only():
+    text, plan, kept = _plan("insert_after_plain_torch", OPTIONS["runtime"])
+    assert "import torch\n" in kept and 'if __name__ == "__main__":' in kept and "def g()" not in kept
+    new, findings, _, _ = pyfile.migrate_python(text, "x.py", OPTIONS["runtime"])
+    assert "import torch\nimport torch_npu\nfrom torch_npu.contrib import transfer_to_npu" in new
+    assert [f.line for f in findings] == [5]
