@@ -37,7 +37,7 @@ def rewrite_from_import(rule: PyRule, node: cst.ImportFrom, modules, mapping: di
 
 
 def rewrite_attribute(rule: PyRule, node: cst.Attribute, modules, mapping: dict[str, str], tip: str) -> None:
-    for q in rule.ctx.qnames(node):
+    for q in sorted(rule.ctx.qnames(node)):  # sorted: set order varies per process
         mod, _, name = q.rpartition(".")
         if mod in modules and name in mapping and torch_bound(rule.ctx.module):
             new = parse_expr(mapping[name])

@@ -24,7 +24,7 @@ class Tf32(PyRule):
     tip = "HF32 rounds differently from TF32: compare losses"
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
-        for q in self.ctx.qnames(node):
+        for q in sorted(self.ctx.qnames(node)):  # sorted: set order varies per process
             if q in MAP and torch_bound(self.ctx.module):
                 new = parse_expr(MAP[q])
                 self.change(node, lambda n, new=new: new, f"{q} -> {MAP[q]}", op=q, tip=self.tip)

@@ -30,7 +30,7 @@ class CudaBackendFlags(PyRule):
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
         names = self.ctx.qnames(node)
-        base = next((q for q in names if q in ("torch.backends.cuda", "torch.backends.cudnn")), None)
+        base = next((q for q in sorted(names) if q in ("torch.backends.cuda", "torch.backends.cudnn")), None)
         if base is None:
             return
         outer, path = _climb(self.ctx, node)

@@ -22,7 +22,7 @@ class CudaExtension(PyRule):
 
     def visit_Call(self, node: cst.Call) -> None:
         names = self.ctx.qnames(node.func)
-        q = next((n for n in names if n.startswith(EXT)), None)
+        q = next((n for n in sorted(names) if n.startswith(EXT)), None)  # sorted: set order varies per process
         if q is None:
             return
         name = q[len(EXT):]
