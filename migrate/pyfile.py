@@ -202,7 +202,6 @@ def _select(text: str, tree: ast.Module, options: Options, gate: re.Pattern[str]
     if doc is not None:
         keep[0] = True
     triggered: list[int] = []
-    unit_search = re.compile(gate.pattern + "|gpu", re.IGNORECASE).search  # "gpu" only counts as a whole string
     for k, (i, j) in enumerate(groups):
         stmts = body[i:j]
         t0 = type(stmts[0])
@@ -210,7 +209,7 @@ def _select(text: str, tree: ast.Module, options: Options, gate: re.Pattern[str]
             keep[k] = True
         elif t0 is _If and any(type(x) is ast.Name and x.id == "__name__" for x in ast.walk(stmts[0].test)):
             keep[k] = True
-        if not runtime and unit_search(segs[k]) and _hits(stmts, search, docstrings):
+        if not runtime and search(segs[k]) and _hits(stmts, search, docstrings):
             keep[k] = True
             triggered.append(k)
     if not runtime and not triggered:
@@ -314,7 +313,7 @@ def _migrate(text: str, path: str, options: Options, plan: Plan) -> tuple[str, l
     if new is module:
         new_text = text
     else:
-        new_text = _render(new, module, layout, text, plan, origin)
+        new_text = _render(new, module, layout, text, plan, origin, ctx.inserted)
         if new_text is None:
             if plan.partial:
                 return None
@@ -374,7 +373,7 @@ def _line_starts(text: str) -> list[int]:
     return starts
 
 
-def _render(new, parsed, layout, text: str, plan: Plan, origin: dict) -> str | None:
+def _render(new, parsed, layout, text: str, plan: Plan, origin: dict, inserted: dict) -> str | None:
     """Source of ``new`` spliced into ``text``: top-level statements that are still the parsed
     objects are copied from ``text`` (with the statements blanked for a partial parse around them),
     rebuilt ones replace only the lines that changed, inserted ones are generated.
@@ -407,8 +406,10 @@ def _render(new, parsed, layout, text: str, plan: Plan, origin: dict) -> str | N
             out.append(text[bounds[i]: bounds[i + 1]])
             seen.append(i)
         else:  # inserted by a module rule
-            if plan.partial and _blanked_between(plan, seen[-1] if seen else -1):
-                return None  # before or after the blanked statements? Only the whole file says
+            # attached to the statement after it, with blanked statements in between: their
+            # leading lines (known only to a whole-file parse) decide where it goes
+            if plan.partial and not inserted.get(stmt, False) and _blanked_between(plan, seen[-1] if seen else -1):
+                return None
             out.append(new.code_for_node(stmt))
     if plan.partial and seen != list(range(len(rows) - 1)):
         return None  # a parsed statement was dropped or replaced: its region holds blanked ones too

@@ -114,6 +114,7 @@ class PyContext:
         self.findings: list[Finding] = []
         self.applied_codes: set[str] = set()
         self.needs_npu = False
+        self.inserted: dict[cst.CSTNode, bool] = {}  # statement added by a module rule -> attached after (True) / before
         self.cache: dict[str, object] = {}
 
     def qnames(self, node: cst.CSTNode) -> set[str]:
@@ -711,7 +712,12 @@ def torch_bound(module: cst.Module) -> bool:
     return False
 
 
-def insert_statements(new: cst.Module, index: int, code: str) -> cst.Module:
+def insert_statements(ctx: PyContext, new: cst.Module, index: int, code: str, *, after: bool) -> cst.Module:
+    """Insert ``code`` at ``index`` of the parsed body, attached to the statement before it
+    (``after=True``: directly after its text) or to the one at ``index`` (directly before its
+    leading lines). Where statements were left out of the parse (pyfile._select) the two differ."""
     stmts = list(cst.parse_module(code).body)
+    for stmt in stmts:
+        ctx.inserted[stmt] = after
     body = list(new.body)
     return new.with_changes(body=body[:index] + stmts + body[index:])

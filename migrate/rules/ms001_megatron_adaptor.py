@@ -36,5 +36,6 @@ class MegatronAdaptor(ModuleRule):
                 line = ctx.lines(stmt)[0]
                 ctx.findings.append(Finding(self.code, self.safety, line, line, "import mindspeed.megatron_adaptor before Megatron",
                                             op="mindspeed.megatron_adaptor", after="import mindspeed.megatron_adaptor"))
-                return insert_statements(new, index, "import mindspeed.megatron_adaptor  # noqa: F401 - patches Megatron for NPU\n")
+                return insert_statements(ctx, new, index, "import mindspeed.megatron_adaptor  # noqa: F401 - patches Megatron for NPU\n",
+                                         after=False)
         return new

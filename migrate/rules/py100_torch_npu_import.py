@@ -31,5 +31,5 @@ class TorchNpuImport(ModuleRule):
                 Finding(self.code, self.safety, line, line, "import torch_npu (registers the npu device, torch.npu and hccl)",
                         op="import torch_npu", after="import torch_npu")
             )
-            return insert_statements(new, at, "import torch_npu\n")
+            return insert_statements(ctx, new, at, "import torch_npu\n", after=plain)
         return new

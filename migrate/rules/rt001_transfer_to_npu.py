@@ -32,20 +32,21 @@ class TransferToNpu(ModuleRule):
             if any(m == "torch" or m.startswith("torch.") for m in mods):
                 small = stmt.body[0]
                 plain = len(stmt.body) == 1 and isinstance(small, cst.Import) and all(dotted(a.name) == "torch" for a in small.names)
-                at = index + 1 if plain else index
+                at, after = (index + 1, True) if plain else (index, False)
                 break
         if at is None:  # no torch import: before the first third-party import, else after the imports
             for index, stmt, mods in imports:
                 root = mods[0].split(".")[0]
                 if root != "__future__" and root not in sys.stdlib_module_names:
-                    at = index
+                    at, after = index, False
                     break
             else:
                 at = imports[-1][0] + 1 if imports else _after_docstring(original)
+                after = at > 0
         line = ctx.body_line(at)
         ctx.findings.append(Finding(self.code, self.safety, line, line, "import transfer_to_npu at the entry point",
                                     op="torch_npu.contrib.transfer_to_npu", after=SHIM.splitlines()[1]))
-        return insert_statements(new, at, SHIM)
+        return insert_statements(ctx, new, at, SHIM, after=after)
 
 
 def _after_docstring(module: cst.Module) -> int:

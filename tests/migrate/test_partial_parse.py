@@ -219,3 +219,21 @@ def test_runtime_mode_parses_imports_and_entry_only():
     new, findings, _, _ = pyfile.migrate_python(text, "x.py", OPTIONS["runtime"])
     assert "import torch\nimport torch_npu\nfrom torch_npu.contrib import transfer_to_npu" in new
     assert [f.line for f in findings] == [5]
+
+
+def test_entry_script_without_imports_keeps_its_docstring_parsed():
+    text = '"""Entry."""\n' + "".join(FILLER.format(i=i) for i in range(3)) + '\nif __name__ == "__main__":\n    helper_0([1])\n'
+    options = OPTIONS["runtime"]
+    plan = pyfile._prefilter(text, options)
+    assert plan.partial and plan.parsed[0] == 0  # the shim goes after the docstring: it must be parsed
+    done = pyfile._migrate(text, "x.py", options, plan)
+    assert done is not None and done[0].startswith('"""Entry."""\nimport torch_npu\n')
+    _same(text, "x.py", options)
+
+
+def test_patch_refuses_to_replace_a_blanked_line():
+    region = "# lead\nx = 1\ny = torch.cuda.foo()\n"
+    assert pyfile._patch(region, "# lead\nx = 1\ny = torch.cuda.foo()\n", "# lead\nx = 1\ny = torch.npu.foo()\n") == (
+        "# lead\nx = 1\ny = torch.npu.foo()\n")
+    # line 2 was blanked for LibCST ("" in the parsed text): a change there cannot be spliced back
+    assert pyfile._patch(region, "# lead\n\ny = torch.cuda.foo()\n", "# lead\nz = 2\ny = torch.npu.foo()\n") is None
