@@ -103,6 +103,67 @@ def {fname}_setup(args):
     return torch.cuda.device_count()
 '''
 
+# CUDA code inside a class, as in real trainers (Megatron-LM's optimizers and DDP wrappers,
+# DeepSpeed's engine): most methods never touch CUDA, two do.
+CUDA_CLASS_BLOCK = '''
+
+class {name}Trainer:
+    """Owns the model, the optimizer and the step loop."""
+
+    def __init__(self, model: nn.Module, lr: float = 1e-3, clip: float = 1.0):
+        self.model = model
+        self.lr = lr
+        self.clip = clip
+        self.step_count = 0
+        self.history: list = []
+
+    def parameters(self):
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def set_lr(self, lr: float) -> None:
+        self.lr = lr
+        for group in getattr(self, "groups", []):
+            group["lr"] = lr
+
+    def to_device(self, local_rank: int) -> None:
+        torch.cuda.set_device(local_rank)
+        self.model = self.model.cuda(local_rank)
+        self.device = torch.device(f"cuda:{{local_rank}}")
+
+    def clip_grads(self) -> float:
+        norms = [p.grad.norm() for p in self.parameters() if p.grad is not None]
+        total = torch.stack(norms).norm() if norms else torch.zeros(())
+        scale = min(1.0, self.clip / (float(total) + 1e-6))
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        return float(total)
+
+    def train_step(self, batch: dict) -> float:
+        self.model.train()
+        x = batch["input_ids"].to(self.device, non_blocking=True)
+        loss = self.model(x).float().mean()
+        loss.backward()
+        self.clip_grads()
+        self.step_count += 1
+        if self.step_count % {dim} == 0:
+            torch.cuda.synchronize()
+            logger.info("step %d mem %.1f GiB", self.step_count, torch.cuda.max_memory_allocated() / 2**30)
+        return float(loss)
+
+    def state_dict(self) -> dict:
+        return {{"model": self.model.state_dict(), "step": self.step_count, "lr": self.lr}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.step_count = state["step"]
+        self.lr = state["lr"]
+
+    def summary(self) -> str:
+        n = sum(p.numel() for p in self.parameters())
+        return f"{{type(self.model).__name__}}: {{n}} trainable parameters, step {{self.step_count}}"
+'''
+
 HEADER = '''"""{doc}"""
 import logging
 import math
@@ -125,7 +186,8 @@ def _module(rng: random.Random, kind: str, idx: int) -> str:
         fmt = dict(name=f"Block{idx}_{b}", fname=f"fn_{idx}_{b}", doc="A residual MLP block.", dim=rng.choice([64, 128, 256]),
                    hidden=rng.choice([256, 512, 1024]), drop=rng.randint(0, 3))
         if kind == "cuda" and b % 3 == 1:
-            parts.append(CUDA_BLOCK.format(**fmt))
+            # half the CUDA code sits in top-level functions, half in methods of a larger class
+            parts.append((CUDA_CLASS_BLOCK if (idx + b) % 2 else CUDA_BLOCK).format(**fmt))
         elif kind == "prose" and b % 3 == 1:
             parts.append(PROSE_BLOCK.format(**fmt))
         else:
