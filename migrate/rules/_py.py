@@ -157,14 +157,20 @@ class PyContext:
         pos = self._pos.get(node)
         if pos is not None or self._pos_full:
             return pos or (0, 0)
-        top = node
+        top, below, member = node, None, None
         while (up := self._parent.get(top)) is not None and up is not self.module:
-            top = up
+            top, below, member = up, top, below
         index = self.layout.index.get(top) if self.layout is not None and up is self.module else None
         if index is None:  # no layout, or not inside a statement: one code-generation pass over the module
             self._pos = _line_table(self.module)
             self._pos_full = True
-        else:  # only the top-level statement that holds the node
+            return self._pos.get(node, (0, 0))
+        # the class member that holds the node, else the whole top-level statement
+        sub = self.layout.members(index, top) if isinstance(top, cst.ClassDef) and member is not None else None
+        at = sub.index.get(member) if sub is not None and below is top.body else None
+        if at is not None:
+            self._pos.update(_line_table(member, sub.region[at], self.module))
+        else:
             self._pos.update(_line_table(top, self.layout.region[index], self.module))
         return self._pos.get(node, (0, 0))
 
@@ -294,16 +300,21 @@ class Layout:
     # and which of those the parsed statements are; None when the whole file was parsed
     starts: list[int] | None = None
     parsed: list[int] | None = None
+    nodes: list = dataclasses.field(default_factory=list)  # the ast statement of each statement (first of a line)
+    _members: dict = dataclasses.field(default_factory=dict)
 
     @staticmethod
-    def build(module: cst.Module, tree, starts: list[int] | None = None, parsed: list[int] | None = None) -> "Layout | None":
+    def build(module, tree, starts: list[int] | None = None, parsed: list[int] | None = None) -> "Layout | None":
+        """``module``/``tree``: anything with a ``body`` (a Module, or a class's block and its ast)."""
         body = tree.body
         region: list[int] = []
+        nodes: list = []
         k = 0
         for stmt in module.body:
             if k >= len(body):
                 return None
             first = body[k]
+            nodes.append(first)
             before = len(stmt.leading_lines)
             if isinstance(stmt, cst.SimpleStatementLine):
                 k += len(stmt.body)
@@ -322,7 +333,20 @@ class Layout:
             return None
         if parsed is not None and len(parsed) != len(region):
             return None
-        return Layout(region, {stmt: i for i, stmt in enumerate(module.body)}, starts, parsed)
+        return Layout(region, {stmt: i for i, stmt in enumerate(module.body)}, starts, parsed, nodes)
+
+    def members(self, i: int, cls: cst.CSTNode) -> "Layout | None":
+        """Layout of the members of top-level statement ``i`` when it is a class (cached)."""
+        if i in self._members:
+            return self._members[i]
+        node = self.nodes[i] if i < len(self.nodes) else None
+        sub = None
+        if isinstance(cls, cst.ClassDef) and isinstance(cls.body, cst.IndentedBlock) and type(node).__name__ == "ClassDef":
+            sub = Layout.build(cls.body, node)
+            if sub is not None and sub.region and sub.region[0] <= self.region[i]:
+                sub = None
+        self._members[i] = sub
+        return sub
 
 
 def _bind(node: cst.CSTNode, imports: dict[str, set[str]]) -> None:
