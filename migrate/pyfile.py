@@ -514,7 +514,7 @@ def _render(new, parsed, layout, text: str, plan: Plan, origin: dict, inserted: 
         else:  # inserted by a module rule
             # attached to the statement after it, with blanked statements in between: their
             # leading lines (known only to a whole-file parse) decide where it goes
-            if plan.partial and (_next_to_partial_class(plan, seen[-1] if seen else -1)
+            if plan.partial and (_after_partial_class(plan, seen[-1] if seen else -1)
                                  or not inserted.get(stmt, False) and _blanked_between(plan, seen[-1] if seen else -1)):
                 return None
             out.append(new.code_for_node(stmt))
@@ -524,11 +524,10 @@ def _render(new, parsed, layout, text: str, plan: Plan, origin: dict, inserted: 
     return "".join(out)
 
 
-def _next_to_partial_class(plan: Plan, a: int) -> bool:
-    """Is parsed statement ``a`` or ``a + 1`` a class with blanked members? (Its blanked last
-    members can sit on either side of where LibCST ends it.)"""
-    parsed = plan.parsed
-    return any(0 <= x < len(parsed) and parsed[x] in plan.partial_classes for x in (a, a + 1))
+def _after_partial_class(plan: Plan, a: int) -> bool:
+    """Is parsed statement ``a`` (the one an insert follows) a class with blanked members? Its
+    blanked last members can sit on either side of where LibCST ends it."""
+    return 0 <= a < len(plan.parsed) and plan.parsed[a] in plan.partial_classes
 
 
 def _patch_members(region: str, first_line: int, ptext: str, pstarts: list[int], old_cls, new_cls, members, origin, module) -> str | None:

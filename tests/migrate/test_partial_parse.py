@@ -134,6 +134,56 @@ def f():
     return t
 # trailing comment
 ''',
+    # CUDA calls in two methods of a large class, a blanked method between them: the class is
+    # parsed with only those members and patched member by member
+    "class_members": '''import torch
+{filler}
+class Trainer:
+    """Owns the loop."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def to_device(self, rank):
+        torch.cuda.set_device(rank)
+        self.model = self.model.cuda(rank)
+
+    def plain(self, x):
+        # nothing to migrate
+        return [v + 1 for v in x]
+
+    @property
+    def device(self):
+        return torch.device("cuda")
+
+    def last(self):
+        return 1
+{filler}''',
+    # a class whose last members are blanked, followed by the statement before which
+    # `import torch_npu` is inserted: where the class ends is not known from the partial parse
+    "insert_after_partial_class": '''import os
+
+
+class Early:
+    def a(self):
+        return torch.cuda.is_available()
+
+    def b(self):
+        return 2
+
+
+from torch.utils import data
+{filler}''',
+    # only the class header triggers: one member is parsed so the body is not empty
+    "class_header_only": '''import torch
+{filler}
+class Wrapper(torch.nn.DataParallel):
+    def a(self):
+        return 1
+
+    def b(self):
+        return 2
+{filler}''',
 }
 
 
@@ -237,3 +287,38 @@ def test_patch_refuses_to_replace_a_blanked_line():
         "# lead\nx = 1\ny = torch.npu.foo()\n")
     # line 2 was blanked for LibCST ("" in the parsed text): a change there cannot be spliced back
     assert pyfile._patch(region, "# lead\n\ny = torch.cuda.foo()\n", "# lead\nz = 2\ny = torch.npu.foo()\n") is None
+
+
+def test_class_members_are_blanked_and_patched_one_by_one():
+    text, plan, kept = _plan("class_members")
+    assert plan.partial_classes  # Trainer is parsed with some members blanked
+    assert "class Trainer:" in kept and "def to_device" in kept and "def device" in kept
+    assert "def plain" not in kept and "def last" not in kept and "def __init__" not in kept
+    done = pyfile._migrate(text, "x.py", OPTIONS["npu"], plan)
+    assert done is not None  # spliced without a whole-file parse
+    new, findings = done[0], done[1]
+    assert "        torch.npu.set_device(rank)\n        self.model = self.model.npu(rank)\n" in new
+    assert 'return torch.device("npu")' in new and "        # nothing to migrate\n" in new
+    lines = text.split("\n")
+    for f in findings:  # line numbers point at the original code
+        if f.rule in ("PY101", "PY102", "PY103"):
+            assert "cuda" in lines[f.line - 1], f
+    _same(text, "x.py", OPTIONS["npu"])
+
+
+def test_insert_next_to_a_partial_class_falls_back():
+    text = _case_text("insert_after_partial_class")
+    plan = pyfile._prefilter(text, OPTIONS["npu"])
+    assert plan.partial_classes and pyfile._after_partial_class(plan, plan.parsed.index(1))  # `class Early` is unit 1
+    # refused before splicing (and the compile check would refuse the misplaced import too)
+    assert pyfile._migrate(text, "x.py", OPTIONS["npu"], plan) is None
+    new, _, _, _ = pyfile.migrate_python(text, "x.py", OPTIONS["npu"])
+    assert "    def b(self):\n        return 2\nimport torch_npu\n" in new
+    _same(text, "x.py", OPTIONS["npu"])
+
+
+def test_class_with_only_its_header_triggered_keeps_a_member():
+    text, plan, kept = _plan("class_header_only")
+    assert "class Wrapper(torch.nn.DataParallel):\n    def a(self):" in kept and "def b" not in kept
+    compile(kept, "kept.py", "exec")
+    _same(text, "x.py", OPTIONS["npu"])
