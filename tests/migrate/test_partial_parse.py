@@ -322,3 +322,25 @@ def test_class_with_only_its_header_triggered_keeps_a_member():
     assert "class Wrapper(torch.nn.DataParallel):\n    def a(self):" in kept and "def b" not in kept
     compile(kept, "kept.py", "exec")
     _same(text, "x.py", OPTIONS["npu"])
+
+
+def _installed_sources(package: str, limit: int) -> list[Path]:
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    assert spec is not None and spec.submodule_search_locations, f"{package} is a test dependency (./dev test installs it)"
+    root = Path(list(spec.submodule_search_locations)[0])
+    files = [p for p in sorted(root.rglob("*.py")) if "cuda" in p.read_text(encoding="utf-8", errors="replace")]
+    return files[:: max(1, len(files) // limit)][:limit]
+
+
+@pytest.mark.parametrize("package", ["megatron.core", "deepspeed"])
+def test_partial_parse_on_real_training_code(package):
+    """Real repositories: classes with CUDA calls in a few methods, lazy imports, aliases."""
+    partial_used = 0
+    for path in _installed_sources(package, 40):
+        text = path.read_text(encoding="utf-8")
+        _same(text, path.name, OPTIONS["npu"])
+        plan = pyfile._prefilter(text, OPTIONS["npu"])
+        partial_used += bool(plan.partial and pyfile._migrate(text, path.name, OPTIONS["npu"], plan) is not None)
+    assert partial_used >= 10, partial_used
