@@ -501,7 +501,7 @@ def _render(new, parsed, layout, text: str, plan: Plan, origin: dict, inserted: 
             i = layout.index[origin[stmt]]
             region = text[bounds[i]: bounds[i + 1]]
             old = ptext[pstarts[rows[i]]: pstarts[rows[i + 1]]]
-            piece = _patch_members(region, rows[i] + 1, ptext, pstarts, origin[stmt], stmt, layout.members(i, origin[stmt]), origin, parsed)
+            piece = _patch_statement(region, rows[i] + 1, ptext, pstarts, origin[stmt], stmt, layout.block(i, origin[stmt]), origin, parsed)
             if piece is None:
                 piece = _patch(region, old, new.code_for_node(stmt))
             if piece is None:
@@ -530,58 +530,74 @@ def _after_partial_class(plan: Plan, a: int) -> bool:
     return 0 <= a < len(plan.parsed) and plan.parsed[a] in plan.partial_classes
 
 
-def _patch_members(region: str, first_line: int, ptext: str, pstarts: list[int], old_cls, new_cls, members, origin, module) -> str | None:
-    """A rebuilt class whose header is untouched: patch each rebuilt member in ``region`` (the
-    class's source text, starting at ``first_line``) on its own lines. None when that does not apply."""
+def _patch_block(lines: list[str], base: int, ptext: str, pstarts: list[int], old, new, sub, origin, module,
+                 indents: tuple[str, ...], edits: list) -> bool:
+    """A rebuilt class or function whose header is untouched: add to ``edits`` the line patches
+    of its rebuilt body statements (descending into rebuilt classes and functions in turn).
+    ``lines``: source lines, ``lines[0]`` being line ``base`` of the file; ``sub``: the layout of
+    the body. False (and ``edits`` unchanged) when that does not apply."""
     import libcst as cst
 
-    if members is None or not isinstance(new_cls, cst.ClassDef) or not isinstance(new_cls.body, cst.IndentedBlock):
-        return None
-    for f in dataclasses.fields(old_cls):
-        if f.name != "body" and not _same_field(getattr(old_cls, f.name), getattr(new_cls, f.name)):
-            return None
-    old_block, new_block = old_cls.body, new_cls.body
+    if sub is None or type(new) is not type(old) or not isinstance(new.body, cst.IndentedBlock):
+        return False
+    for f in dataclasses.fields(old):
+        if f.name != "body" and not _same_field(getattr(old, f.name), getattr(new, f.name)):
+            return False
+    old_block, new_block = old.body, new.body
     for f in dataclasses.fields(old_block):
         if f.name != "body" and not _same_field(getattr(old_block, f.name), getattr(new_block, f.name)):
-            return None
+            return False
     if len(old_block.body) != len(new_block.body):
-        return None
-    lines = region.split("\n")
-    edits = []
-    for at, (old_m, new_m) in enumerate(zip(old_block.body, new_block.body)):
-        if old_m is new_m:
+        return False
+    indents = (*indents, module.default_indent if old_block.indent is None else old_block.indent)
+    mine: list = []
+    for at, (old_s, new_s) in enumerate(zip(old_block.body, new_block.body)):
+        if old_s is new_s:
             continue
-        if origin.get(new_m) is not old_m:
-            return None
-        row = members.region[at] - 1  # 0-based line of the member's text in the file
-        if at + 1 < len(members.region):  # members tile the block: the parsed text up to the next one
-            count = members.region[at + 1] - 1 - row
+        if origin.get(new_s) is not old_s:
+            return False
+        if isinstance(old_s, (cst.ClassDef, cst.FunctionDef)) and _patch_block(
+            lines, base, ptext, pstarts, old_s, new_s, sub.block(at, old_s), origin, module, indents, mine
+        ):
+            continue
+        row = sub.region[at] - 1  # 0-based line of the statement's text in the file
+        if at + 1 < len(sub.region):  # statements tile the block: the parsed text up to the next one
+            count = sub.region[at + 1] - 1 - row
             old_code = ptext[pstarts[row]: pstarts[row + count]]
         else:
-            old_code = _code_in_block(module, old_block, old_m)
+            old_code = _code_at(module, indents, old_s)
             count = old_code.count("\n")
             if row + count >= len(pstarts) or ptext[pstarts[row]: pstarts[row + count]] != old_code:
-                return None
-        new_code = _code_in_block(module, new_block, new_m)
-        lo = row - (first_line - 1)
-        piece = _patch("\n".join(lines[lo: lo + count]) + "\n", old_code, new_code)
-        if piece is None:
-            return None
-        edits.append((lo, lo + count, piece[:-1].split("\n") if piece.endswith("\n") else None))
-        if edits[-1][2] is None:
-            return None
-    for lo, hi, new_lines in reversed(edits):
+                return False
+        lo = row - (base - 1)
+        piece = _patch("\n".join(lines[lo: lo + count]) + "\n", old_code, _code_at(module, indents, new_s))
+        if piece is None or not piece.endswith("\n"):
+            return False
+        mine.append((lo, lo + count, piece[:-1].split("\n")))
+    edits.extend(mine)
+    return True
+
+
+def _patch_statement(region: str, first_line: int, ptext: str, pstarts: list[int], old, new, sub, origin, module) -> str | None:
+    """``region`` (the source text of a top-level statement starting at ``first_line``) with the
+    rebuilt statements inside ``new`` patched line by line; None when that does not apply."""
+    lines = region.split("\n")
+    edits: list = []
+    if not _patch_block(lines, first_line, ptext, pstarts, old, new, sub, origin, module, (), edits):
+        return None
+    for lo, hi, new_lines in sorted(edits, reverse=True):
         lines[lo:hi] = new_lines
     return "\n".join(lines)
 
 
-def _code_in_block(module, block, node) -> str:
-    """Source of a statement of an indented block, at the block's indentation (``code_for_node``
-    would generate it at column 0)."""
+def _code_at(module, indents: tuple[str, ...], node) -> str:
+    """Source of a statement nested in indented blocks (``code_for_node`` would generate it at
+    column 0)."""
     from libcst._nodes.internal import CodegenState
 
     state = CodegenState(default_indent=module.default_indent, default_newline=module.default_newline)
-    state.increase_indent(module.default_indent if block.indent is None else block.indent)
+    for indent in indents:
+        state.increase_indent(indent)
     node._codegen(state)
     return "".join(state.tokens)
 

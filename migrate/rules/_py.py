@@ -157,21 +157,23 @@ class PyContext:
         pos = self._pos.get(node)
         if pos is not None or self._pos_full:
             return pos or (0, 0)
-        top, below, member = node, None, None
-        while (up := self._parent.get(top)) is not None and up is not self.module:
-            top, below, member = up, top, below
-        index = self.layout.index.get(top) if self.layout is not None and up is self.module else None
+        path = [node]
+        while (up := self._parent.get(path[-1])) is not None and up is not self.module:
+            path.append(up)
+        index = self.layout.index.get(path[-1]) if self.layout is not None and up is self.module else None
         if index is None:  # no layout, or not inside a statement: one code-generation pass over the module
             self._pos = _line_table(self.module)
             self._pos_full = True
             return self._pos.get(node, (0, 0))
-        # the class member that holds the node, else the whole top-level statement
-        sub = self.layout.members(index, top) if isinstance(top, cst.ClassDef) and member is not None else None
-        at = sub.index.get(member) if sub is not None and below is top.body else None
-        if at is not None:
-            self._pos.update(_line_table(member, sub.region[at], self.module))
-        else:
-            self._pos.update(_line_table(top, self.layout.region[index], self.module))
+        # descend through class and function bodies to the innermost statement that holds the node
+        layout, at, j = self.layout, index, len(path) - 1
+        while j >= 2 and isinstance(path[j], (cst.ClassDef, cst.FunctionDef)) and path[j - 1] is path[j].body:
+            sub = layout.block(at, path[j])
+            inner = sub.index.get(path[j - 2]) if sub is not None else None
+            if inner is None:
+                break
+            layout, at, j = sub, inner, j - 2
+        self._pos.update(_line_table(path[j], layout.region[at], self.module))
         return self._pos.get(node, (0, 0))
 
     def body_line(self, index: int) -> int:
@@ -301,7 +303,7 @@ class Layout:
     starts: list[int] | None = None
     parsed: list[int] | None = None
     nodes: list = dataclasses.field(default_factory=list)  # the ast statement of each statement (first of a line)
-    _members: dict = dataclasses.field(default_factory=dict)
+    _blocks: dict = dataclasses.field(default_factory=dict)
 
     @staticmethod
     def build(module, tree, starts: list[int] | None = None, parsed: list[int] | None = None) -> "Layout | None":
@@ -335,17 +337,21 @@ class Layout:
             return None
         return Layout(region, {stmt: i for i, stmt in enumerate(module.body)}, starts, parsed, nodes)
 
-    def members(self, i: int, cls: cst.CSTNode) -> "Layout | None":
-        """Layout of the members of top-level statement ``i`` when it is a class (cached)."""
-        if i in self._members:
-            return self._members[i]
+    def block(self, i: int, stmt: cst.CSTNode) -> "Layout | None":
+        """Layout of the body of statement ``i`` when it is a class or a function with an
+        indented body (cached); regions are lines of the whole file, as for the module."""
+        if i in self._blocks:
+            return self._blocks[i]
         node = self.nodes[i] if i < len(self.nodes) else None
+        kind = type(node).__name__
         sub = None
-        if isinstance(cls, cst.ClassDef) and isinstance(cls.body, cst.IndentedBlock) and type(node).__name__ == "ClassDef":
-            sub = Layout.build(cls.body, node)
+        if isinstance(stmt.body if isinstance(stmt, (cst.ClassDef, cst.FunctionDef)) else None, cst.IndentedBlock) and (
+            kind == "ClassDef" if isinstance(stmt, cst.ClassDef) else kind in ("FunctionDef", "AsyncFunctionDef")
+        ):
+            sub = Layout.build(stmt.body, node)
             if sub is not None and sub.region and sub.region[0] <= self.region[i]:
                 sub = None
-        self._members[i] = sub
+        self._blocks[i] = sub
         return sub
 
 
