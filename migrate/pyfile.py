@@ -68,8 +68,9 @@ class Plan:
     """What the pre-filter decided for one file.
 
     ``need``: some rule could fire (else the file is copied unparsed). ``parse_text``: the text to
-    give LibCST - the source itself, or the source with the top-level statements that cannot
-    matter blanked (their lines emptied, so every line number stays the same). ``first``: the first
+    give LibCST - the source itself, or the source with the top-level statements (and members of
+    top-level classes) that cannot matter blanked (their lines emptied, so every line number stays
+    the same). ``first``: the first
     line of every top-level statement of the file; ``parsed``: which of them ``parse_text`` keeps;
     ``partial_classes``: which of those are classes with members blanked; ``tree``: the ``ast``
     statements of ``parse_text`` (for ``Layout``; such classes hold their parsed members only)."""
@@ -88,10 +89,10 @@ class Plan:
 
 
 def _prefilter(text: str, options: Options) -> Plan:
-    """Stage 1: a regex over the raw text (most files never mention a trigger word).
+    """Stage 1: substring tests over the raw text (most files never mention a trigger word).
     Stage 2: the C ``ast`` parser; only identifiers, attribute names, imports and non-docstring
     string constants count, so comments, docstrings and prose-only mentions are skipped.
-    Stage 3 (``_select``): which top-level statements LibCST has to see at all."""
+    Stage 3 (``_select``): which statements LibCST has to see at all."""
     gate = _text_gate(options)
     if not gate(text):
         return Plan(False)
@@ -102,7 +103,7 @@ def _prefilter(text: str, options: Options) -> Plan:
     return _select(text, tree, options, gate)
 
 
-_Module, _Expr, _Constant, _Import, _ImportFrom, _If = ast.Module, ast.Expr, ast.Constant, ast.Import, ast.ImportFrom, ast.If
+_Expr, _Constant, _Import, _ImportFrom, _If = ast.Expr, ast.Constant, ast.Import, ast.ImportFrom, ast.If
 
 
 def _docstring(body: list) -> ast.AST | None:
