@@ -14,20 +14,25 @@ import copy
 import dataclasses
 import re
 
+from parabench.migrate import api_map
 from parabench.migrate.core import Finding, Options
 
 # Words that any static Python rule can react to (case-insensitive, in identifiers or strings).
 _STATIC_WORDS = (
     "cuda", "nccl", "nvtx", "apex", "flash_attn", "transformer_engine", "triton", "xformers", "bitsandbytes",
-    "amp_c", "pynvml", "nvidia", "dataparallel", "compile", "symmetric_memory", "nvshmem", "float8", "torchao",
-    "cudnn", "tf32", "cpp_extension", "mamba_ssm", "causal_conv1d", "cupy", "deep_gemm", "accelerator",
+    "amp_c", "pynvml", "nvidia", "dataparallel", "data_parallel", "compile", "symmetric_memory", "nvshmem", "float8",
+    "torchao", "cudnn", "tf32", "cpp_extension", "mamba_ssm", "causal_conv1d", "cupy", "deep_gemm", "accelerator",
 )
 # String constants only matter when the whole string is a device/backend/env/module/command name;
 # prose ("moving batch to cuda") never triggers a rule (roles are decided on the syntax tree later).
+# Each alternative covers what a rule tests: device/backend names (PY103-PY106, PY904, PY912),
+# env names, also NAME=value (PY109-PY111: no lower-case letters), commands (PY910 splits on
+# whitespace), module names (PY908: api_map.CUDA_ONLY_MODULES and *_cuda*).
+_MODULE_WORDS = sorted({"cuda", *api_map.CUDA_ONLY_MODULES}, key=len, reverse=True)
 _STRING_GATE = re.compile(
     r"^(?:cuda(?::\d*)?|nccl|gpu|(?:\w+:\w+,)*cuda:nccl(?:,\w+:\w+)*"
-    r"|[A-Z0-9_]*(?:CUDA|NCCL)[A-Z0-9_]*|nvidia-smi(?:\s.*)?"
-    r"|[\w.]*(?:cuda|amp_C|flash_attn|transformer_engine|triton|xformers|bitsandbytes|pynvml|apex|mamba_ssm|causal_conv1d)[\w.]*)$",
+    r"|[A-Z0-9_]*(?:CUDA|NCCL)[^a-z]*|\s*nvidia-smi(?:\s.*)?"
+    r"|[\w.]*(?:" + "|".join(map(re.escape, _MODULE_WORDS)) + r")[\w.]*)$",
     re.DOTALL,
 )
 
@@ -100,6 +105,8 @@ def _prefilter(text: str, options: Options) -> Plan:
         tree = ast.parse(text)
     except (SyntaxError, ValueError) as exc:
         return Plan(False, f"unparseable: {type(exc).__name__}: {getattr(exc, 'msg', exc)} (line {getattr(exc, 'lineno', '?')})")
+    except (RecursionError, MemoryError):
+        return Plan(False, "unparseable: nesting too deep for the parser")
     return _select(text, tree, options, gate)
 
 
@@ -161,9 +168,9 @@ def _hits(nodes: list, search, docstrings: set[int]) -> bool:
     return False
 
 
-_IDENT_RE = re.compile(r"[A-Za-z_]\w*")
+_IDENT_RE = re.compile(r"[^\W\d]\w*")  # identifiers, non-ASCII ones too
 # a line that could end an assignment `name = <expr>.cuda` (cuda_refs follows such aliases file-wide)
-_ALIAS_RE = re.compile(r"cuda[ \t)\\]*(?:[;#].*)?$", re.MULTILINE)
+_ALIAS_RE = re.compile(r"cuda[^\w\n]*(?:[;#].*)?$", re.MULTILINE)
 
 
 def _bindings(nodes) -> list[tuple[str, str]]:
@@ -182,18 +189,41 @@ def _bindings(nodes) -> list[tuple[str, str]]:
     return out
 
 
-def _group(stmts: list) -> list[tuple[int, int, int]]:
+def first_line(stmt, lines: list[str] | None) -> int:
+    """First line of a statement: the line of its first decorator's ``@`` (the ast gives the
+    decorator expression's line, a later one for ``@(`` + newline + expression), else its own."""
+    decorators = getattr(stmt, "decorator_list", None)
+    if not decorators:
+        return stmt.lineno
+    d = decorators[0]
+    if lines is not None:
+        for k in range(d.lineno, max(0, d.lineno - 20), -1):
+            text = lines[k - 1] if k != d.lineno else lines[k - 1].encode()[: d.col_offset].decode("utf-8", "ignore")
+            if text.lstrip().startswith("@"):
+                return k
+    return d.lineno
+
+
+def _joined(prev, nxt, lines: list[str]) -> bool:
+    """Are two consecutive statements one line for LibCST (``a; b``, also across a ``\\``)?"""
+    if nxt.lineno == prev.end_lineno:
+        return True
+    between = [lines[prev.end_lineno - 1].encode()[prev.end_col_offset:].decode("utf-8", "ignore")]
+    between += lines[prev.end_lineno: nxt.lineno - 1]
+    between.append(lines[nxt.lineno - 1].encode()[: nxt.col_offset].decode("utf-8", "ignore"))
+    return any(";" in b.split("#", 1)[0] for b in between)
+
+
+def _group(stmts: list, lines: list[str]) -> list[tuple[int, int, int]]:
     """Statements as LibCST sees them (`a = 1; b = 2` is one line) -> [(first line, i, j)]: the
     first line counts decorators, ``stmts[i:j]`` is the group."""
     out = []
     i, n = 0, len(stmts)
     while i < n:
-        s = stmts[i]
-        decorators = getattr(s, "decorator_list", None)
         j = i + 1
-        while j < n and stmts[j].lineno == stmts[j - 1].end_lineno:
+        while j < n and _joined(stmts[j - 1], stmts[j], lines):
             j += 1
-        out.append((decorators[0].lineno if decorators else s.lineno, i, j))
+        out.append((first_line(stmts[i], lines), i, j))
         i = j
     return out
 
@@ -212,14 +242,17 @@ class _Seg:
 
 def _class_members(cls: ast.ClassDef, lines: list[str]) -> list[tuple[int, int, int]] | None:
     """Member groups of a class whose members each start their own line (else None)."""
-    groups = _group(cls.body)
+    groups = _group(cls.body, lines)
     if len(groups) < 2:
         return None
     for first, i, _j in groups:
         s = cls.body[i]
-        decorators = getattr(s, "decorator_list", None)
-        col = decorators[0].col_offset - 1 if decorators else s.col_offset  # "@" precedes the expression
-        if first <= cls.lineno or col < 0 or lines[first - 1][:col].strip():
+        if first <= cls.lineno:
+            return None
+        if getattr(s, "decorator_list", None):
+            if not lines[first - 1].lstrip().startswith("@"):
+                return None
+        elif lines[first - 1].encode()[: s.col_offset].strip():
             return None
     return groups
 
@@ -243,11 +276,11 @@ def _select(text: str, tree: ast.Module, options: Options, search) -> Plan:
         docstrings.add(id(doc))
     if len(body) < 2 or "\r" in text or not text.endswith("\n"):
         return Plan(runtime or _hits([tree], search, docstrings), "", text, tree)
-    units = _group(body)
+    lines = text.split("\n")
+    units = _group(body, lines)
     first = [u[0] for u in units]
     if any(b <= a for a, b in zip(first, first[1:])):
         return Plan(runtime or _hits([tree], search, docstrings), "", text, tree)
-    lines = text.split("\n")
     segs: list[_Seg] = []
     members: dict[int, list[tuple[int, int, int]]] = {}
     for u, (start, i, j) in enumerate(units):
@@ -402,7 +435,8 @@ def _migrate(text: str, path: str, options: Options, plan: Plan) -> tuple[str, l
     rules = rules_for("python", options)
     active = frozenset(r.code for r in rules)
     # "\r" line ends: ast and LibCST could count lines differently; use whole-module passes
-    layout = Layout.build(module, plan.tree, plan.first, plan.parsed) if plan.tree is not None and "\r" not in text else None
+    layout = (Layout.build(module, plan.tree, plan.first, plan.parsed, text.split("\n"))
+              if plan.tree is not None and "\r" not in text else None)
     if plan.partial and layout is None:
         return None
     ctx = PyContext(module, options, active, layout)
@@ -411,6 +445,7 @@ def _migrate(text: str, path: str, options: Options, plan: Plan) -> tuple[str, l
         _dispatch(ctx.order, visitors)
     origin: dict = {}
     new = module.visit(_Apply(ctx.edits, _ancestors(ctx), origin)) if ctx.edits else module
+    ctx.origin = origin
     for rule in rules:
         if issubclass(rule, ModuleRule):
             new = rule().post(module, new, ctx)

@@ -15,7 +15,7 @@ import libcst as cst
 import builtins
 
 
-from parabench.migrate import api_map
+from parabench.migrate import api_map, pyfile
 from parabench.migrate.core import MANUAL, REVIEW, Finding, Options
 from parabench.migrate.rules._base import Rule
 from parabench.migrate.rules._walk import walk
@@ -115,6 +115,7 @@ class PyContext:
         self.applied_codes: set[str] = set()
         self.needs_npu = False
         self.inserted: dict[cst.CSTNode, bool] = {}  # statement added by a module rule -> attached after (True) / before
+        self.origin: dict[cst.CSTNode, cst.CSTNode] = {}  # rebuilt node -> parsed node (set once edits are applied)
         self.cache: dict[str, object] = {}
 
     def qnames(self, node: cst.CSTNode) -> set[str]:
@@ -303,11 +304,14 @@ class Layout:
     starts: list[int] | None = None
     parsed: list[int] | None = None
     nodes: list = dataclasses.field(default_factory=list)  # the ast statement of each statement (first of a line)
+    lines: list[str] | None = None
     _blocks: dict = dataclasses.field(default_factory=dict)
 
     @staticmethod
-    def build(module, tree, starts: list[int] | None = None, parsed: list[int] | None = None) -> "Layout | None":
-        """``module``/``tree``: anything with a ``body`` (a Module, or a class's block and its ast)."""
+    def build(module, tree, starts: list[int] | None = None, parsed: list[int] | None = None,
+              lines: list[str] | None = None) -> "Layout | None":
+        """``module``/``tree``: anything with a ``body`` (a Module, or a class's block and its ast);
+        ``lines``: the source lines (decorator lines are read from them)."""
         body = tree.body
         region: list[int] = []
         nodes: list = []
@@ -326,7 +330,7 @@ class Layout:
                 if decorators:
                     if not first.decorator_list:
                         return None
-                    first_line = first.decorator_list[0].lineno
+                    first_line = pyfile.first_line(first, lines)
                     before += len(decorators[0].leading_lines)
                     region.append(first_line - before)
                     continue
@@ -335,7 +339,7 @@ class Layout:
             return None
         if parsed is not None and len(parsed) != len(region):
             return None
-        return Layout(region, {stmt: i for i, stmt in enumerate(module.body)}, starts, parsed, nodes)
+        return Layout(region, {stmt: i for i, stmt in enumerate(module.body)}, starts, parsed, nodes, lines)
 
     def block(self, i: int, stmt: cst.CSTNode) -> "Layout | None":
         """Layout of the body of statement ``i`` when it is a class or a function with an
@@ -348,7 +352,7 @@ class Layout:
         if isinstance(stmt.body if isinstance(stmt, (cst.ClassDef, cst.FunctionDef)) else None, cst.IndentedBlock) and (
             kind == "ClassDef" if isinstance(stmt, cst.ClassDef) else kind in ("FunctionDef", "AsyncFunctionDef")
         ):
-            sub = Layout.build(stmt.body, node)
+            sub = Layout.build(stmt.body, node, lines=self.lines)
             if sub is not None and sub.region and sub.region[0] <= self.region[i]:
                 sub = None
         self._blocks[i] = sub
@@ -750,4 +754,10 @@ def insert_statements(ctx: PyContext, new: cst.Module, index: int, code: str, *,
     for stmt in stmts:
         ctx.inserted[stmt] = after
     body = list(new.body)
-    return new.with_changes(body=body[:index] + stmts + body[index:])
+    # ``index`` counts the parsed statements; ``new`` may hold other rules' inserts already:
+    # place it next to its anchor statement (or what the edits rebuilt from it)
+    original = ctx.module.body
+    anchor = original[index - 1] if after and index > 0 else original[index] if not after and index < len(original) else None
+    at = index if anchor is None else next(
+        (p + after for p, s in enumerate(body) if s is anchor or ctx.origin.get(s) is anchor), index)
+    return new.with_changes(body=body[:at] + stmts + body[at:])

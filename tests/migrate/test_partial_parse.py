@@ -184,6 +184,21 @@ class Wrapper(torch.nn.DataParallel):
     def b(self):
         return 2
 {filler}''',
+    # found by an adversarial review (each differed between partial and whole-file parse)
+    "backslash_joined_lines": "import torch; \\\nx = 1\n{filler}\ndef f():\n    torch.cuda.synchronize()\n{filler}"
+                              "\ny = 2; \\\nimport os\nif __name__ == '__main__':\n    f()\n",
+    "functional_data_parallel": "import torch\n{filler}\ndef f(m, x):\n    return torch.nn.parallel.data_parallel(m, x)\n"
+                                "{filler}\ndef g():\n    torch.cuda.synchronize()\n",
+    "strings_the_rules_test": "import importlib, subprocess\n{filler}\ndef f():\n    subprocess.run(' nvidia-smi')\n"
+                              "    importlib.import_module('cupy')\n    importlib.import_module('torchao.float8')\n"
+                              "    return 'NCCL_DEBUG=INFO'\n{filler}\ndef g(t):\n    return t.cuda()\n",
+    "form_feed_alias": "import torch\ncu = torch.cuda\x0c\n{filler}\ndef f():\n    cu.synchronize()\n{filler}"
+                       "\ndef g():\n    return cu.get_device_capability()\n",
+    "non_ascii_import_name": "def setup():\n    import torch.distributed as \u03c0d\n{filler}\ndef init():\n"
+                             "    \u03c0d.init_process_group('nccl')\n",
+    "megatron_and_torch_inserts": "from megatron.core import mpu\n{filler}\nimport torch\n{filler}\ndef f(t):\n"
+                                  "    return t.cuda()\nif __name__ == '__main__':\n    f()\n",
+    "parenthesized_decorator": "import torch\n{filler}\n@(\n    torch.cuda.amp.custom_fwd\n)\ndef f(x):\n    return x\n",
 }
 
 
@@ -344,3 +359,23 @@ def test_partial_parse_on_real_training_code(package):
         plan = pyfile._prefilter(text, OPTIONS["npu"])
         partial_used += bool(plan.partial and pyfile._migrate(text, path.name, OPTIONS["npu"], plan) is not None)
     assert partial_used >= 10, partial_used
+
+
+def test_review_findings_are_fixed():
+    npu, ms = OPTIONS["npu"], OPTIONS["mindspeed"]
+    # functional data_parallel is a trigger word of its own (it lacks "dataparallel")
+    _, findings, _, _ = pyfile.migrate_python(_case_text("functional_data_parallel"), "x.py", npu)
+    assert any(f.rule == "PY905" for f in findings)
+    # every string a rule reports passes the pre-filter's string gate
+    _, findings, _, _ = pyfile.migrate_python(_case_text("strings_the_rules_test"), "x.py", npu)
+    assert {"PY908", "PY910", "PY911"} <= {f.rule for f in findings}
+    # two inserts: `import torch_npu` right after `import torch` even after MS001 inserted first
+    new, _, _, _ = pyfile.migrate_python(_case_text("megatron_and_torch_inserts"), "x.py", ms)
+    assert "import mindspeed.megatron_adaptor  # noqa: F401 - patches Megatron for NPU\nfrom megatron.core import mpu\n" in new
+    assert "\nimport torch\nimport torch_npu\n" in new
+    # the '@' of a parenthesized decorator starts the statement (the expression is a line later)
+    new, _, _, reason = pyfile.migrate_python(_case_text("parenthesized_decorator"), "x.py", npu)
+    assert reason == "" and "@(\n    torch.npu.amp.custom_fwd\n)\ndef f(x):" in new
+    # nesting too deep for the C parser is a reason, not a crash
+    deep = "import torch\nx = " + " + ".join(["a"] * 100000) + "\ny = torch.cuda.current_device()\n"
+    assert pyfile.migrate_python(deep, "x.py", npu)[3] == "unparseable: nesting too deep for the parser"
