@@ -187,10 +187,10 @@ class Engine(ABC):
 
 
 class Adapter(ABC):
-    """A training stack. Subclasses set the ClassVars and implement ``create_engine``."""
+    """A training stack. Subclasses set the ClassVars and implement ``create_engine``; the one-line
+    description lives in ``adapters/registry.py`` (listing backends imports no framework)."""
 
     name: ClassVar[str]
-    description: ClassVar[str]
     capabilities: ClassVar[Capabilities]
     Options: ClassVar[type]
 

@@ -37,7 +37,6 @@ class DDPEngine(TorchEngine):
 
 class DDPAdapter(Adapter):
     name = "ddp"
-    description = "PyTorch DistributedDataParallel (replicated model states)"
     capabilities = Capabilities(devices=frozenset({"cpu", "cuda", "npu"}), precisions=frozenset({"fp32", "bf16"}))
     Options = DDPOptions
 

@@ -235,7 +235,6 @@ def _probe(accelerator: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 class DeepSpeedAdapter(Adapter):
     name = "deepspeed"
-    description = "DeepSpeed ZeRO stage 0-3 with optional CPU offload of optimizer states / parameters"
     capabilities = Capabilities(devices=frozenset({"cpu", "cuda", "npu"}), precisions=frozenset({"fp32", "bf16", "fp16"}),
                                 shards_model_states=True)
     Options = DeepSpeedOptions

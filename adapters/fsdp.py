@@ -40,7 +40,6 @@ class FSDPEngine(TorchEngine):
 
 class FSDPAdapter(Adapter):
     name = "fsdp"
-    description = "PyTorch FSDP2 fully_shard (sharded params, grads, optimizer states)"
     capabilities = Capabilities(devices=frozenset({"cpu", "cuda", "npu"}), precisions=frozenset({"fp32", "bf16"}),
                                 shards_model_states=True)
     Options = FSDPOptions

@@ -43,10 +43,9 @@ layers alone predict 2 all-reduces forward + 2 backward per layer and micro-batc
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import time
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 from parabench.adapters.base import (
     Adapter,
@@ -57,6 +56,7 @@ from parabench.adapters.base import (
     StateFormula,
     WorkerContext,
 )
+from parabench.devices import package_version
 from parabench.errors import SpecError
 from parabench.spec import JobSpec, ModelSpec, ParallelDims
 
@@ -79,13 +79,6 @@ class MegatronOptions:
     num_microbatches: int = 0  # 0: global_batch_size / (micro_batch_size x dp); else must equal it
     bucket_size: int = 0  # DDP bucket size in elements; 0 = megatron-core's default
     transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"  # auto: TE on CUDA if installed
-
-
-def _installed_version() -> str | None:
-    try:
-        return importlib.metadata.version("megatron-core")
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def _layout(job: JobSpec, te_names: bool = False):
@@ -122,17 +115,16 @@ def rank_param_counts(job: JobSpec) -> dict[tuple[int, int], int]:
 
 class MegatronAdapter(Adapter):
     name = "megatron"
-    description = "Megatron-Core GPTModel: tensor/sequence/pipeline/data parallel, distributed optimizer"
     capabilities = Capabilities(devices=frozenset({"cpu", "cuda", "npu"}), precisions=frozenset({"fp32", "bf16"}),
                                 shards_model_states=True)
     Options = MegatronOptions
 
     @classmethod
     def availability(cls) -> Availability:
-        version = _installed_version()
+        version = package_version("megatron-core")
         if version is None:
             return Availability(False, f"megatron-core not installed ({INSTALL_HINT})")
-        versions = {"megatron-core": version, "torch": importlib.metadata.version("torch")}
+        versions = {"megatron-core": version, "torch": package_version("torch")}
         if version not in SUPPORTED_VERSIONS:
             return Availability(False, f"megatron-core {version} is not supported (supported: {', '.join(SUPPORTED_VERSIONS)}; "
                                        f"{INSTALL_HINT})", versions)
@@ -218,7 +210,7 @@ class MegatronAdapter(Adapter):
 
     @classmethod
     def create_engine(cls, ctx: WorkerContext) -> Engine:
-        version = _installed_version()
+        version = package_version("megatron-core")
         if version not in SUPPORTED_VERSIONS:
             raise RuntimeError(f"megatron-core {version} is not supported (supported: {', '.join(SUPPORTED_VERSIONS)})")
         return MegatronEngine(ctx)
@@ -622,7 +614,7 @@ class MegatronEngine(Engine):
         return out
 
     def artifacts(self) -> dict[str, Any]:
-        return {"megatron": {"version": _installed_version(), "layout": dataclasses.asdict(self.layout),
+        return {"megatron": {"version": package_version("megatron-core"), "layout": dataclasses.asdict(self.layout),
                              "transformer_config": {k: str(v) for k, v in sorted(vars(self.config).items())
                                                     if not k.startswith("_") and not callable(v)}}}
 

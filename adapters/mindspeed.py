@@ -115,7 +115,6 @@ def check_matrix(found: dict[str, str | None]) -> str | None:
 
 class MindSpeedAdapter(MegatronAdapter):
     name = "mindspeed"
-    description = "Megatron-Core + MindSpeed on Ascend NPUs (torch_npu, HCCL)"
     capabilities = Capabilities(devices=frozenset({"npu"}), precisions=frozenset({"fp32", "bf16"}), shards_model_states=True)
     Options = MindSpeedOptions
 

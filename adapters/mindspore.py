@@ -34,7 +34,6 @@ built against NumPy 1.x and fail under NumPy 2.x, so it needs ``numpy<2`` (check
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import math
 import os
 import sys
@@ -44,6 +43,7 @@ from typing import Any, Literal, Sequence
 from parabench.adapters.base import (
     Adapter, Availability, Capabilities, Comm, Engine, ModelStateBytes, StateFormula, WorkerContext,
 )
+from parabench.devices import package_version
 from parabench.errors import SpecError
 from parabench.spec import JobSpec, ModelSpec, OptimSpec
 
@@ -60,13 +60,6 @@ class MindSporeOptions:
     jit_level: Literal["O0", "O1"] = "O0"  # graph mode: O0 = no graph-kernel fusion, O1 = fusion where supported
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def _major(version: str | None) -> int:
     try:
         return int((version or "0").split(".")[0])
@@ -76,16 +69,15 @@ def _major(version: str | None) -> int:
 
 class MindSporeAdapter(Adapter):
     name = "mindspore"
-    description = "Native MindSpore nn.Cell, data parallel over msrun (mccl on CPU, hccl on Ascend)"
     capabilities = Capabilities(devices=frozenset({"cpu", "npu"}), precisions=frozenset({"fp32"}), launcher="msrun")
     Options = MindSporeOptions
 
     @classmethod
     def availability(cls) -> Availability:
-        ms = _version("mindspore")
+        ms = package_version("mindspore")
         if ms is None:
             return Availability(False, f"mindspore not installed ({INSTALL_HINT})")
-        versions = {"mindspore": ms, "numpy": _version("numpy") or "?"}
+        versions = {"mindspore": ms, "numpy": package_version("numpy") or "?"}
         note = "" if ms == MS_VERSION else f" (tested with {MS_VERSION})"
         if _major(versions["numpy"]) >= 2:
             note += f"; graph mode only: PyNative needs numpy<2, found {versions['numpy']}"
@@ -125,9 +117,9 @@ class MindSporeAdapter(Adapter):
             raise SpecError("backend.parallel_mode", (
                 f"{opts.parallel_mode} is supported by MindSpore on Ascend, but parabench does not build its sharded "
                 "train network yet; use backend.parallel_mode=data_parallel"))
-        if opts.mode == "pynative" and _major(_version("numpy")) >= 2:
+        if opts.mode == "pynative" and _major(package_version("numpy")) >= 2:
             raise SpecError("backend.mode", (
-                f"PyNative mode of mindspore {_version('mindspore')} fails under numpy {_version('numpy')} (its "
+                f"PyNative mode of mindspore {package_version('mindspore')} fails under numpy {package_version('numpy')} (its "
                 "kernels are built against NumPy 1.x): pip install 'numpy<2', or use backend.mode=graph"))
         if opts.jit_level != "O0" and opts.mode == "pynative":
             raise SpecError("backend.jit_level", "applies to graph mode only (backend.mode=graph)")

@@ -58,10 +58,10 @@ def test_version_and_availability_are_stated():
 def test_unsupported_version_is_refused(monkeypatch):
     import parabench.adapters.megatron as mg
 
-    monkeypatch.setattr(mg, "_installed_version", lambda: "0.9.0")
+    monkeypatch.setattr(mg, "package_version", lambda dist: "0.9.0" if dist == "megatron-core" else "2.13.0")
     avail = mg.MegatronAdapter.availability()
     assert not avail.available and "0.9.0 is not supported" in avail.reason and "0.16.1" in avail.reason
-    monkeypatch.setattr(mg, "_installed_version", lambda: None)
+    monkeypatch.setattr(mg, "package_version", lambda dist: None if dist == "megatron-core" else "2.13.0")
     assert "pip install 'parabench[megatron]'" in mg.MegatronAdapter.availability().reason
 
 
