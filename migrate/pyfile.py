@@ -295,10 +295,7 @@ def _select(text: str, tree: ast.Module, options: Options, search) -> Plan:
             docstrings.add(id(cdoc))
         segs.append(_Seg(start, u, [*s.decorator_list, *s.bases, *s.keywords, *getattr(s, "type_params", ())], -2))
         segs.extend(_Seg(f, u, s.body[a:b], g) for g, (f, a, b) in enumerate(groups))
-    starts = [0]
-    find = text.find
-    while (k := find("\n", starts[-1])) >= 0:
-        starts.append(k + 1)
+    starts = _line_starts(text)
     offs = [starts[g.start - 1] for g in segs] + [len(text)]
     if any(b <= a for a, b in zip(offs, offs[1:])):
         return Plan(runtime or _hits([tree], search, docstrings), "", text, tree)
