@@ -79,6 +79,12 @@ class StateFormula:
     formula: str
     source: str
 
+    @classmethod
+    def replicated_fp32_adam(cls, psi: int) -> "StateFormula":
+        """Plain data parallel, fp32, (Adam)W: every rank holds params, grads and both moments."""
+        return cls(16.0 * psi, "(4 + 4 + 8) * Psi: fp32 params, grads, AdamW moments, replicated",
+                   "Rajbhandari et al. 2019 (ZeRO, arXiv 1910.02054) sec. 3.1, K=8 for fp32 Adam")
+
 
 class Comm(ABC):
     """The few collectives the measured loop needs, in the backend's own framework."""

@@ -51,9 +51,7 @@ class DDPAdapter(Adapter):
 
     @classmethod
     def expected_model_state(cls, job: JobSpec) -> StateFormula:
-        psi = job.model.num_params()
-        return StateFormula(16.0 * psi, "(4 + 4 + 8) * Psi: fp32 params, grads, Adam moments, replicated",
-                            "Rajbhandari et al. 2019 (ZeRO, arXiv 1910.02054) sec. 3.1, K=8 for fp32 Adam")
+        return StateFormula.replicated_fp32_adam(job.model.num_params())
 
     @classmethod
     def create_engine(cls, ctx: WorkerContext) -> DDPEngine:

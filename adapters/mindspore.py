@@ -136,9 +136,7 @@ class MindSporeAdapter(Adapter):
 
     @classmethod
     def expected_model_state(cls, job: JobSpec) -> StateFormula:
-        psi = job.model.num_params()
-        return StateFormula(16.0 * psi, "(4 + 4 + 8) * Psi: fp32 params, accumulated grads, AdamW moments, replicated",
-                            "Rajbhandari et al. 2019 (ZeRO, arXiv 1910.02054) sec. 3.1, K=8 for fp32 Adam")
+        return StateFormula.replicated_fp32_adam(job.model.num_params())
 
     # -- worker side ---------------------------------------------------------------------------
     @classmethod
