@@ -24,6 +24,21 @@ def bench(args: list[str], results: Path, timeout: float = 600, env: dict | None
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or REPO)
 
 
+def assert_refused_before_launch(args: list[str], must_name: str, tmp_path: Path, capsys) -> None:
+    """``bench run ARGS`` (in-process, cwd = tmp_path) exits 2 with one `bench: error:` line naming
+    ``must_name``, no traceback, and nothing written."""
+    from parabench.cli import main
+
+    results = tmp_path / "results"
+    code = main(["run", *args, f"run.results_dir={results}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("bench: error:") and must_name in err, err
+    assert "Traceback" not in err
+    assert not results.exists() and not (tmp_path / "mlflow.db").exists() and not (tmp_path / "outputs").exists()
+
+
 def summaries(results: Path) -> dict[str, dict]:
     """run-dir name -> summary.json for every finished job under ``results``."""
     out = {}

@@ -12,9 +12,8 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from conftest import FAST, bench, summaries  # noqa: E402
+from conftest import FAST, assert_refused_before_launch, bench, summaries  # noqa: E402
 
-from parabench.cli import main  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
@@ -40,12 +39,7 @@ INVALID = {
 def test_invalid_megatron_config_is_refused_before_launch(name, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args, must_name = INVALID[name]
-    results = tmp_path / "results"
-    code = main(["run", *args, f"run.results_dir={results}"])
-    err = capsys.readouterr().err.strip()
-    assert code == 2, err
-    assert len(err.splitlines()) == 1 and err.startswith("bench: error:") and must_name in err, err
-    assert not results.exists()
+    assert_refused_before_launch(args, must_name, tmp_path, capsys)
 
 
 def test_version_and_availability_are_stated():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from parabench.cli import main
+from conftest import assert_refused_before_launch
 
 INVALID = {
     "no model": ([], "+model=NAME"),
@@ -39,14 +39,7 @@ INVALID = {
 def test_invalid_config_is_refused_before_launch(name, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args, must_name = INVALID[name]
-    results = tmp_path / "results"
-    code = main(["run", *args, f"run.results_dir={results}"])
-    err = capsys.readouterr().err.strip()
-    assert code == 2, err
-    assert len(err.splitlines()) == 1, err
-    assert err.startswith("bench: error:") and must_name in err, err
-    assert "Traceback" not in err
-    assert not results.exists() and not (tmp_path / "mlflow.db").exists() and not (tmp_path / "outputs").exists()
+    assert_refused_before_launch(args, must_name, tmp_path, capsys)
 
 
 def test_at_least_fifteen_distinct_refusals():
