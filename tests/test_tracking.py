@@ -1,3 +1,5 @@
+import os
+
 from parabench.spec import TrackingSpec
 from parabench.tracking import flatten, is_secret, store_uri
 
@@ -8,15 +10,36 @@ def test_secrets_never_become_params():
     assert is_secret("HF_TOKEN") and is_secret("AWS_SECRET_ACCESS_KEY") and not is_secret("OMP_NUM_THREADS")
 
 
-def test_launch_env_never_carries_secrets(monkeypatch, tmp_path):
+def _cpu_threads_per_rank(nproc_per_node: int) -> int:
+    """The rule written out: the ranks of a node share its cores, at least one thread each."""
+    return max(1, (os.cpu_count() or 1) // nproc_per_node)
+
+
+def test_launch_bundle_never_carries_secrets(tmp_path):
+    """Secrets in the environment handed to the workers (an adapter's or a user's) reach the
+    workers but are never written to launch.sh; every other variable is exported."""
     from parabench.confutil import compose, to_plain
     from parabench.runner import launch_env, prepare, write_bundle
 
-    monkeypatch.setenv("HF_TOKEN", "s3cret")
-    job = prepare(to_plain(compose(["+model=llama", "launcher.dry_run=true"])))
-    env = {**launch_env(job), "MY_API_KEY": "s3cret"}
+    job = prepare(to_plain(compose(["+model=llama", "device=cpu", "launcher.dry_run=true"])))
+    plain_env = launch_env(job)
+    env = {**plain_env, "HF_TOKEN": "s3cret-hf", "MY_API_KEY": "s3cret-key", "DB_PASSWORD": "s3cret-pw"}
     text = write_bundle(job, tmp_path, env, 29500).read_text()
-    assert "s3cret" not in text and "OMP_NUM_THREADS" in text
+    assert "s3cret" not in text and "HF_TOKEN" not in text and "MY_API_KEY" not in text
+    exported = {line.split("=", 1)[0].removeprefix("export ") for line in text.splitlines() if line.startswith("export ")}
+    assert exported == set(plain_env)
+    assert f"export OMP_NUM_THREADS={_cpu_threads_per_rank(1)}" in text.splitlines()
+
+
+def test_cpu_threads_per_rank_split_the_cores_or_follow_the_user():
+    from parabench.confutil import compose, to_plain
+    from parabench.runner import launch_env, prepare
+
+    def omp(*overrides):
+        return launch_env(prepare(to_plain(compose(["+model=llama", "device=cpu", *overrides]))))["OMP_NUM_THREADS"]
+
+    assert omp("launcher.nproc_per_node=2") == str(_cpu_threads_per_rank(2))
+    assert omp("launcher.nproc_per_node=2", "device.threads_per_rank=3") == "3"
 
 
 def test_default_store_is_local_sqlite_under_results(tmp_path):
@@ -26,13 +49,15 @@ def test_default_store_is_local_sqlite_under_results(tmp_path):
 
 
 def test_dry_run_bundle_is_deterministic_and_starts_nothing(tmp_path):
-    import subprocess, sys, os
+    import subprocess
+    import sys
 
     args = [sys.executable, "-m", "parabench", "run", "+model=llama", "launcher.dry_run=true", "launcher.nproc_per_node=2",
             "device=cpu", f"run.results_dir={tmp_path}", "hydra.run.dir=" + str(tmp_path / "bundle")]
     out = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"})
     assert out.returncode == 0, out.stderr
     bundle = (tmp_path / "bundle" / "launch.sh").read_text()
-    assert "--nproc-per-node=2" in bundle and "-m parabench.worker" in bundle and "export OMP_NUM_THREADS=1" in bundle
+    assert "--nproc-per-node=2" in bundle and "-m parabench.worker" in bundle
+    assert f"export OMP_NUM_THREADS={_cpu_threads_per_rank(2)}" in bundle.splitlines()
     assert (tmp_path / "bundle" / "spec.json").exists() and not (tmp_path / "mlflow.db").exists()
     assert str(tmp_path) not in bundle  # relocatable
