@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from parabench.migrate.core import Options
-from parabench.migrate.engine import migrate_text
+from parabench.migrate.engine import classify, migrate_text, run
 from parabench.migrate.rules._base import all_rules
 
 FIXTURES = Path(__file__).parent / "fixtures" / "rules"
@@ -91,13 +91,24 @@ def test_rule_fixture(code: str):
         compile(new, str(after_path), "exec", dont_inherit=True)
 
 
+def _cuda_rule_ignores_host_code(code: str, directory: Path) -> None:
+    """A .cu/.cuh rule fires on the file type alone; its must-not-change fixture is C++ host code
+    of the extension (unchanged.cpp): migrated as in a tree, it gets no finding of the rule."""
+    (path,) = directory.glob("unchanged.*")
+    assert classify(path) != "cuda" and classify(path.with_suffix(".cuh")) == "cuda"
+    result = run([path], Options(), None, jobs=1, progress=False)
+    assert [r.path for r in result.files] == [path.name]
+    assert not [f for f in result.findings if f.rule == code], f"{code} fired on host code {path.name}"
+
+
 @pytest.mark.parametrize("code", CODES)
 def test_rule_must_not_change(code: str):
     directory = FIXTURES / code
-    path = _file(directory, "unchanged")
-    if path is None:
-        assert all_rules()[code].kind == "cuda", f"{code}: unchanged.* (must-not-change fixture) missing"
+    if all_rules()[code].kind == "cuda":
+        _cuda_rule_ignores_host_code(code, directory)
         return
+    path = _file(directory, "unchanged")
+    assert path is not None, f"{code}: unchanged.* (must-not-change fixture) missing"
     text = path.read_text()
     kind = KINDS[path.suffix]
     alone = _options(code, directory)
