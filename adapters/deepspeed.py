@@ -30,8 +30,6 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -39,6 +37,7 @@ from typing import Any, Literal
 from parabench.adapters.base import (
     Adapter, Availability, Capabilities, Engine, ModelStateBytes, StateFormula, WorkerContext,
 )
+from parabench.devices import ProbeFailed, run_probe
 from parabench.errors import SpecError
 from parabench.spec import JobSpec
 
@@ -216,15 +215,11 @@ def _probe(accelerator: str) -> dict[str, Any]:
         return json.loads(cache.read_text())
     except (OSError, ValueError):
         pass
-    env = {**os.environ, "DS_ACCELERATOR": accelerator, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
     try:
-        out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=180, env=env)
-    except subprocess.TimeoutExpired:
-        return {"error": "import deepspeed took over 180 s"}
-    if out.returncode != 0:
-        tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"error": f"import deepspeed failed: {tail[:300]}"}
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+        out = run_probe(_PROBE, 180, env={"DS_ACCELERATOR": accelerator})
+    except ProbeFailed as exc:
+        return {"error": f"import deepspeed failed: {str(exc)[:300]}"}
+    result = json.loads(out.strip().splitlines()[-1])
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps(result))
     return result

@@ -24,7 +24,7 @@ from typing import Literal
 
 from parabench.adapters.base import Availability, Capabilities, Engine, WorkerContext
 from parabench.adapters.megatron import MegatronAdapter, MegatronOptions
-from parabench.devices import package_version
+from parabench.devices import AUTOLOAD_TEXT, package_version
 from parabench.errors import SpecError
 from parabench.spec import JobSpec
 
@@ -129,7 +129,7 @@ class MindSpeedAdapter(MegatronAdapter):
         if cann_library() is None:
             return Availability(False, f"torch_npu {found['torch-npu']} is installed but the CANN runtime (libhccl.so) is not found: "
                                        "install CANN and source set_env.sh (until then `import torch` needs "
-                                       "TORCH_DEVICE_BACKEND_AUTOLOAD=0, which parabench sets)", versions)
+                                       f"{AUTOLOAD_TEXT}, which parabench sets)", versions)
         if not found["mindspeed"] or importlib.util.find_spec("mindspeed") is None:
             return Availability(False, MINDSPEED_INSTALL, versions)
         if not found["megatron-core"]:

@@ -86,9 +86,7 @@ class MindSporeAdapter(Adapter):
     @classmethod
     def device_presence(cls, kind: str):
         """MindSpore reaches Ascend through CANN itself, not through torch_npu."""
-        import subprocess
-
-        from parabench.devices import DEVICES, Presence, cann_library
+        from parabench.devices import DEVICES, Presence, ProbeFailed, cann_library, run_probe
 
         if kind != "npu":
             return DEVICES[kind].presence()
@@ -97,12 +95,10 @@ class MindSporeAdapter(Adapter):
                                    "install CANN and source set_env.sh")
         probe = "import mindspore as ms; print(ms.hal.device_count('Ascend'))"
         try:
-            out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
-        except subprocess.TimeoutExpired:
-            return Presence(False, "probing Ascend through MindSpore timed out after 120 s")
-        if out.returncode != 0:
-            return Presence(False, f"MindSpore could not open Ascend: {(out.stderr.strip().splitlines() or ['no output'])[-1]}")
-        count = int((out.stdout.strip().splitlines() or ["0"])[-1] or 0)
+            out = run_probe(probe, 120)
+        except ProbeFailed as exc:
+            return Presence(False, f"MindSpore could not open Ascend: {exc}")
+        count = int((out.strip().splitlines() or ["0"])[-1] or 0)
         return Presence(count > 0, f"{count} x Ascend NPU (MindSpore)" if count else "MindSpore sees no Ascend NPU", count)
 
     @classmethod

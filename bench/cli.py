@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import sys
 
+from parabench.devices import AUTOLOAD_ENV
+
 USAGE = """usage: bench <command> [args]
 
 commands:
@@ -31,7 +33,8 @@ _FAILED_JOBS: list[str] = []
 def _quiet_environment() -> None:
     # torch_npu installed without CANN makes `import torch` fail unless autoload is off
     # (REFERENCE.md section 6); NPU workers import torch_npu explicitly.
-    os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+    for key, value in AUTOLOAD_ENV.items():
+        os.environ.setdefault(key, value)
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # no network calls from the harness
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
 

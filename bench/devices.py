@@ -22,6 +22,7 @@ from typing import ClassVar
 # With torch_npu installed but no CANN, ``import torch`` itself fails unless device-backend
 # autoload is off (REFERENCE.md section 6). Workers that want torch_npu import it explicitly.
 AUTOLOAD_ENV = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+AUTOLOAD_TEXT = " ".join(f"{k}={v}" for k, v in AUTOLOAD_ENV.items())  # for messages
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,24 @@ class Presence:
     available: bool
     reason: str  # "N x <name>" when available, else why not
     count: int = 0
+
+
+class ProbeFailed(Exception):
+    """A probe interpreter timed out or exited non-zero; the message says which (or its last stderr line)."""
+
+
+def run_probe(code: str, timeout_s: float, env: dict[str, str] | None = None) -> str:
+    """Standard output of ``python -c code`` in a fresh interpreter, with device-backend autoload
+    off: imports that can abort the interpreter or take long (torch_npu, MindSpore, DeepSpeed) stay
+    out of this process. Raises :class:`ProbeFailed`."""
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s,
+                             env={**os.environ, **AUTOLOAD_ENV, **(env or {})})
+    except subprocess.TimeoutExpired:
+        raise ProbeFailed(f"timed out after {timeout_s:.0f} s") from None
+    if out.returncode != 0:
+        raise ProbeFailed((out.stderr.strip().splitlines() or ["no output"])[-1])
+    return out.stdout
 
 
 def package_version(dist: str) -> str | None:
@@ -187,18 +206,14 @@ class NPUDevice(Device):
                 False,
                 f"torch_npu {version} is installed but the CANN runtime (libhccl.so) is not found: install CANN and "
                 "`source /usr/local/Ascend/ascend-toolkit/set_env.sh`; until then `import torch` needs "
-                "TORCH_DEVICE_BACKEND_AUTOLOAD=0 (parabench sets it)",
+                f"{AUTOLOAD_TEXT} (parabench sets it)",
             )
         probe = "import torch, torch_npu; print(torch.npu.device_count(), torch.npu.get_device_name(0) if torch.npu.device_count() else '')"
         try:
-            out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
-                                 env={**os.environ, **AUTOLOAD_ENV})
-        except subprocess.TimeoutExpired:
-            return Presence(False, f"torch_npu {version}: probing the NPU timed out after 120 s")
-        if out.returncode != 0:
-            last = (out.stderr.strip().splitlines() or ["no output"])[-1]
-            return Presence(False, f"torch_npu {version} failed to import: {last}")
-        count, _, name = out.stdout.strip().partition(" ")
+            out = run_probe(probe, 120)
+        except ProbeFailed as exc:
+            return Presence(False, f"torch_npu {version} failed to import: {exc}")
+        count, _, name = out.strip().partition(" ")
         if int(count or 0) == 0:
             return Presence(False, f"torch_npu {version} with CANN sees no NPU (check ASCEND_RT_VISIBLE_DEVICES and npu-smi)")
         return Presence(True, f"{count} x {name or 'Ascend NPU'}", int(count))

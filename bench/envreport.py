@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from parabench.devices import package_version
+from parabench.devices import AUTOLOAD_TEXT, package_version
 
 # distribution names whose versions are recorded with every run
 VERSIONED = ["torch", "deepspeed", "megatron-core", "mindspore", "torch-npu", "mindspeed", "mlflow", "hydra-core", "numpy"]
@@ -64,7 +64,7 @@ def report() -> dict[str, Any]:
         }
     return {"python": sys.version.split()[0], "executable": sys.executable, "cpu": cpu_info(), "devices": devices,
             "backends": backends, "versions": versions(),
-            "notes": ["TORCH_DEVICE_BACKEND_AUTOLOAD=0 is set by parabench: with torch_npu installed but no CANN, "
+            "notes": [f"{AUTOLOAD_TEXT} is set by parabench: with torch_npu installed but no CANN, "
                       "`import torch` fails otherwise."] if package_version("torch-npu") else []}
 
 

@@ -23,7 +23,7 @@ from typing import Any
 from parabench import __version__
 from parabench.adapters.base import check_capabilities
 from parabench.adapters.registry import get_adapter
-from parabench.devices import DEVICES
+from parabench.devices import AUTOLOAD_ENV, DEVICES
 from parabench.errors import RunFailed, SpecError
 from parabench.launchers import get_launcher
 from parabench.spec import JobSpec, from_config, resolve_device
@@ -100,7 +100,7 @@ def launch_env(job: JobSpec) -> dict[str, str]:
         "PYTHONUNBUFFERED": "1",
         # torch_npu without CANN breaks `import torch` (and torchrun) unless autoload is off;
         # the NPU worker imports torch_npu explicitly (REFERENCE.md section 6).
-        "TORCH_DEVICE_BACKEND_AUTOLOAD": "0",
+        **AUTOLOAD_ENV,
     }
     env.update(DEVICES[job.device.type].launch_env(job.launch.nproc_per_node, job.device.threads_per_rank))
     env.update(adapter.launch_env(job))
