@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,25 @@ def summaries(results: Path) -> dict[str, dict]:
     for p in sorted(results.glob("runs/*/*/*/summary.json")):
         out[p.parent.name] = json.loads(p.read_text())
     return out
+
+
+# A citation of an entry of docs/sources.md, from code or data (`docs/sources.md#<anchor>`) or from a
+# sibling doc (`sources.md#<anchor>`).
+SOURCE_CITATION = re.compile(r"(?:docs/)?\bsources\.md#([\w-]+)")
+
+
+def github_slug(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading: lower case, punctuation dropped, spaces -> '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def source_anchors() -> set[str]:
+    """Every anchor of docs/sources.md (one per heading; a repeated slug would shadow an entry)."""
+    headings = re.findall(r"^#{1,6} (.+)$", (REPO / "docs" / "sources.md").read_text(), flags=re.M)
+    slugs = [github_slug(h) for h in headings]
+    repeated = sorted({s for s in slugs if slugs.count(s) > 1})
+    assert not repeated, f"docs/sources.md: headings with the same anchor: {repeated}"
+    return set(slugs)
 
 
 def mlflow_runs(results: Path, experiment: str = "parabench"):

@@ -25,7 +25,7 @@ class Rule:
     kind: ClassVar[str]
     targets: ClassVar[frozenset[str]] = frozenset({"npu", "mindspeed"})
     modes: ClassVar[frozenset[str]] = frozenset({"static"})
-    source: ClassVar[str] = ""  # where the mapping comes from (REFERENCE.md section)
+    source: ClassVar[str] = ""  # where the mapping comes from: entries of docs/sources.md, "docs/sources.md#<anchor>, ..."
 
     @classmethod
     def enabled(cls, options: Options) -> bool:

@@ -23,7 +23,7 @@ from parabench.migrate.rules._walk import walk
 DEVICE_RE = re.compile(r"^cuda(:\d+)?$")
 BACKEND_COMPOUND_RE = re.compile(r"^(?:[a-z]+:[a-z]+,)*cuda:nccl(?:,[a-z]+:[a-z]+)*$")
 
-# Keyword arguments that name a device (REFERENCE 1: device rewriting of transfer_to_npu).
+# Keyword arguments that name a device (docs/sources.md#transfer-to-npu: device rewriting of transfer_to_npu).
 DEVICE_KWARGS = frozenset({"device", "device_type", "map_location", "device_id", "default_device", "init_device"})
 BACKEND_KWARGS = frozenset({"backend", "dist_backend"})
 # Calls whose first positional argument is a device type / device.

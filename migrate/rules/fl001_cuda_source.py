@@ -1,4 +1,4 @@
-"""FL001: CUDA source files (.cu/.cuh) in the tree (REFERENCE 4 M: CUDA extensions)."""
+"""FL001: CUDA source files (.cu/.cuh) in the tree (docs/sources.md#class-m-manual: CUDA extensions)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ class CudaSource(TextRule):
     description = ".cu/.cuh kernel sources: copied unchanged and reported (port to AscendC or torch ops)"
     safety = MANUAL
     kind = "cuda"
-    source = "REFERENCE 4 M"
+    source = "docs/sources.md#class-m-manual"
 
     def apply(self, doc: TextDoc) -> None:
         doc.manual(type(self), 0, "CUDA kernel source", op="CUDA kernel", tip="port to AscendC (torch_npu custom op) or replace with torch/torch_npu ops")

@@ -1,4 +1,4 @@
-"""JS001: "cuda" / "nccl" values in JSON configs (DeepSpeed, launch configs) -> "npu" / "hccl" (REFERENCE 4 S; pattern 9)."""
+"""JS001: "cuda" / "nccl" values in JSON configs (DeepSpeed, launch configs) -> "npu" / "hccl" (docs/sources.md#class-s-review)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ class JsonDeviceBackend(TextRule):
     description = 'JSON string values "cuda[:N]" -> "npu[:N]", "nccl" -> "hccl", "cuda:nccl,cpu:gloo" -> "npu:hccl,cpu:gloo" (keys untouched)'
     safety = REVIEW
     kind = "json"
-    source = "REFERENCE 4 S; pattern 9"
+    source = "docs/sources.md#class-s-review, docs/sources.md#pattern-9"
 
     def apply(self, doc: TextDoc) -> None:
         for start, end, value, is_key, path in json_strings(doc):

@@ -1,4 +1,4 @@
-"""JS002: CUDA-only features switched on in JSON configs: fp8, Transformer Engine, flash-attn, triton sparse attention, NVMe offload (REFERENCE 4 M; pattern 9)."""
+"""JS002: CUDA-only features switched on in JSON configs: fp8, Transformer Engine, flash-attn, triton sparse attention, NVMe offload (docs/sources.md#class-m-manual)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class JsonCudaFeatures(TextRule):
     description = "enabled fp8 / transformer_engine / flash_attn / sparse_attention / use_triton keys, NVMe offload and accelerator: cuda in JSON: reported"
     safety = MANUAL
     kind = "json"
-    source = "REFERENCE 4 M; pattern 9"
+    source = "docs/sources.md#class-m-manual, docs/sources.md#pattern-9"
 
     def apply(self, doc: TextDoc) -> None:
         strings = json_strings(doc)

@@ -1,4 +1,4 @@
-"""MS001: Megatron entry scripts import mindspeed.megatron_adaptor before Megatron (REFERENCE 3)."""
+"""MS001: Megatron entry scripts import mindspeed.megatron_adaptor before Megatron (docs/sources.md#mindspeed-adaptor)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ class MegatronAdaptor(ModuleRule):
     description = "entry scripts that import megatron get `import mindspeed.megatron_adaptor` before the first megatron import"
     safety = SAFE
     targets = frozenset({"mindspeed"})
-    source = "REFERENCE 3"
+    source = "docs/sources.md#mindspeed-adaptor"
 
     def post(self, original: cst.Module, new: cst.Module, ctx: PyContext) -> cst.Module:
         if not is_entry(original) or imports_module(original, "mindspeed"):

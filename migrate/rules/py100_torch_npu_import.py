@@ -1,4 +1,4 @@
-"""PY100: files that now use torch.npu / 'npu' devices get `import torch_npu` (REFERENCE 2: Ascend's tool does the same)."""
+"""PY100: files that now use torch.npu / 'npu' devices get `import torch_npu` (docs/sources.md#ascend-migration-tool: Ascend's tool does the same)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ class TorchNpuImport(ModuleRule):
     name = "torch-npu-import"
     description = "insert `import torch_npu` next to the first top-level torch import of a file that was migrated to NPU APIs"
     safety = SAFE
-    source = "REFERENCE 2"
+    source = "docs/sources.md#ascend-migration-tool"
 
     def post(self, original: cst.Module, new: cst.Module, ctx: PyContext) -> cst.Module:
         if not ctx.needs_npu or imports_module(original, "torch_npu"):

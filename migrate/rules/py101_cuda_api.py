@@ -1,4 +1,4 @@
-"""PY101: torch.cuda runtime API with a torch.npu twin -> torch.npu (REFERENCE 4, A; 1)."""
+"""PY101: torch.cuda runtime API with a torch.npu twin -> torch.npu (docs/sources.md#npu-api-twins)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ class CudaApi(PyRule):
     name = "cuda-api"
     description = "torch.cuda.* call/attribute with a torch.npu twin -> torch.npu.* (also through import and variable aliases)"
     safety = SAFE
-    source = "REFERENCE 4 A; 1"
+    source = "docs/sources.md#npu-api-twins, docs/sources.md#class-a-safe, docs/sources.md#transfer-to-npu"
 
     def visit_Module(self, node: cst.Module) -> None:
         refs = cuda_refs(self.ctx)

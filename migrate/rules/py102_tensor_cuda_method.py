@@ -1,4 +1,4 @@
-"""PY102: `.cuda()` on tensors and modules -> `.npu()` (REFERENCE 4 A; 1 aliases Tensor.cuda/Module.cuda)."""
+"""PY102: `.cuda()` on tensors and modules -> `.npu()` (docs/sources.md#class-a-safe)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ class TensorCudaMethod(PyRule):
     name = "cuda-method"
     description = "x.cuda(...) -> x.npu(...) for tensors and modules (not for imported modules such as numba.cuda)"
     safety = SAFE
-    source = "REFERENCE 4 A; 1"
+    source = "docs/sources.md#class-a-safe, docs/sources.md#transfer-to-npu"
 
     def visit_Call(self, node: cst.Call) -> None:
         func = node.func

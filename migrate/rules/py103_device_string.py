@@ -1,4 +1,4 @@
-"""PY103: 'cuda' device strings in device roles -> 'npu' (REFERENCE 4 A; 1 device-argument rewriting; patterns 1, 2, 12).
+"""PY103: 'cuda' device strings in device roles -> 'npu' (docs/sources.md#class-a-safe).
 
 Device roles: device=/device_type=/map_location= keywords, torch.device(...), .to(...), autocast /
 GradScaler / init_device_mesh first argument, parameters and variables named *device*, and
@@ -23,7 +23,7 @@ class DeviceString(PyRule):
     name = "device-string"
     description = "'cuda' / 'cuda:N' / f'cuda:{i}' naming a device (device arguments, torch.device, .to, device variables and device comparisons) -> 'npu'"
     safety = SAFE
-    source = "REFERENCE 4 A; 1; patterns 1, 2, 12"
+    source = "docs/sources.md#class-a-safe, docs/sources.md#transfer-to-npu, docs/sources.md#pattern-1, docs/sources.md#pattern-2, docs/sources.md#pattern-12"
 
     def visit_SimpleString(self, node: cst.SimpleString) -> None:
         value = string_value(node)

@@ -1,4 +1,4 @@
-"""PY104: other 'cuda' literals that name a device (defaults, choices, return values) -> 'npu', flagged (REFERENCE 4 S).
+"""PY104: other 'cuda' literals that name a device (defaults, choices, return values) -> 'npu', flagged (docs/sources.md#class-s-review).
 
 Never touched: docstrings, log/print/exception messages, subscript and dict keys (checkpoint keys,
 PyTorch's device->backend map: pattern 4), getattr names, Lightning `accelerator=` (PY912).
@@ -21,7 +21,7 @@ class BareDeviceLiteral(PyRule):
     name = "bare-device-literal"
     description = "'cuda' literal outside a known device role (argparse defaults/choices, returns, plain comparisons) -> 'npu', for review"
     safety = REVIEW
-    source = "REFERENCE 4 S; patterns 2, 4, 11, 13"
+    source = "docs/sources.md#class-s-review, docs/sources.md#pattern-2, docs/sources.md#pattern-4, docs/sources.md#pattern-11, docs/sources.md#pattern-13"
 
     def visit_SimpleString(self, node: cst.SimpleString) -> None:
         value = string_value(node)

@@ -1,4 +1,4 @@
-"""PY105: 'nccl' backend of init_process_group / new_group / deepspeed.init_distributed -> 'hccl' (REFERENCE 4 A; 1)."""
+"""PY105: 'nccl' backend of init_process_group / new_group / deepspeed.init_distributed -> 'hccl' (docs/sources.md#class-a-safe)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ class DistBackend(PyRule):
     name = "dist-backend"
     description = "init_process_group('nccl') / backend='nccl' / deepspeed.init_distributed(dist_backend='nccl') -> 'hccl'"
     safety = SAFE
-    source = "REFERENCE 4 A; 1"
+    source = "docs/sources.md#class-a-safe, docs/sources.md#transfer-to-npu"
 
     def visit_SimpleString(self, node: cst.SimpleString) -> None:
         if string_value(node) == "nccl" and "nccl" in node.value and string_role(self.ctx, node) == "backend":

@@ -1,4 +1,4 @@
-"""PY106: other 'nccl' literals naming a backend (argparse defaults, variables) and 'cuda:nccl,cpu:gloo' -> hccl, flagged (REFERENCE 4 S; pattern 2)."""
+"""PY106: other 'nccl' literals naming a backend (argparse defaults, variables) and 'cuda:nccl,cpu:gloo' -> hccl, flagged (docs/sources.md#class-s-review)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ class BareBackendLiteral(PyRule):
     name = "bare-backend-literal"
     description = "'nccl' literal outside init calls (argparse --dist-backend default, variables) and 'cuda:nccl,cpu:gloo' -> hccl, for review"
     safety = REVIEW
-    source = "REFERENCE 4 S; pattern 2"
+    source = "docs/sources.md#class-s-review, docs/sources.md#pattern-2"
 
     def visit_SimpleString(self, node: cst.SimpleString) -> None:
         value = string_value(node)

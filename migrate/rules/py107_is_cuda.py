@@ -1,4 +1,4 @@
-"""PY107: `x.is_cuda` -> `x.is_npu` (REFERENCE 4 S; 1 aliases is_cuda -> is_npu)."""
+"""PY107: `x.is_cuda` -> `x.is_npu` (docs/sources.md#class-s-review)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ class IsCuda(PyRule):
     name = "is-cuda"
     description = "tensor.is_cuda -> tensor.is_npu (check the branch it guards still makes sense)"
     safety = REVIEW
-    source = "REFERENCE 4 S; 1"
+    source = "docs/sources.md#class-s-review, docs/sources.md#transfer-to-npu"
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
         if node.attr.value != "is_cuda":

@@ -1,4 +1,4 @@
-"""PY108: legacy torch.cuda.FloatTensor-style types -> torch.npu twins (REFERENCE 4, S)."""
+"""PY108: legacy torch.cuda.FloatTensor-style types -> torch.npu twins (docs/sources.md#class-s-review)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ class LegacyTensorType(PyRule):
     name = "legacy-tensor-type"
     description = "torch.cuda.FloatTensor and other legacy tensor/storage types -> torch.npu.* (deprecated types: prefer torch.tensor(..., device=))"
     safety = REVIEW
-    source = "REFERENCE 4 S; 1 (DoubleTensor maps to a float type under transfer_to_npu)"
+    source = "docs/sources.md#class-s-review, docs/sources.md#npu-api-twins, docs/sources.md#transfer-to-npu"
 
     def visit_Module(self, node: cst.Module) -> None:
         for use in cuda_refs(self.ctx).direct:

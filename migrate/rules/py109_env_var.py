@@ -1,4 +1,4 @@
-"""PY109: CUDA env var names read or written from Python -> Ascend names (REFERENCE 4 A; pattern 14: move both sides)."""
+"""PY109: CUDA env var names read or written from Python -> Ascend names (docs/sources.md#ascend-env-vars: move both sides)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class EnvVar(PyRule):
     name = "env-var"
     description = "'CUDA_VISIBLE_DEVICES' -> 'ASCEND_RT_VISIBLE_DEVICES', 'PYTORCH_CUDA_ALLOC_CONF' -> 'PYTORCH_NPU_ALLOC_CONF' wherever the name is used as a string"
     safety = SAFE
-    source = "REFERENCE 4 A; pattern 14"
+    source = "docs/sources.md#ascend-env-vars, docs/sources.md#class-a-safe, docs/sources.md#pattern-14"
     needs_torch_npu = False
 
     def visit_SimpleString(self, node: cst.SimpleString) -> None:

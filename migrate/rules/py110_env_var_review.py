@@ -1,4 +1,4 @@
-"""PY110: NCCL/CUDA env names with an HCCL/Ascend twin of different semantics -> renamed, flagged (REFERENCE 4 S)."""
+"""PY110: NCCL/CUDA env names with an HCCL/Ascend twin of different semantics -> renamed, flagged (docs/sources.md#ascend-env-vars)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ class EnvVarReview(PyRule):
     name = "env-var-review"
     description = "NCCL_SOCKET_IFNAME, NCCL_BUFFSIZE (bytes -> MB!), TORCH_NCCL_ASYNC_ERROR_HANDLING, CUDA_LAUNCH_BLOCKING -> HCCL_*/ASCEND_* names"
     safety = REVIEW
-    source = "REFERENCE 4 S"
+    source = "docs/sources.md#ascend-env-vars, docs/sources.md#class-s-review"
     needs_torch_npu = False
 
     def visit_SimpleString(self, node: cst.SimpleString) -> None:

@@ -1,4 +1,4 @@
-"""PY111: apex FusedLayerNorm / FusedRMSNorm -> torch.nn.LayerNorm / RMSNorm (REFERENCE 4 S)."""
+"""PY111: apex FusedLayerNorm / FusedRMSNorm -> torch.nn.LayerNorm / RMSNorm (docs/sources.md#class-s-review)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ class ApexNorm(PyRule):
     name = "apex-fused-norm"
     description = "apex.normalization FusedLayerNorm/MixedFusedLayerNorm/FusedRMSNorm -> torch.nn.LayerNorm/RMSNorm (same constructor arguments)"
     safety = REVIEW
-    source = "REFERENCE 4 S"
+    source = "docs/sources.md#class-s-review"
     needs_torch_npu = False
     tip = "apex-only kwargs (memory_efficient, sequence_parallel) must be removed; MindSpeed patches Megatron's norms itself"
 

@@ -1,4 +1,4 @@
-"""PY112: apex FusedAdam / FusedSGD -> torch.optim.AdamW / SGD (REFERENCE 4 S).
+"""PY112: apex FusedAdam / FusedSGD -> torch.optim.AdamW / SGD (docs/sources.md#class-s-review).
 
 apex FusedAdam defaults to adam_w_mode=True (decoupled weight decay), so AdamW keeps the update rule.
 """
@@ -20,7 +20,7 @@ class ApexOptimizer(PyRule):
     name = "apex-fused-optimizer"
     description = "apex.optimizers FusedAdam -> torch.optim.AdamW (apex default adam_w_mode=True), FusedSGD -> torch.optim.SGD"
     safety = REVIEW
-    source = "REFERENCE 4 S"
+    source = "docs/sources.md#class-s-review"
     needs_torch_npu = False
     tip = "remove apex-only kwargs (adam_w_mode, set_grad_none, bias_correction); adam_w_mode=False means torch.optim.Adam; torch_npu.optim.NpuFusedAdamW is the fused NPU variant"
 

@@ -1,4 +1,4 @@
-"""PY113: NVTX markers -> torch.npu.mstx (REFERENCE 4, S: NVTX -> torch_npu.npu.mstx)."""
+"""PY113: NVTX markers -> torch.npu.mstx (docs/sources.md#mstx-markers: NVTX -> torch_npu.npu.mstx)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ class Nvtx(PyRule):
     name = "nvtx-to-mstx"
     description = "torch.cuda.nvtx.mark/range_start/range_end -> torch.npu.mstx.* (also `from torch.cuda import nvtx`)"
     safety = REVIEW
-    source = "REFERENCE 4 S"
+    source = "docs/sources.md#mstx-markers, docs/sources.md#class-s-review"
     tip = "mstx.range_start needs an NPU stream argument in some torch_npu versions; push/pop stacks are not migrated"
 
     def visit_Module(self, node: cst.Module) -> None:

@@ -1,4 +1,4 @@
-"""PY114: TF32 switches -> NPU HF32 switches (REFERENCE 4 S: allow_tf32 -> allow_hf32, not identical)."""
+"""PY114: TF32 switches -> NPU HF32 switches (docs/sources.md#hf32-switches: allow_tf32 -> allow_hf32, not identical)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class Tf32(PyRule):
     name = "tf32-to-hf32"
     description = "torch.backends.cuda.matmul.allow_tf32 / cudnn.allow_tf32 -> torch.npu.matmul / conv.allow_hf32 (HF32 is not TF32)"
     safety = REVIEW
-    source = "REFERENCE 4 S"
+    source = "docs/sources.md#hf32-switches, docs/sources.md#class-s-review"
     tip = "HF32 rounds differently from TF32: compare losses"
 
     def visit_Attribute(self, node: cst.Attribute) -> None:

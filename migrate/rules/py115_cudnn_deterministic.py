@@ -1,4 +1,4 @@
-"""PY115: `torch.backends.cudnn.deterministic = X` -> `torch.use_deterministic_algorithms(X)` (REFERENCE 4 S: cudnn flags).
+"""PY115: `torch.backends.cudnn.deterministic = X` -> `torch.use_deterministic_algorithms(X)` (docs/sources.md#class-s-review: cudnn flags).
 
 cudnn.benchmark / cudnn.enabled are left alone: they are plain attributes without effect on NPU.
 """
@@ -20,7 +20,7 @@ class CudnnDeterministic(PyRule):
     name = "cudnn-deterministic"
     description = "torch.backends.cudnn.deterministic = X -> torch.use_deterministic_algorithms(X) (raises on ops without deterministic kernels)"
     safety = REVIEW
-    source = "REFERENCE 4 S"
+    source = "docs/sources.md#class-s-review"
     needs_torch_npu = False
     tip = "use_deterministic_algorithms(True) raises on nondeterministic ops; HCCL_DETERMINISTIC=true makes collectives deterministic"
 

@@ -1,4 +1,4 @@
-"""PY116: torch.distributed.is_nccl_available -> is_hccl_available (REFERENCE 1: transfer_to_npu does the same)."""
+"""PY116: torch.distributed.is_nccl_available -> is_hccl_available (docs/sources.md#transfer-to-npu: transfer_to_npu does the same)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ class IsNcclAvailable(PyRule):
     name = "is-nccl-available"
     description = "torch.distributed.is_nccl_available() -> is_hccl_available() (added by torch_npu)"
     safety = REVIEW
-    source = "REFERENCE 1"
+    source = "docs/sources.md#transfer-to-npu"
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
         if node.attr.value == "is_nccl_available" and self.ctx.qnames(node) & QNS:

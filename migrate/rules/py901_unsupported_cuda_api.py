@@ -1,4 +1,4 @@
-"""PY901: torch.cuda APIs that torch.npu lacks or changes: reported, never rewritten (REFERENCE 1 limits; 4 M, patterns 5, 7)."""
+"""PY901: torch.cuda APIs that torch.npu lacks or changes: reported, never rewritten (docs/sources.md#transfer-to-npu-limits)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ class UnsupportedCudaApi(PyRule):
     name = "unsupported-cuda-api"
     description = "torch.cuda.* without a torch.npu twin (get_device_capability, CUDA graphs, nccl, nvtx push/pop, unknown names): reported with a tip"
     safety = MANUAL
-    source = "REFERENCE 1 documented limits; 4 M and patterns 5, 7"
+    source = "docs/sources.md#transfer-to-npu-limits, docs/sources.md#npu-api-twins, docs/sources.md#class-m-manual, docs/sources.md#pattern-5, docs/sources.md#pattern-7"
 
     def visit_Module(self, node: cst.Module) -> None:
         refs = cuda_refs(self.ctx)

@@ -1,4 +1,4 @@
-"""PY902: torch.backends.cuda / cudnn switches without NPU meaning (SDPA kernel choice, cudnn.version) (REFERENCE 4 M)."""
+"""PY902: torch.backends.cuda / cudnn switches without NPU meaning (SDPA kernel choice, cudnn.version) (docs/sources.md#class-m-manual)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ class CudaBackendFlags(PyRule):
     name = "cuda-backend-flags"
     description = "torch.backends.cuda.* (SDPA kernel switches, linalg library, cufft) and torch.backends.cudnn.version(): no NPU meaning, reported"
     safety = MANUAL
-    source = "REFERENCE 4 M"
+    source = "docs/sources.md#class-m-manual"
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
         names = self.ctx.qnames(node)

@@ -1,4 +1,4 @@
-"""PY903: torch.version.cuda gates (bf16 support, kernels) are None on NPU (REFERENCE 4 M; pattern 6)."""
+"""PY903: torch.version.cuda gates (bf16 support, kernels) are None on NPU (docs/sources.md#class-m-manual)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ class TorchVersionCuda(PyRule):
     name = "torch-version-cuda"
     description = "torch.version.cuda is None on NPU: code deciding bf16/kernels from it silently falls back (reported)"
     safety = MANUAL
-    source = "REFERENCE 4 M; pattern 6"
+    source = "docs/sources.md#class-m-manual, docs/sources.md#pattern-6"
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
         if "torch.version.cuda" in self.ctx.qnames(node):

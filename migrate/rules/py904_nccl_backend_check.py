@@ -1,4 +1,4 @@
-"""PY904: code comparing the backend with 'nccl' (staging devices, timeouts) must be edited by hand (REFERENCE 1, 4 M; pattern 3)."""
+"""PY904: code comparing the backend with 'nccl' (staging devices, timeouts) must be edited by hand (docs/sources.md#transfer-to-npu-limits)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ class NcclBackendCheck(PyRule):
     name = "nccl-backend-check"
     description = "`backend == 'nccl'` / Backend.NCCL checks: reported, the branch is wrong on hccl"
     safety = MANUAL
-    source = "REFERENCE 1; 4 M; pattern 3"
+    source = "docs/sources.md#transfer-to-npu-limits, docs/sources.md#class-m-manual, docs/sources.md#pattern-3"
 
     def visit_SimpleString(self, node: cst.SimpleString) -> None:
         if string_value(node) == "nccl" and string_role(self.ctx, node).startswith("compare"):

@@ -1,4 +1,4 @@
-"""PY905: nn.DataParallel is unsupported on NPU: use DDP (REFERENCE 1 limits; 4 M; pattern 2)."""
+"""PY905: nn.DataParallel is unsupported on NPU: use DDP (docs/sources.md#transfer-to-npu-limits)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ class DataParallel(PyRule):
     name = "data-parallel"
     description = "torch.nn.DataParallel(...) calls: unsupported on NPU, use DistributedDataParallel (reported)"
     safety = MANUAL
-    source = "REFERENCE 1; 4 M; pattern 2"
+    source = "docs/sources.md#transfer-to-npu-limits, docs/sources.md#class-m-manual, docs/sources.md#pattern-2"
 
     def visit_Call(self, node: cst.Call) -> None:
         if self.ctx.qnames(node.func) & QNS:

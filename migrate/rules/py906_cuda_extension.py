@@ -1,4 +1,4 @@
-"""PY906: CUDA C++ extensions (CUDAExtension, load/load_inline with CUDA sources) (REFERENCE 4 M)."""
+"""PY906: CUDA C++ extensions (CUDAExtension, load/load_inline with CUDA sources) (docs/sources.md#class-m-manual)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ class CudaExtension(PyRule):
     name = "cuda-extension"
     description = "torch.utils.cpp_extension.CUDAExtension and load/load_inline with .cu sources or cuda_sources= (reported)"
     safety = MANUAL
-    source = "REFERENCE 4 M"
+    source = "docs/sources.md#class-m-manual"
 
     def visit_Call(self, node: cst.Call) -> None:
         names = self.ctx.qnames(node.func)

@@ -1,4 +1,4 @@
-"""PY907: imports of CUDA-only packages (transformer_engine, triton, flash_attn, xformers, bitsandbytes, amp_C, *_cuda, apex, pynvml, symmetric memory) (REFERENCE 4 M)."""
+"""PY907: imports of CUDA-only packages (transformer_engine, triton, flash_attn, xformers, bitsandbytes, amp_C, *_cuda, apex, pynvml, symmetric memory) (docs/sources.md#cuda-only-packages)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class CudaOnlyImport(PyRule):
     name = "cuda-only-import"
     description = "import of a CUDA-only package or compiled *_cuda extension: reported with the NPU alternative"
     safety = MANUAL
-    source = "REFERENCE 4 M; patterns 7, 9"
+    source = "docs/sources.md#cuda-only-packages, docs/sources.md#class-m-manual, docs/sources.md#pattern-7, docs/sources.md#pattern-9"
 
     def visit_Import(self, node: cst.Import) -> None:
         for alias in node.names:

@@ -1,4 +1,4 @@
-"""PY908: CUDA extension modules loaded by name (importlib.import_module('fused_layer_norm_cuda')) (REFERENCE 4 M; pattern 8)."""
+"""PY908: CUDA extension modules loaded by name (importlib.import_module('fused_layer_norm_cuda')) (docs/sources.md#class-m-manual)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ class ImportlibCudaModule(PyRule):
     name = "importlib-cuda-module"
     description = "importlib.import_module / __import__ of a CUDA-only module given as a string (reported)"
     safety = MANUAL
-    source = "REFERENCE 4 M; pattern 8"
+    source = "docs/sources.md#class-m-manual, docs/sources.md#pattern-8"
 
     def visit_SimpleString(self, node: cst.SimpleString) -> None:
         value = string_value(node)

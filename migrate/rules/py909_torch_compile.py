@@ -1,4 +1,4 @@
-"""PY909: torch.compile has no CUDA inductor on NPU (REFERENCE 4 M)."""
+"""PY909: torch.compile has no CUDA inductor on NPU (docs/sources.md#class-m-manual)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ class TorchCompile(PyRule):
     name = "torch-compile"
     description = "torch.compile(...) / @torch.compile: Inductor's CUDA/Triton backend does not exist on NPU (reported)"
     safety = MANUAL
-    source = "REFERENCE 4 M"
+    source = "docs/sources.md#class-m-manual"
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
         if node.attr.value == "compile" and "torch.compile" in self.ctx.qnames(node):

@@ -1,4 +1,4 @@
-"""PY910: nvidia-smi called from Python (REFERENCE 4 M: pynvml/nvidia-smi -> npu-smi)."""
+"""PY910: nvidia-smi called from Python (docs/sources.md#cuda-only-packages: pynvml/nvidia-smi -> npu-smi)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ class NvidiaSmi(PyRule):
     name = "nvidia-smi"
     description = "commands starting with nvidia-smi in strings passed to subprocess/os.system (reported; npu-smi has other options)"
     safety = MANUAL
-    source = "REFERENCE 4 M"
+    source = "docs/sources.md#cuda-only-packages, docs/sources.md#class-m-manual"
 
     def visit_SimpleString(self, node: cst.SimpleString) -> None:
         value = string_value(node)

@@ -1,4 +1,4 @@
-"""PY911: NCCL tuning env vars without an HCCL equivalent, used from Python (REFERENCE 4 M)."""
+"""PY911: NCCL tuning env vars without an HCCL equivalent, used from Python (docs/sources.md#ascend-env-vars)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ class NcclEnvManual(PyRule):
     name = "nccl-env-no-equivalent"
     description = "NCCL_IB_*, NCCL_ALGO, NCCL_PROTO, NCCL_DEBUG ... set or read from Python: no HCCL equivalent (reported)"
     safety = MANUAL
-    source = "REFERENCE 4 M"
+    source = "docs/sources.md#ascend-env-vars, docs/sources.md#class-m-manual"
 
     def visit_SimpleString(self, node: cst.SimpleString) -> None:
         value = string_value(node)

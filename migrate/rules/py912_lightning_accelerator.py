@@ -1,4 +1,4 @@
-"""PY912: accelerator='cuda'/'gpu' (Lightning allow-list) must not become 'npu' blindly (REFERENCE 4 pattern 13)."""
+"""PY912: accelerator='cuda'/'gpu' (Lightning allow-list) must not become 'npu' blindly (docs/sources.md#pattern-13)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ class LightningAccelerator(PyRule):
     name = "accelerator-allow-list"
     description = "accelerator='cuda'/'gpu' keyword (Lightning allow-list): reported, an NPU accelerator plugin is needed"
     safety = MANUAL
-    source = "REFERENCE 4 pattern 13"
+    source = "docs/sources.md#pattern-13"
 
     def visit_SimpleString(self, node: cst.SimpleString) -> None:
         value = string_value(node)

@@ -1,4 +1,4 @@
-"""PY913: FP8 dtypes in training code (REFERENCE 4 M: FP8/torchao)."""
+"""PY913: FP8 dtypes in training code (docs/sources.md#class-m-manual: FP8/torchao)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ class Fp8(PyRule):
     name = "fp8-dtype"
     description = "torch.float8_* dtypes: FP8 matmul is not available on this NPU generation (reported)"
     safety = MANUAL
-    source = "REFERENCE 4 M"
+    source = "docs/sources.md#class-m-manual"
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
         if node.attr.value.startswith("float8_") and any(q.startswith("torch.float8_") for q in self.ctx.qnames(node)):

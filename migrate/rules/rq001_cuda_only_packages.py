@@ -1,4 +1,4 @@
-"""RQ001: CUDA-only packages in requirements files are commented out with the reason (REFERENCE 4 M)."""
+"""RQ001: CUDA-only packages in requirements files are commented out with the reason (docs/sources.md#cuda-only-packages)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class CudaOnlyPackages(TextRule):
     description = "flash-attn, transformer-engine, apex, xformers, bitsandbytes, triton, nvidia-*, cupy-cuda*, pynvml ... requirement lines commented out"
     safety = REVIEW
     kind = "requirements"
-    source = "REFERENCE 4 M"
+    source = "docs/sources.md#cuda-only-packages, docs/sources.md#class-m-manual"
 
     def apply(self, doc: TextDoc) -> None:
         for lineno, offset, line, code in iter_requirements(doc):

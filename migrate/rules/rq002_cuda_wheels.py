@@ -1,4 +1,4 @@
-"""RQ002: CUDA wheel pins (torch==2.1.0+cu121, --extra-index-url .../whl/cu121) in requirements files (REFERENCE 3: torch + torch_npu pairs)."""
+"""RQ002: CUDA wheel pins (torch==2.1.0+cu121, --extra-index-url .../whl/cu121) in requirements files (docs/sources.md#mindspeed-versions: torch + torch_npu pairs)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ class CudaWheels(TextRule):
     description = "+cuXXX local versions on torch/torchvision/torchaudio stripped; CUDA wheel index URLs commented out"
     safety = REVIEW
     kind = "requirements"
-    source = "REFERENCE 3"
+    source = "docs/sources.md#mindspeed-versions"
 
     def apply(self, doc: TextDoc) -> None:
         for lineno, offset, line, code in iter_requirements(doc):

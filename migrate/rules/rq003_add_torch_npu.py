@@ -1,4 +1,4 @@
-"""RQ003: requirements that pin torch get a matching torch-npu line (REFERENCE 3: torch and torch_npu versions are coupled)."""
+"""RQ003: requirements that pin torch get a matching torch-npu line (docs/sources.md#mindspeed-versions: torch and torch_npu versions are coupled)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class AddTorchNpu(TextRule):
     description = "add `torch-npu==<torch version>.*` after the torch requirement when no torch-npu line exists"
     safety = REVIEW
     kind = "requirements"
-    source = "REFERENCE 3"
+    source = "docs/sources.md#mindspeed-versions"
 
     def apply(self, doc: TextDoc) -> None:
         lines = list(iter_requirements(doc))

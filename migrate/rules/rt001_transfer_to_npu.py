@@ -1,4 +1,4 @@
-"""RT001: --mode runtime: entry scripts import torch_npu's transfer_to_npu shim instead of static rewrites (REFERENCE 1)."""
+"""RT001: --mode runtime: entry scripts import torch_npu's transfer_to_npu shim instead of static rewrites (docs/sources.md#transfer-to-npu)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ class TransferToNpu(ModuleRule):
     description = "entry scripts (`if __name__ == '__main__'`) get `from torch_npu.contrib import transfer_to_npu` after their first torch import"
     safety = SAFE
     modes = frozenset({"runtime"})
-    source = "REFERENCE 1"
+    source = "docs/sources.md#transfer-to-npu"
 
     def post(self, original: cst.Module, new: cst.Module, ctx: PyContext) -> cst.Module:
         if not is_entry(original) or imports_module(original, "torch_npu"):

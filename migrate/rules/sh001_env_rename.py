@@ -1,4 +1,4 @@
-"""SH001: CUDA_VISIBLE_DEVICES / PYTORCH_CUDA_ALLOC_CONF in launch scripts -> Ascend names (REFERENCE 4 A)."""
+"""SH001: CUDA_VISIBLE_DEVICES / PYTORCH_CUDA_ALLOC_CONF in launch scripts -> Ascend names (docs/sources.md#ascend-env-vars)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def rename_env(rule: type[TextRule], doc: TextDoc, safety: str) -> None:
                 replacement, msg = new, f"{name} -> {new}"
                 if name == "NCCL_BUFFSIZE" and code[m.end() : m.end() + 1] == "=":
                     value = _BUFF.match(code[m.end() + 1 :])
-                    if value:  # bytes -> MB (REFERENCE 4 S)
+                    if value:  # bytes -> MB (docs/sources.md#ascend-env-vars)
                         mb = max(1, math.ceil(int(value.group(1)) / 2**20))
                         end = offset + m.end() + 1 + value.end()
                         replacement = f"{new}={mb}"
@@ -39,7 +39,7 @@ class ShellEnvRename(TextRule):
     description = "CUDA_VISIBLE_DEVICES -> ASCEND_RT_VISIBLE_DEVICES, PYTORCH_CUDA_ALLOC_CONF -> PYTORCH_NPU_ALLOC_CONF (assignments and $references)"
     safety = SAFE
     kind = "shell"
-    source = "REFERENCE 4 A"
+    source = "docs/sources.md#ascend-env-vars, docs/sources.md#class-a-safe"
 
     def apply(self, doc: TextDoc) -> None:
         rename_env(type(self), doc, "safe")

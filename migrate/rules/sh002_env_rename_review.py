@@ -1,4 +1,4 @@
-"""SH002: NCCL/CUDA env vars with an HCCL/Ascend twin of different semantics (REFERENCE 4 S)."""
+"""SH002: NCCL/CUDA env vars with an HCCL/Ascend twin of different semantics (docs/sources.md#ascend-env-vars)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ class ShellEnvRenameReview(TextRule):
     description = "NCCL_SOCKET_IFNAME -> HCCL_SOCKET_IFNAME, NCCL_BUFFSIZE bytes -> HCCL_BUFFSIZE MB, (TORCH_)NCCL_ASYNC_ERROR_HANDLING -> HCCL_ASYNC_ERROR_HANDLING, CUDA_LAUNCH_BLOCKING -> ASCEND_LAUNCH_BLOCKING"
     safety = REVIEW
     kind = "shell"
-    source = "REFERENCE 4 S"
+    source = "docs/sources.md#ascend-env-vars, docs/sources.md#class-s-review"
 
     def apply(self, doc: TextDoc) -> None:
         rename_env(type(self), doc, "review")

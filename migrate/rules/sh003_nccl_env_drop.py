@@ -1,4 +1,4 @@
-"""SH003: NCCL tuning variables without HCCL equivalent are dropped with a warning (REFERENCE 4 M: NCCL_IB_*, NCCL_ALGO, NCCL_PROTO)."""
+"""SH003: NCCL tuning variables without HCCL equivalent are dropped with a warning (docs/sources.md#ascend-env-vars: NCCL_IB_*, NCCL_ALGO, NCCL_PROTO)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class ShellNcclEnvDrop(TextRule):
     description = "NCCL_IB_*, NCCL_ALGO, NCCL_PROTO, NCCL_DEBUG ... assignments removed (whole `export` lines become a warning comment)"
     safety = REVIEW
     kind = "shell"
-    source = "REFERENCE 4 M (drop with warning)"
+    source = "docs/sources.md#ascend-env-vars, docs/sources.md#class-m-manual"
 
     def apply(self, doc: TextDoc) -> None:
         rule = type(self)

@@ -1,4 +1,4 @@
-"""SH004: nvidia-smi in launch scripts (REFERENCE 4 M: -> npu-smi, different options and output)."""
+"""SH004: nvidia-smi in launch scripts (docs/sources.md#cuda-only-packages: -> npu-smi, different options and output)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ class ShellNvidiaSmi(TextRule):
     description = "nvidia-smi calls (device counting, monitoring): reported; use `npu-smi info`"
     safety = MANUAL
     kind = "shell"
-    source = "REFERENCE 4 M"
+    source = "docs/sources.md#cuda-only-packages, docs/sources.md#class-m-manual"
 
     def apply(self, doc: TextDoc) -> None:
         for lineno, offset, code in shell_code_lines(doc):

@@ -1,4 +1,4 @@
-"""SH005: `--distributed-backend nccl` and friends -> hccl (REFERENCE 3 launch lines; 4 A)."""
+"""SH005: `--distributed-backend nccl` and friends -> hccl (docs/sources.md#mindspeed-flags)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class ShellBackendFlag(TextRule):
     description = "--distributed-backend/--dist-backend/--backend nccl on command lines -> hccl"
     safety = SAFE
     kind = "shell"
-    source = "REFERENCE 3; 4 A"
+    source = "docs/sources.md#mindspeed-flags, docs/sources.md#class-a-safe"
 
     def apply(self, doc: TextDoc) -> None:
         for lineno, offset, code in shell_code_lines(doc):

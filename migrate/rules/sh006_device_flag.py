@@ -1,4 +1,4 @@
-"""SH006: `--device cuda` on command lines -> npu (REFERENCE 4 S: bare device literals)."""
+"""SH006: `--device cuda` on command lines -> npu (docs/sources.md#class-s-review: bare device literals)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class ShellDeviceFlag(TextRule):
     description = "--device cuda[:N] arguments in launch scripts -> npu[:N]"
     safety = REVIEW
     kind = "shell"
-    source = "REFERENCE 4 S"
+    source = "docs/sources.md#class-s-review"
 
     def apply(self, doc: TextDoc) -> None:
         for lineno, offset, code in shell_code_lines(doc):

@@ -1,4 +1,4 @@
-"""SH007: Transformer-Engine flags in Megatron launch scripts -> MindSpeed equivalents (REFERENCE 3: --transformer-impl local)."""
+"""SH007: Transformer-Engine flags in Megatron launch scripts -> MindSpeed equivalents (docs/sources.md#mindspeed-flags: --transformer-impl local)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class ShellTeFlags(TextRule):
     safety = REVIEW
     kind = "shell"
     targets = frozenset({"mindspeed"})
-    source = "REFERENCE 3"
+    source = "docs/sources.md#mindspeed-flags"
 
     def apply(self, doc: TextDoc) -> None:
         rule = type(self)

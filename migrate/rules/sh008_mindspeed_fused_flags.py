@@ -1,4 +1,4 @@
-"""SH008: enable MindSpeed fused kernels matching the model flags (REFERENCE 3: --use-fused-rmsnorm/-swiglu/-rotary-pos-emb)."""
+"""SH008: enable MindSpeed fused kernels matching the model flags (docs/sources.md#mindspeed-flags: --use-fused-rmsnorm/-swiglu/-rotary-pos-emb)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ class MindSpeedFusedFlags(TextRule):
     safety = REVIEW
     kind = "shell"
     targets = frozenset({"mindspeed"})
-    source = "REFERENCE 3"
+    source = "docs/sources.md#mindspeed-flags"
 
     def apply(self, doc: TextDoc) -> None:
         for flag, value, fused in api_map.MINDSPEED_FUSED:

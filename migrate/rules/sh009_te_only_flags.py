@@ -1,4 +1,4 @@
-"""SH009: FP8 / Transformer-Engine-only flags without an NPU equivalent (REFERENCE 3, 4 M; pattern 9)."""
+"""SH009: FP8 / Transformer-Engine-only flags without an NPU equivalent (docs/sources.md#mindspeed-flags)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class ShellTeOnlyFlags(TextRule):
     description = "--fp8-*, --tp-comm-overlap, TE RNG tracker flags (and --transformer-impl transformer_engine for --to npu): reported"
     safety = MANUAL
     kind = "shell"
-    source = "REFERENCE 3; 4 M; pattern 9"
+    source = "docs/sources.md#mindspeed-flags, docs/sources.md#class-m-manual, docs/sources.md#pattern-9"
 
     def apply(self, doc: TextDoc) -> None:
         for lineno, offset, code in shell_code_lines(doc):

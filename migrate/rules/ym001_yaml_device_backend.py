@@ -1,4 +1,4 @@
-"""YM001: device/backend values in YAML configs: cuda -> npu, nccl -> hccl (REFERENCE 4 S; pattern 9)."""
+"""YM001: device/backend values in YAML configs: cuda -> npu, nccl -> hccl (docs/sources.md#class-s-review)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ class YamlDeviceBackend(TextRule):
     description = "YAML scalar values cuda[:N] -> npu[:N], nccl -> hccl, cuda:nccl,cpu:gloo -> npu:hccl,cpu:gloo (not under accelerator:)"
     safety = REVIEW
     kind = "yaml"
-    source = "REFERENCE 4 S; pattern 9"
+    source = "docs/sources.md#class-s-review, docs/sources.md#pattern-9"
 
     def apply(self, doc: TextDoc) -> None:
         for k, v, _ in yaml_pairs(doc):

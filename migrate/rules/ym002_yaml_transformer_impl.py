@@ -1,4 +1,4 @@
-"""YM002: transformer_impl: transformer_engine -> local in YAML configs (REFERENCE 3: --transformer-impl local)."""
+"""YM002: transformer_impl: transformer_engine -> local in YAML configs (docs/sources.md#mindspeed-flags: --transformer-impl local)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ class YamlTransformerImpl(TextRule):
     description = "transformer_impl / transformer-impl: transformer_engine -> local (Transformer Engine does not exist on NPU)"
     safety = REVIEW
     kind = "yaml"
-    source = "REFERENCE 3"
+    source = "docs/sources.md#mindspeed-flags"
 
     def apply(self, doc: TextDoc) -> None:
         for k, v, _ in yaml_pairs(doc):

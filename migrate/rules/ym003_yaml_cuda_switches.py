@@ -1,4 +1,4 @@
-"""YM003: flash-attention / Transformer-Engine / fp8 / triton switches turned on in YAML configs (REFERENCE 4 M; pattern 9)."""
+"""YM003: flash-attention / Transformer-Engine / fp8 / triton switches turned on in YAML configs (docs/sources.md#class-m-manual)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class YamlCudaSwitches(TextRule):
     description = "enabled use_flash_attn / fp8* / transformer_engine / use_triton / xformers keys, attn_implementation: flash_attention_*, accelerator: cuda|gpu: reported"
     safety = MANUAL
     kind = "yaml"
-    source = "REFERENCE 4 M; pattern 9, 13"
+    source = "docs/sources.md#class-m-manual, docs/sources.md#pattern-9, docs/sources.md#pattern-13"
 
     def apply(self, doc: TextDoc) -> None:
         for k, v, _ in yaml_pairs(doc):

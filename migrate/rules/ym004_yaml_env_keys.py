@@ -1,4 +1,4 @@
-"""YM004: env var names used as YAML keys (launcher env: sections) -> Ascend/HCCL names (REFERENCE 4 A/S)."""
+"""YM004: env var names used as YAML keys (launcher env: sections) -> Ascend/HCCL names (docs/sources.md#ascend-env-vars)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ class YamlEnvKeys(TextRule):
     description = "CUDA_VISIBLE_DEVICES, PYTORCH_CUDA_ALLOC_CONF, NCCL_SOCKET_IFNAME ... as YAML keys -> Ascend/HCCL names"
     safety = REVIEW
     kind = "yaml"
-    source = "REFERENCE 4 A, S"
+    source = "docs/sources.md#ascend-env-vars, docs/sources.md#class-a-safe, docs/sources.md#class-s-review"
 
     def apply(self, doc: TextDoc) -> None:
         for k, _v, _ in yaml_pairs(doc):

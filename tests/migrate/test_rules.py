@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import SOURCE_CITATION, source_anchors
+
 from parabench.migrate.core import Options
 from parabench.migrate.engine import classify, migrate_text, run
 from parabench.migrate.rules._base import all_rules
@@ -49,9 +51,14 @@ CODES = sorted(all_rules())
 def test_every_rule_has_fixtures_and_metadata():
     dirs = {p.name for p in FIXTURES.iterdir() if p.is_dir()}
     assert set(CODES) <= dirs, f"rules without fixtures: {sorted(set(CODES) - dirs)}"
+    anchors = source_anchors()
     for code, rule in all_rules().items():
         assert rule.description and rule.name and rule.safety in ("safe", "review", "manual"), code
-        assert rule.source, f"{code} must cite its source"
+        cited = SOURCE_CITATION.findall(rule.source)
+        assert cited, f"{code}: source must cite entries of docs/sources.md, got {rule.source!r}"
+        assert set(cited) <= anchors, f"{code}: no such entry in docs/sources.md: {sorted(set(cited) - anchors)}"
+        rest = SOURCE_CITATION.sub("", rule.source).replace(",", "").strip()
+        assert not rest, f"{code}: source holds citations only (docs/sources.md#<anchor>, ...), got {rest!r}"
 
 
 @pytest.mark.parametrize("code", CODES)
