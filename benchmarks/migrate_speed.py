@@ -2,7 +2,7 @@
 
     python benchmarks/migrate_speed.py [--files 1200] [--jobs N] [--cuda-share 0.2] [--keep DIR] [--src DIR]
 
-The tree mixes, like the repositories measured in REFERENCE.md section 4: model/data/utility
+The tree mixes, like the repositories measured in docs/sources.md#cuda-constructs-survey: model/data/utility
 modules that never touch CUDA (most files), modules that mention CUDA only in comments,
 docstrings or log messages, and training/distributed modules with real CUDA constructs
 (torch.cuda calls, .cuda(), device strings, nccl, env vars). Files are 150-450 lines (8.4 KiB on

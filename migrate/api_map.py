@@ -3,9 +3,10 @@
 Everything the rules need to know about *which* API maps to *what* lives here as plain data, so a
 mapping can be checked, cited and updated without touching rule logic.
 
-Sources: REFERENCE.md section 1 (transfer_to_npu), 2 (Ascend's static tool), 3 (MindSpeed),
-section 4 (A/S/M/N classification of constructs found in real training code).
-The torch.npu member list was checked against ``torch_npu/npu/__init__.py::__all__`` of
+Sources: docs/sources.md#transfer-to-npu (transfer_to_npu), docs/sources.md#ascend-migration-tool
+(Ascend's static tool), docs/sources.md#mindspeed-flags (MindSpeed), docs/sources.md#cuda-constructs-survey
+(A/S/M/N classification of constructs found in real training code). The torch.npu member list
+(docs/sources.md#npu-api-twins) was checked against ``torch_npu/npu/__init__.py::__all__`` of
 Ascend/pytorch (commit 0037c399, repository version.txt 2.10.0.post7).
 """
 
@@ -15,7 +16,7 @@ TORCH_NPU_VERSION = "2.10.0.post7"
 TORCH_NPU_SOURCE = "Ascend/pytorch torch_npu/npu/__init__.py __all__ (commit 0037c399)"
 
 # --- torch.cuda members ----------------------------------------------------------------------
-# torch.cuda.<name> that torch.npu provides with the same meaning (REFERENCE 4, A items; 1).
+# torch.cuda.<name> that torch.npu provides with the same meaning (docs/sources.md#npu-api-twins, docs/sources.md#class-a-safe).
 SUPPORTED: frozenset[str] = frozenset(
     """
     is_available device_count current_device set_device synchronize device device_of StreamContext
@@ -36,7 +37,7 @@ SUPPORTED: frozenset[str] = frozenset(
 # Members of torch.cuda.amp that torch_npu.npu.amp provides (checked: torch_npu/npu/amp/).
 AMP_SUPPORTED: frozenset[str] = frozenset({"autocast", "GradScaler", "custom_fwd", "custom_bwd"})
 
-# Legacy tensor/storage types: torch.npu has them, but they are deprecated types (REFERENCE 4, S).
+# Legacy tensor/storage types: torch.npu has them, but they are deprecated types (docs/sources.md#class-s-review).
 LEGACY_TYPES: frozenset[str] = frozenset(
     """
     FloatTensor DoubleTensor HalfTensor BFloat16Tensor LongTensor IntTensor ShortTensor CharTensor
@@ -50,11 +51,11 @@ REPLACE: dict[str, str] = {
     "OutOfMemoryError": "torch.OutOfMemoryError",  # torch.cuda.OutOfMemoryError is an alias since torch 2.5
 }
 
-# NVTX -> mstx (REFERENCE 4, S): torch.npu.mstx has mark / range_start / range_end.
+# NVTX -> mstx (docs/sources.md#mstx-markers): torch.npu.mstx has mark / range_start / range_end.
 NVTX_MAP: dict[str, str] = {"mark": "mark", "range_start": "range_start", "range_end": "range_end"}
 
 # torch.cuda members torch.npu lacks or that behave differently: reported, never rewritten.
-# (REFERENCE 1 "documented limits", 4 M items and patterns 5/6.)
+# (docs/sources.md#transfer-to-npu-limits, docs/sources.md#class-m-manual, docs/sources.md#pattern-5.)
 UNSUPPORTED: dict[str, str] = {
     "get_device_capability": "returns None on NPU unless TORCH_NPU_DEVICE_CAPABILITY is set: capability gates "
     "(>= (8, 0), .major) crash or mislead; decide by feature (torch.npu.is_bf16_supported()) instead",
@@ -122,7 +123,7 @@ def classify_cuda_member(path: str) -> tuple[str, str]:
 
 
 # --- environment variables --------------------------------------------------------------------
-# name -> (new name or None to drop, safety, note). REFERENCE 4: A (safe), S (review), M (drop + warn).
+# name -> (new name or None to drop, safety, note). docs/sources.md#ascend-env-vars: A (safe), S (review), M (drop + warn).
 ENV_MAP: dict[str, tuple[str | None, str, str]] = {
     "CUDA_VISIBLE_DEVICES": ("ASCEND_RT_VISIBLE_DEVICES", "safe", ""),
     "PYTORCH_CUDA_ALLOC_CONF": ("PYTORCH_NPU_ALLOC_CONF", "safe", ""),
@@ -132,7 +133,7 @@ ENV_MAP: dict[str, tuple[str | None, str, str]] = {
     "NCCL_ASYNC_ERROR_HANDLING": ("HCCL_ASYNC_ERROR_HANDLING", "review", ""),
     "CUDA_LAUNCH_BLOCKING": ("ASCEND_LAUNCH_BLOCKING", "review", "ASCEND_LAUNCH_BLOCKING=1 also disables the task queue"),
 }
-# NCCL tuning variables with no HCCL equivalent: dropped with a warning (REFERENCE 4, M).
+# NCCL tuning variables with no HCCL equivalent: dropped with a warning (docs/sources.md#ascend-env-vars).
 ENV_DROP_PREFIXES: tuple[str, ...] = ("NCCL_", "TORCH_NCCL_")
 ENV_DROP_TIPS: dict[str, str] = {
     "NCCL_IB_": "InfiniBand tuning has no HCCL equivalent (HCCL uses RoCE; see HCCL_* docs)",
@@ -142,7 +143,7 @@ ENV_DROP_TIPS: dict[str, str] = {
     "NCCL_P2P_": "no HCCL equivalent",
     "NCCL_NET_": "no HCCL equivalent",
 }
-# Left alone on purpose (REFERENCE 4, N): Megatron asserts on it.
+# Left alone on purpose (docs/sources.md#megatron-max-connections): Megatron asserts on it.
 ENV_KEEP: frozenset[str] = frozenset({"CUDA_DEVICE_MAX_CONNECTIONS"})
 
 
@@ -157,7 +158,7 @@ def is_droppable_env(name: str) -> bool:
     return name not in ENV_MAP and name not in ENV_KEEP and name.startswith(ENV_DROP_PREFIXES)
 
 
-# --- Python modules that only exist for CUDA (REFERENCE 4, M) ---------------------------------
+# --- Python modules that only exist for CUDA (docs/sources.md#cuda-only-packages) ------------------
 CUDA_ONLY_MODULES: dict[str, str] = {
     "transformer_engine": "Transformer Engine is CUDA-only: use MindSpeed (--transformer-impl local) or torch modules",
     "triton": "Triton kernels do not run on NPU (triton-ascend is a separate project): port to torch ops or AscendC",
@@ -193,7 +194,7 @@ def cuda_only_module_tip(module: str) -> str | None:
     return None
 
 
-# apex replacements (REFERENCE 4, S): name in apex module -> replacement in torch.
+# apex replacements (docs/sources.md#class-s-review): name in apex module -> replacement in torch.
 APEX_NORM: dict[str, str] = {
     "FusedLayerNorm": "torch.nn.LayerNorm",
     "MixedFusedLayerNorm": "torch.nn.LayerNorm",
@@ -226,7 +227,7 @@ CUDA_ONLY_PACKAGES: dict[str, str] = {
 }
 CUDA_ONLY_PACKAGE_PREFIXES: tuple[str, ...] = ("nvidia-", "cupy-cuda", "cuda-python")
 
-# Megatron / MindSpeed flags (REFERENCE 3).
+# Megatron / MindSpeed flags (docs/sources.md#mindspeed-flags).
 TE_FLAG_MAP: dict[str, str] = {"--apply-rope-fusion": "--use-fused-rotary-pos-emb"}
 TE_ONLY_FLAGS: dict[str, str] = {
     "--fp8-format": "FP8 is unavailable: remove and train in bf16",

@@ -403,7 +403,7 @@ class _CpuState:
             "ipc_collect": none,
             "get_device_properties": get_device_properties,
             "get_device_name": lambda device=None: f"cpu (emulated {state.source})",
-            # torch_npu returns None here (REFERENCE.md section 1); CUDA code expects a tuple.
+            # torch_npu returns None here (docs/sources.md#transfer-to-npu-limits); CUDA code expects a tuple.
             "get_device_capability": (lambda device=None: None) if state.source == "npu" else (lambda device=None: (0, 0)),
             "get_arch_list": lambda: [],
             "is_bf16_supported": lambda including_emulation=True: True,

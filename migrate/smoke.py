@@ -101,7 +101,7 @@ def _environment(pairs: list[str], boot_dir: str, sources: list[str]) -> dict[st
         env[name] = value
     env["PYTHONPATH"] = os.pathsep.join([boot_dir, *filter(None, [env.get("PYTHONPATH")])])
     env[ENV_SOURCES] = ",".join(sources)
-    # An installed torch_npu without CANN breaks `import torch` (REFERENCE.md section 6).
+    # An installed torch_npu without CANN breaks `import torch` (docs/sources.md#device-backend-autoload).
     env.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
     return env
 

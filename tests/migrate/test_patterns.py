@@ -1,4 +1,4 @@
-"""The 15 patterns a text-based migrator gets wrong (REFERENCE.md section 4), one fixture each.
+"""The 15 patterns a text-based migrator gets wrong (docs/sources.md#migration-patterns), one fixture each.
 
 tests/migrate/fixtures/patterns/<name>/: before.py, after.py (all rules, --to npu), expected.txt.
 BENCH_MIGRATE_REGEN=1 rewrites after/expected (review the diff before committing).

@@ -372,7 +372,7 @@ def test_not_applied_at_import():
     assert os.environ.get("PARABENCH_SMOKE_REDIRECT") is None
 
 
-# --- Megatron-Core 0.16.1 on the cpu (REFERENCE.md section 6) ------------------------------------
+# --- Megatron-Core 0.16.1 on the cpu (docs/sources.md#megatron-on-cpu) -------------------------------
 
 _MEGATRON_BUILD = '''
 import torch, torch.nn.functional as F
