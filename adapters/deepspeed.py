@@ -10,12 +10,13 @@ prefetch/persistence) come from the file, else DeepSpeed's own defaults.
 Optimizer: the client ``torch.optim.AdamW`` from ``make_adamw`` (same algorithm, hyper-parameters
 and decay mask as ddp/fsdp), passed to ``deepspeed.initialize`` with
 ``zero_allow_untested_optimizer`` - DeepSpeed's own ``optimizer`` block would select FusedAdam or
-cpu_adam, a different implementation (REFERENCE.md section 6). With ``offload_optimizer=cpu``
+cpu_adam, a different implementation (docs/sources.md#deepspeed-on-cpu). With ``offload_optimizer=cpu``
 DeepSpeed insists on its ``DeepSpeedCPUAdam`` (``adamw_mode=True``, same groups and values);
 ``backend.offload_adam=torch`` keeps torch's AdamW there too (``zero_force_ds_cpu_optimizer:
 false``), slower but exact.
 
-Model states per rank (Rajbhandari et al. 2019, ZeRO, arXiv 1910.02054, sec. 3 and 5), with b bytes
+Model states per rank (docs/sources.md#zero-model-states: Rajbhandari et al. 2019, ZeRO, arXiv 1910.02054,
+sec. 3 and 5), with b bytes
 per working parameter/gradient (2 for bf16/fp16, 4 for fp32) and K = 12 (fp32 master 4 + Adam
 moments 8; DeepSpeed keeps a separate fp32 master in every ZeRO stage, fp32 training included):
 stage 0: (b + b + K) Psi (fp32: no master, K = 8); stage 1: 2b Psi + K Psi/Nd; stage 2:

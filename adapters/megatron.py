@@ -24,8 +24,8 @@ is ``causal_lm_loss`` averaged over micro-batches as in the other backends.
 CPU/NPU execution goes through ``parabench.migrate.runtime.install("cuda", target)`` inside the
 worker only (CUDA APIs, ``device="cuda"`` literals, CUDA RNG -> host/NPU); see docs/megatron.md.
 
-Model states per rank (Megatron-LM docs, distributed optimizer section; Rajbhandari et al. 2019,
-arXiv 1910.02054): bytes per parameter held by the rank (its TP/PP shard) with DP data-parallel
+Model states per rank (docs/sources.md#megatron-distributed-optimizer: Megatron-LM docs, distributed
+optimizer section; Rajbhandari et al. 2019, arXiv 1910.02054): bytes per parameter held by the rank (its TP/PP shard) with DP data-parallel
 ranks are, without / with the distributed optimizer,
   fp32: 4 param + 4 grad + 8 Adam moments = 16      /  4 + 4 + 8/DP
   bf16: 2 param + 4 fp32 grad + 4 fp32 main param + 8 moments = 18  /  6 + 12/DP
@@ -193,7 +193,7 @@ class MegatronAdapter(Adapter):
 
     @classmethod
     def launch_env(cls, job: JobSpec) -> dict[str, str]:
-        # Megatron asserts this on CUDA for TP/SP communication ordering (REFERENCE.md section 4, "N").
+        # Megatron asserts this on CUDA for TP/SP communication ordering (docs/sources.md#megatron-max-connections).
         return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 
     @classmethod

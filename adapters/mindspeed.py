@@ -11,7 +11,7 @@ adapter's (this class derives from it). What MindSpeed adds, inside the worker p
    (``mindspeed.arguments`` parses ``sys.argv`` when ``mindspeed.megatron_adaptor`` is imported);
 3. ``import mindspeed.megatron_adaptor`` before megatron-core is imported: it applies
    ``torch_npu.contrib.transfer_to_npu`` (so parabench's own CUDA redirection is not installed on
-   top) and patches Megatron symbols with the NPU kernels (REFERENCE.md section 3).
+   top) and patches Megatron symbols with the NPU kernels (docs/sources.md#mindspeed-adaptor).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from parabench.errors import SpecError
 from parabench.spec import JobSpec
 
 # Version sets known to work together, with where that is stated. Anything else is refused with
-# the set found, since mismatches fail late with undefined symbols (REFERENCE.md section 3).
+# the set found, since mismatches fail late with undefined symbols (docs/sources.md#mindspeed-versions).
 KNOWN_GOOD = [
     {"source": "Ascend/MindSpeed-LLM README (2026): MindSpeed 26.0.0_core_r0.12.1 release",
      "torch": "2.7.1", "torch-npu": "2.7.1.post4", "cann": "9.0.0", "mindspeed": "26.0.0", "megatron-core": "0.12.1"},
@@ -37,7 +37,7 @@ KNOWN_GOOD = [
 MINDSPEED_INSTALL = ("mindspeed is not installed: install Ascend's MindSpeed matching your torch_npu/CANN "
                      "(e.g. pip install -e MindSpeed from its core_r0.12.1 branch) - see docs/ascend.md")
 
-# Ascend environment the runner sets for every worker (REFERENCE.md section 3, MindSpeed-LLM launch
+# Ascend environment the runner sets for every worker (docs/sources.md#mindspeed-launch-env, MindSpeed-LLM launch
 # scripts); logged with the run and written into the launch bundle.
 HCCL_ENV = {
     "HCCL_CONNECT_TIMEOUT": "1200",
