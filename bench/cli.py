@@ -32,7 +32,7 @@ _FAILED_JOBS: list[str] = []
 
 def _quiet_environment() -> None:
     # torch_npu installed without CANN makes `import torch` fail unless autoload is off
-    # (REFERENCE.md section 6); NPU workers import torch_npu explicitly.
+    # (docs/sources.md#device-backend-autoload); NPU workers import torch_npu explicitly.
     for key, value in AUTOLOAD_ENV.items():
         os.environ.setdefault(key, value)
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # no network calls from the harness

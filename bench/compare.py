@@ -10,7 +10,7 @@ explicit ``--runs`` list that mixes them is refused).
 Ratios against ``--baseline KEY=VALUE`` compare a row with the baseline row of the same section,
 world size and global batch. Scaling efficiency (per backend variant, against its world-size-1
 row): E(N) = throughput(N) / (N x throughput(1)) - weak scaling when the per-device batch is the
-same at N and 1, strong scaling when the global batch is the same (REFERENCE.md section 5).
+same at N and 1, strong scaling when the global batch is the same (docs/sources.md#scaling-efficiency).
 With repeats, the band of a ratio is [min/max, max/min]; a ratio whose band contains 1.0 is
 marked as within noise, and so are efficiencies whose bands overlap 1.0 or each other.
 """

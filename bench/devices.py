@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import ClassVar
 
 # With torch_npu installed but no CANN, ``import torch`` itself fails unless device-backend
-# autoload is off (REFERENCE.md section 6). Workers that want torch_npu import it explicitly.
+# autoload is off (docs/sources.md#device-backend-autoload). Workers that want torch_npu import it explicitly.
 AUTOLOAD_ENV = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
 AUTOLOAD_TEXT = " ".join(f"{k}={v}" for k, v in AUTOLOAD_ENV.items())  # for messages
 

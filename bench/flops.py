@@ -1,6 +1,6 @@
 """Model FLOPs per token, device peaks, and MFU.
 
-MFU follows PaLM (Chowdhery et al. 2022, arXiv 2204.02311, Appendix B):
+MFU follows PaLM (Chowdhery et al. 2022, arXiv 2204.02311, Appendix B; docs/sources.md#flops-per-token):
     model FLOPs per token = 6 N + 12 L H Q T
 with N the parameters that take part in matrix multiplies (we exclude the input-embedding lookup,
 which is a gather; lm_head is counted), L layers, H attention heads, Q head dim, T sequence length.
@@ -39,7 +39,7 @@ class Peak:
 # Dense peak TFLOP/s per device. Keys are matched against the device name (longest match first).
 # NVIDIA: A100 datasheet (312 bf16/fp16 tensor core, 19.5 fp32 non-tensor), H100 SXM / H200
 # datasheets (989 bf16 dense, 67 fp32); H100 PCIe 756 bf16, 51 fp32. Ascend 910B: MindSpeed's
-# auto-tuning defaults (363.7 fp16/bf16), marked uncertain (REFERENCE.md section 3).
+# auto-tuning defaults (363.7 fp16/bf16), marked uncertain (docs/sources.md#peak-flops).
 PEAKS: dict[str, dict[str, Peak]] = {
     "A100": {"bf16": Peak(312, "NVIDIA A100 datasheet"), "fp16": Peak(312, "NVIDIA A100 datasheet"),
              "fp32": Peak(19.5, "NVIDIA A100 datasheet (fp32 without TF32)")},

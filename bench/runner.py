@@ -99,7 +99,7 @@ def launch_env(job: JobSpec) -> dict[str, str]:
     env = {
         "PYTHONUNBUFFERED": "1",
         # torch_npu without CANN breaks `import torch` (and torchrun) unless autoload is off;
-        # the NPU worker imports torch_npu explicitly (REFERENCE.md section 6).
+        # the NPU worker imports torch_npu explicitly (docs/sources.md#device-backend-autoload).
         **AUTOLOAD_ENV,
     }
     env.update(DEVICES[job.device.type].launch_env(job.launch.nproc_per_node, job.device.threads_per_rank))
