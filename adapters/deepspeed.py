@@ -181,6 +181,11 @@ def _bytes_per(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
+def _master_and_moment_bytes(job: JobSpec) -> int:
+    """K of the module doc: fp32 master 4 + Adam moments 8 per parameter; stage 0 in fp32 keeps no master."""
+    return 8 if job.backend.options.zero_stage == 0 and job.run.precision == "fp32" else 12
+
+
 def extensions_dir(job: JobSpec) -> str:
     return str(Path(job.backend.options.extensions_dir or Path.home() / ".cache" / "parabench" / "torch_extensions").expanduser())
 
@@ -297,8 +302,7 @@ def _cpu_fp16_supported() -> bool:
 def zero_formula(job: JobSpec) -> StateFormula:
     """Per-rank model-state bytes for the job's stage (ZeRO paper, b and K as in the module doc)."""
     psi, nd, stage = job.model.num_params(), job.parallel.dp, job.backend.options.zero_stage
-    b = _bytes_per(job.run.precision)
-    k = 8 if stage == 0 and job.run.precision == "fp32" else 12
+    b, k = _bytes_per(job.run.precision), _master_and_moment_bytes(job)
     per = {0: (2 * b + k, 0), 1: (2 * b, k), 2: (b, b + k), 3: (0, 2 * b + k)}[stage]
     replicated, sharded = per
     where = " (optimizer states in host memory)" if job.backend.options.offload_optimizer != "none" else ""
@@ -311,9 +315,8 @@ def zero_formula(job: JobSpec) -> StateFormula:
 
 def optimizer_formula(job: JobSpec) -> float:
     """The optimizer-state part alone: K * Psi (stage 0) or K * Psi / Nd (stages 1-3)."""
-    psi, nd, stage = job.model.num_params(), job.parallel.dp, job.backend.options.zero_stage
-    k = 8 if stage == 0 and job.run.precision == "fp32" else 12
-    return k * psi if stage == 0 else k * psi / nd
+    psi, nd, k = job.model.num_params(), job.parallel.dp, _master_and_moment_bytes(job)
+    return k * psi if job.backend.options.zero_stage == 0 else k * psi / nd
 
 
 # --------------------------------------------------------------------------------------------
@@ -324,8 +327,8 @@ class DeepSpeedEngine(Engine):
         import deepspeed
         import torch
 
-        from parabench.adapters.torch_common import make_adamw
-        from parabench.model import build_llama, canonical_weights, decay_mask, set_activation_checkpointing
+        from parabench.adapters.torch_common import adamw_param_groups, make_adamw
+        from parabench.model import build_llama, canonical_weights, set_activation_checkpointing
 
         self.ctx = ctx
         job, o = ctx.job, ctx.job.backend.options
@@ -338,9 +341,8 @@ class DeepSpeedEngine(Engine):
             from deepspeed.ops.adam import DeepSpeedCPUAdam  # JIT-builds cpu_adam once (cached)
 
             spec = job.optim
-            groups = [{"params": [p for n, p in named if decay_mask(n, p)], "weight_decay": spec.weight_decay},
-                      {"params": [p for n, p in named if not decay_mask(n, p)], "weight_decay": 0.0}]
-            optimizer = DeepSpeedCPUAdam(groups, lr=spec.lr, betas=spec.betas, eps=spec.eps, adamw_mode=True)
+            optimizer = DeepSpeedCPUAdam(adamw_param_groups(named, spec), lr=spec.lr, betas=spec.betas, eps=spec.eps,
+                                         adamw_mode=True)
         else:
             optimizer = make_adamw(named, job.optim)
         self.client_optimizer = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
@@ -444,7 +446,7 @@ class DeepSpeedEngine(Engine):
         return {"grads": held_bytes(tensors), "comm_buckets": held_bytes(buckets), "sources": sources}
 
     def model_state_bytes(self) -> ModelStateBytes:
-        from parabench.metrics import held_bytes
+        from parabench.metrics import held_bytes, optimizer_state_tensors
 
         job, o = self.ctx.job, self.ctx.job.backend.options
         opt = self.engine.optimizer
@@ -461,11 +463,7 @@ class DeepSpeedEngine(Engine):
             if ptr not in param_ptrs and id(t) not in seen:
                 seen.add(id(t))
                 masters.append(t)
-        moments, other = [], []
-        for state in inner.state.values():
-            for value in state.values():
-                if hasattr(value, "untyped_storage"):
-                    (other if value.dim() == 0 else moments).append(value)
+        moments, other = optimizer_state_tensors([inner])
         master_bytes, moment_bytes = held_bytes(masters), held_bytes(moments)
         master_elements = sum(p.numel() for p in masters)
         psi, nd = job.model.num_params(), job.parallel.dp

@@ -351,9 +351,8 @@ class MegatronEngine(Engine):
                 max_sequence_length=job.data.seq_len, pre_process=layout.is_first(stage, c),
                 post_process=layout.is_last(stage, c), share_embeddings_and_output_weights=spec.tie_word_embeddings,
                 position_embedding_type="rope", rotary_percent=1.0, rotary_base=spec.rope_theta,
-                vp_stage=c if o.vpp > 1 else None,
             )
-            canonical = canonical_weights(spec, job.run.seed, canonical_names(spec, layout, stage, c))
+            canonical = initial_weights(spec, job.run.seed, canonical_names(spec, layout, stage, c))
             self._load(model, to_megatron(canonical, spec, layout, stage, c, tp_rank))
             model.to(torch.cuda.current_device())
             if bf16:
@@ -377,7 +376,7 @@ class MegatronEngine(Engine):
             OptimizerConfig(optimizer="adam", lr=opt.lr, min_lr=opt.lr, weight_decay=opt.weight_decay,
                             adam_beta1=opt.betas[0], adam_beta2=opt.betas[1], adam_eps=opt.eps,
                             clip_grad=opt.grad_clip, bf16=bf16, params_dtype=dtype,
-                            use_distributed_optimizer=o.distributed_optimizer, decoupled_weight_decay=True),
+                            use_distributed_optimizer=o.distributed_optimizer, **adamw_options(OptimizerConfig)),
             self.chunks,
         )
         for group in self.param_groups():
@@ -413,7 +412,7 @@ class MegatronEngine(Engine):
         stack = _get_current_function_mode_stack()
         if not stack:
             return
-        mode = stack[-1]  # migrate.runtime enters its device mode last
+        mode = stack[-1]  # parabench.redirect enters its device mode last
 
         def make(apply):
             def apply_redirected(ctx, *args):

@@ -13,12 +13,16 @@ from parabench.model import causal_lm_loss, decay_mask
 from parabench.spec import OptimSpec
 
 
-def make_adamw(named_params: Sequence[tuple[str, torch.nn.Parameter]], spec: OptimSpec) -> torch.optim.AdamW:
-    """torch.optim.AdamW with decay on 2-D weights only; the same algorithm every backend uses."""
+def adamw_param_groups(named_params: Sequence[tuple[str, torch.nn.Parameter]], spec: OptimSpec) -> list[dict]:
+    """The two AdamW parameter groups: decay on 2-D weights (``decay_mask``), none on the rest."""
     decay = [p for n, p in named_params if decay_mask(n, p)]
     no_decay = [p for n, p in named_params if not decay_mask(n, p)]
-    groups = [{"params": decay, "weight_decay": spec.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=spec.lr, betas=spec.betas, eps=spec.eps)
+    return [{"params": decay, "weight_decay": spec.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def make_adamw(named_params: Sequence[tuple[str, torch.nn.Parameter]], spec: OptimSpec) -> torch.optim.AdamW:
+    """torch.optim.AdamW with decay on 2-D weights only; the same algorithm every backend uses."""
+    return torch.optim.AdamW(adamw_param_groups(named_params, spec), lr=spec.lr, betas=spec.betas, eps=spec.eps)
 
 
 class TorchEngine(Engine):

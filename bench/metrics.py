@@ -35,14 +35,21 @@ def held_bytes(tensors: Iterable[Any]) -> int:
     return total
 
 
+def optimizer_state_tensors(optimizers: Iterable[Any]) -> tuple[list[Any], list[Any]]:
+    """The tensors in the ``state`` of torch optimizers, as (moments, scalars): per-parameter
+    tensors such as Adam's exp_avg/exp_avg_sq, and 0-d ones such as its step counter."""
+    moments, scalars = [], []
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if hasattr(value, "untyped_storage"):
+                    (scalars if value.dim() == 0 else moments).append(value)
+    return moments, scalars
+
+
 def torch_model_state(params: Sequence[Any], optimizer: Any) -> ModelStateBytes:
     """Model state of a plain torch model + optimizer on this rank (DDP, FSDP2)."""
-    moments, other = [], []
-    for state in optimizer.state.values():
-        for value in state.values():
-            if not hasattr(value, "untyped_storage"):
-                continue
-            (other if value.dim() == 0 else moments).append(value)
+    moments, other = optimizer_state_tensors([optimizer])
     return ModelStateBytes(
         params=held_bytes(params),
         grads=held_bytes(p.grad for p in params),
