@@ -351,8 +351,9 @@ class MegatronEngine(Engine):
                 max_sequence_length=job.data.seq_len, pre_process=layout.is_first(stage, c),
                 post_process=layout.is_last(stage, c), share_embeddings_and_output_weights=spec.tie_word_embeddings,
                 position_embedding_type="rope", rotary_percent=1.0, rotary_base=spec.rope_theta,
+                vp_stage=c if o.vpp > 1 else None,
             )
-            canonical = initial_weights(spec, job.run.seed, canonical_names(spec, layout, stage, c))
+            canonical = canonical_weights(spec, job.run.seed, canonical_names(spec, layout, stage, c))
             self._load(model, to_megatron(canonical, spec, layout, stage, c, tp_rank))
             model.to(torch.cuda.current_device())
             if bf16:
@@ -376,7 +377,7 @@ class MegatronEngine(Engine):
             OptimizerConfig(optimizer="adam", lr=opt.lr, min_lr=opt.lr, weight_decay=opt.weight_decay,
                             adam_beta1=opt.betas[0], adam_beta2=opt.betas[1], adam_eps=opt.eps,
                             clip_grad=opt.grad_clip, bf16=bf16, params_dtype=dtype,
-                            use_distributed_optimizer=o.distributed_optimizer, **adamw_options(OptimizerConfig)),
+                            use_distributed_optimizer=o.distributed_optimizer, decoupled_weight_decay=True),
             self.chunks,
         )
         for group in self.param_groups():
@@ -412,7 +413,7 @@ class MegatronEngine(Engine):
         stack = _get_current_function_mode_stack()
         if not stack:
             return
-        mode = stack[-1]  # parabench.redirect enters its device mode last
+        mode = stack[-1]  # migrate.runtime enters its device mode last
 
         def make(apply):
             def apply_redirected(ctx, *args):
@@ -491,9 +492,12 @@ class MegatronEngine(Engine):
         c.patch(schedules, "backward_step", c.timed)
 
     # -- Engine ----------------------------------------------------------------------------------
+    def _megatron_optimizers(self) -> list:
+        """Megatron's optimizers that wrap a torch optimizer (a ChainedOptimizer holds several)."""
+        return [o for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer]) if o.optimizer is not None]
+
     def param_groups(self) -> list[dict]:
-        return [g for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer]) if o.optimizer is not None
-                for g in o.optimizer.param_groups]
+        return [g for o in self._megatron_optimizers() for g in o.optimizer.param_groups]
 
     def data_parallel(self) -> tuple[int, int]:
         return self.ps.get_data_parallel_rank(), self.ps.get_data_parallel_world_size()
@@ -572,17 +576,13 @@ class MegatronEngine(Engine):
         return {n: torch.from_numpy(v) for n, v in canonical.items()}
 
     def model_state_bytes(self) -> ModelStateBytes:
-        from parabench.metrics import held_bytes
+        from parabench.metrics import held_bytes, optimizer_state_tensors
 
         params = [p for m in self.chunks for p in m.parameters()]
-        moments, other, main = [], [], []
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            if opt.optimizer is None:
-                continue
-            for state in opt.optimizer.state.values():
-                for value in state.values():
-                    if hasattr(value, "untyped_storage"):
-                        (other if value.dim() == 0 else moments).append(value)
+        optimizers = self._megatron_optimizers()
+        moments, other = optimizer_state_tensors(o.optimizer for o in optimizers)
+        main = []
+        for opt in optimizers:
             # fp32 master copies of low-precision params (bf16): Float16Optimizer / DistributedOptimizer
             for groups in ("fp32_from_float16_groups", "shard_fp32_from_float16_groups"):
                 for group in getattr(opt, groups, []) or []:
