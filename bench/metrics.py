@@ -75,6 +75,7 @@ def summarize(rank_results: list[dict], tokens_per_step: int, flops_token: float
         "step_time_median_s": statistics.median(per_step_max),
         "step_time_min_s": min(per_step_max),
         "step_time_max_s": max(per_step_max),
+        "step_times_max": per_step_max,  # per measured step: the slowest rank's time
         "rank_step_time_spread_s": statistics.median(a - b for a, b in zip(per_step_max, per_step_min)),
         "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_device": per_device,

@@ -323,7 +323,7 @@ def build_summary(job: JobSpec, adapter, results: list[dict]) -> dict[str, Any]:
         "peak_source": peak.source if peak else "unknown device peak: MFU not computed",
         "peak_uncertain": bool(peak and peak.uncertain),
         "initial_checksum": checksums.pop() if len(checksums) == 1 else f"MISMATCH {sorted(checksums)}",
-        "losses": results[0]["losses"], "step_times_max": [max(r["step_times"][i] for r in results) for i in range(len(results[0]["step_times"]))],
+        "losses": results[0]["losses"],
         "model_state_per_rank": state_per_rank,
         # per rank: bytes / the parameters that rank's shard holds (TP/PP shards hold a part of the model)
         "model_state_bytes_per_param": max(c / (s.get("detail", {}).get("param_count") or job.model.num_params())
