@@ -21,7 +21,7 @@ Loss: GPTModel's per-token vocab-parallel cross entropy (fp32), averaged over th
 micro-batch; the pipeline schedule divides by the number of micro-batches (legacy averaging), which
 is ``causal_lm_loss`` averaged over micro-batches as in the other backends.
 
-CPU/NPU execution goes through ``parabench.migrate.runtime.install("cuda", target)`` inside the
+CPU/NPU execution goes through ``parabench.redirect.install("cuda", target)`` inside the
 worker only (CUDA APIs, ``device="cuda"`` literals, CUDA RNG -> host/NPU); see docs/megatron.md.
 
 Model states per rank (docs/sources.md#megatron-distributed-optimizer: Megatron-LM docs, distributed
@@ -277,7 +277,7 @@ class MegatronEngine(Engine):
         self.counters = _Counters()
         try:
             if redirect_cuda and self.device_type in ("cpu", "npu"):
-                from parabench.migrate.runtime import install
+                from parabench.redirect import install
 
                 # CUDA -> host (or NPU): torch.cuda.*, device="cuda" literals, CUDA RNG, .cuda(), nccl.
                 self._redirection = install("cuda", self.device_type)
@@ -413,7 +413,7 @@ class MegatronEngine(Engine):
         stack = _get_current_function_mode_stack()
         if not stack:
             return
-        mode = stack[-1]  # migrate.runtime enters its device mode last
+        mode = stack[-1]  # parabench.redirect enters its device mode last
 
         def make(apply):
             def apply_redirected(ctx, *args):

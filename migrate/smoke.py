@@ -3,7 +3,7 @@
     bench smoke [--cwd DIR] [--env NAME=VALUE ...] [--source npu|cuda ...] -- COMMAND ARGS...
 
 COMMAND is ``python script.py ...``, ``torchrun ... script.py ...`` or ``script.py ...``. It runs
-in a child process whose start-up installs :mod:`parabench.migrate.runtime` (see
+in a child process whose start-up installs :mod:`parabench.redirect` (see
 :mod:`parabench.migrate.smoke_boot`), so the emulation exists only inside the child and each of
 its Python sub-processes (every torchrun worker), never in this process. A bare ``python``/
 ``python3`` and ``torchrun`` are run with this interpreter (``sys.executable``,
@@ -11,7 +11,7 @@ its Python sub-processes (every torchrun worker), never in this process. A bare 
 the child's. It is a smoke test: it shows the migrated code path runs and learns, and its numbers
 are CPU numbers.
 
-This module imports neither torch nor the runtime: the ``bench`` process stays clean and fast.
+This module imports neither torch nor the redirection: the ``bench`` process stays clean and fast.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ import subprocess
 import sys
 import tempfile
 
-from parabench.migrate.runtime import EMULATION_BANNER
 from parabench.migrate.smoke_boot import ENV_SOURCES, SITECUSTOMIZE
+
+EMULATION_BANNER = "CPU SMOKE TEST (npu emulated on CPU) - numbers are not NPU numbers"
 
 _PYTHONS = {"python", "python3", f"python3.{sys.version_info.minor}"}
 

@@ -40,10 +40,10 @@ def boot(own_file: str) -> None:
     if not sources:
         return
     try:
-        from parabench.migrate import runtime
+        from parabench import redirect
 
         for source in sources:
-            runtime.install(source, "cpu")
+            redirect.install(source, "cpu")
     except Exception as e:  # site would swallow it; a smoke run without its redirection is meaningless
         raise SystemExit(f"bench smoke: could not install the {'/'.join(sources)} -> cpu emulation: {e}") from e
     rank = os.environ.get("RANK")

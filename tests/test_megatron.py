@@ -68,13 +68,13 @@ def test_engine_in_process_matches_the_canonical_model(tmp_path):
     import torch
     import torch.distributed as dist
 
+    from parabench import redirect
     from parabench.adapters.base import WorkerContext
     from parabench.adapters.megatron import MegatronAdapter
     from parabench.adapters.torch_common import make_adamw
     from parabench.confutil import compose, to_plain
     from parabench.data import TokenSource
     from parabench.devices import DEVICES
-    from parabench.migrate import runtime
     from parabench.model import build_llama, canonical_weights, causal_lm_loss, weights_checksum
     from parabench.spec import from_config, resolve_device
 
@@ -111,7 +111,7 @@ def test_engine_in_process_matches_the_canonical_model(tmp_path):
             assert state.params + state.grads + state.optimizer == 16 * n  # fp32 AdamW, replicated
         finally:
             engine.close()
-        assert runtime.current() is None and not torch.cuda.is_available()
+        assert redirect.current() is None and not torch.cuda.is_available()
         assert torch.autograd.function.BackwardCFunction.apply is apply_before
     finally:
         dist.destroy_process_group()

@@ -1,4 +1,4 @@
-"""parabench.migrate.runtime: scoped cuda/npu -> cpu redirection, and nothing left behind."""
+"""parabench.redirect: scoped cuda/npu -> cpu redirection, and nothing left behind."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.overrides import _get_current_function_mode_stack
 
-from parabench.migrate import runtime as rt
-from parabench.migrate.runtime import RedirectError, install, redirect
+from parabench import redirect as rt
+from parabench.redirect import RedirectError, install, redirect
 
 
 def _free_port() -> int:
@@ -85,7 +85,7 @@ def test_no_patch_left_behind(source, exercise):
 
 
 def test_import_is_cheap_and_patches_nothing():
-    code = "import sys, parabench.migrate.runtime; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, parabench.redirect; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
@@ -412,7 +412,7 @@ def batch():
 _MEGATRON_RUN = _MEGATRON_BUILD + '''
 import json, sys
 import torch.multiprocessing as mp
-from parabench.migrate.runtime import current, redirect
+from parabench.redirect import current, redirect
 
 
 def train_steps():

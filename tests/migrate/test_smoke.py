@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from parabench.migrate import runtime as rt
+from parabench import redirect as rt
 from parabench.migrate.smoke import main
 
 FIXTURES = Path(__file__).parent / "fixtures" / "smoke"

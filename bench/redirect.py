@@ -1,5 +1,9 @@
 """Scoped, reversible runtime redirection of one accelerator API onto another device.
 
+Shared infrastructure at the devices floor: the megatron adapter runs Megatron-Core's CUDA code
+on the host (or an NPU) with it, and ``bench smoke`` (:mod:`parabench.migrate.smoke_boot`) runs
+migrated NPU code on the CPU with it. It imports nothing of parabench.
+
 This is the mechanism of torch_npu's ``transfer_to_npu`` (Ascend/pytorch
 ``torch_npu/contrib/transfer_to_npu.py``, see docs/runtime.md), generalised and made
 reversible:
@@ -88,7 +92,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = [
-    "EMULATION_BANNER",
     "RedirectError",
     "Redirection",
     "current",
@@ -98,7 +101,6 @@ __all__ = [
 
 SOURCES = ("cuda", "npu")
 TARGETS = ("cpu", "npu")
-EMULATION_BANNER = "CPU SMOKE TEST (npu emulated on CPU) - numbers are not NPU numbers"
 
 _STACK: list[Redirection] = []  # active redirections, innermost last
 _LOCK = threading.RLock()
@@ -446,7 +448,7 @@ def _make_mode(torch: Any, mapper: _Mapper) -> Any:
     cpu = mapper.target == "cpu"
 
     class DeviceRedirectMode(TorchFunctionMode):
-        """Rewrites ``device`` arguments naming the source device (parabench.migrate.runtime)."""
+        """Rewrites ``device`` arguments naming the source device (parabench.redirect)."""
 
         def __torch_function__(self, func: Any, types_: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
             if kwargs:
