@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from parabench.errors import UserError
+from parabench.tracking import default_store_uri
 
 SECTION_KEYS = ("model", "device", "precision", "seq_len")
 ROW_KEYS = ("variant", "world_size", "global_batch")
@@ -477,7 +478,7 @@ def main(argv: list[str]) -> int:
 def _run(args) -> int:
     from mlflow.tracking import MlflowClient
 
-    uri = args.tracking_uri or f"sqlite:///{Path('results/mlflow.db').resolve()}"
+    uri = args.tracking_uri or default_store_uri("results")
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
         raise UserError(f"--tracking-uri: no MLflow store at {uri} (run `bench run` first or pass --tracking-uri)")
     client = MlflowClient(tracking_uri=uri)

@@ -28,10 +28,13 @@ def is_secret(name: str) -> bool:
     return bool(SECRET.search(name))
 
 
-def store_uri(tracking: TrackingSpec, results_dir: str) -> str:
-    if tracking.uri:
-        return tracking.uri
+def default_store_uri(results_dir: str) -> str:
+    """The local MLflow store of a results directory (``tracking.uri`` unset)."""
     return f"sqlite:///{(Path(results_dir).resolve() / 'mlflow.db')}"
+
+
+def store_uri(tracking: TrackingSpec, results_dir: str) -> str:
+    return tracking.uri or default_store_uri(results_dir)
 
 
 def artifact_root(results_dir: str) -> str:

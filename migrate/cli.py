@@ -63,14 +63,6 @@ def _codes(text: str | None, known: list[str]) -> frozenset[str] | None:
     return codes
 
 
-def _inside(child: Path, parent: Path) -> bool:
-    try:
-        child.relative_to(parent)
-        return True
-    except ValueError:
-        return False
-
-
 def _git_clean(path: Path) -> tuple[bool, str]:
     """True when ``path`` lies in a git work tree with nothing uncommitted or untracked under it."""
     cwd = path if path.is_dir() else path.parent
@@ -134,7 +126,7 @@ def _main(argv: list[str]) -> int:
         raise UsageError("several SRC share a name; migrate them separately")
     for a in roots:
         for b in roots:
-            if a is not b and _inside(a.resolve(), b.resolve()):
+            if a is not b and a.resolve().is_relative_to(b.resolve()):
                 raise UsageError(f"SRC {a} lies inside SRC {b}")
     if args.jobs is not None and args.jobs < 1:
         raise UsageError("--jobs must be >= 1")
@@ -158,16 +150,16 @@ def _main(argv: list[str]) -> int:
         res_out = out.resolve()
         for r in roots:
             rr = r.resolve()
-            if res_out == rr or (r.is_dir() and _inside(res_out, rr)):
+            if res_out == rr or (r.is_dir() and res_out.is_relative_to(rr)):
                 raise UsageError(f"--out {out} lies inside SRC {r}: choose a directory outside the source tree")
-            if _inside(rr, res_out):
+            if rr.is_relative_to(res_out):
                 raise UsageError(f"SRC {r} lies inside --out {out}")
         if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
             raise UsageError(f"--out {out} exists and is not empty (use --force to write into it)")
     if args.report is not None:
         rep = args.report.resolve()
         for r in roots:
-            if r.is_dir() and _inside(rep, r.resolve()) and not args.in_place:
+            if r.is_dir() and rep.is_relative_to(r.resolve()) and not args.in_place:
                 raise UsageError(f"--report {args.report} lies inside SRC {r}")
 
     from parabench.migrate.engine import run

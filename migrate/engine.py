@@ -73,14 +73,6 @@ def classify(path: Path) -> str:
     return "file"
 
 
-def _inside(child: Path, parent: Path) -> bool:
-    try:
-        child.relative_to(parent)
-        return True
-    except ValueError:
-        return False
-
-
 def discover(roots: list[Path]) -> list[tuple[Path, Path, str, str]]:
     """-> [(root, path, rel, how)]; how: file | symlink-in | symlink-out. Deterministic order."""
     multi = len(roots) > 1
@@ -104,7 +96,7 @@ def discover(roots: list[Path]) -> list[tuple[Path, Path, str, str]]:
                     except (OSError, RuntimeError):
                         found.append((root, p, rel, "symlink-out"))
                         continue
-                    found.append((root, p, rel, "symlink-in" if _inside(target, real_root) else "symlink-out"))
+                    found.append((root, p, rel, "symlink-in" if target.is_relative_to(real_root) else "symlink-out"))
                 else:
                     found.append((root, p, rel, "file"))
     found.sort(key=lambda t: t[2])
