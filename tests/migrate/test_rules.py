@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from conftest import SOURCE_CITATION, source_anchors
-
 from parabench.migrate.core import Options
 from parabench.migrate.engine import classify, migrate_text, run
 from parabench.migrate.rules._base import all_rules
