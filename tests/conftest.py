@@ -25,9 +25,9 @@ def bench(args: list[str], results: Path, timeout: float = 600, env: dict | None
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or REPO)
 
 
-def assert_refused_before_launch(args: list[str], must_name: str, tmp_path: Path, capsys) -> None:
+def assert_refused_before_launch(args: list[str], must_name: str, tmp_path: Path, capsys) -> str:
     """``bench run ARGS`` (in-process, cwd = tmp_path) exits 2 with one `bench: error:` line naming
-    ``must_name``, no traceback, and nothing written."""
+    ``must_name``, no traceback, and nothing written. Returns that line."""
     from parabench.cli import main
 
     results = tmp_path / "results"
@@ -38,6 +38,7 @@ def assert_refused_before_launch(args: list[str], must_name: str, tmp_path: Path
     assert err.startswith("bench: error:") and must_name in err, err
     assert "Traceback" not in err
     assert not results.exists() and not (tmp_path / "mlflow.db").exists() and not (tmp_path / "outputs").exists()
+    return err
 
 
 def summaries(results: Path) -> dict[str, dict]:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import FAST, bench, mlflow_runs
+from conftest import FAST, assert_refused_before_launch, bench, mlflow_runs
 
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("deepspeed is not installed (pip install --no-build-isolation deepspeed==0.19.8 torch==2.13.0)",
@@ -59,26 +59,15 @@ INVALID = {
 
 @pytest.mark.parametrize("name", sorted(INVALID))
 def test_invalid_deepspeed_settings_are_refused_before_launch(name, tmp_path, capsys, monkeypatch):
-    from parabench.cli import main
-
     monkeypatch.chdir(tmp_path)
     make, must_name = INVALID[name]
-    results = tmp_path / "results"
-    code = main(["run", *make(tmp_path), f"run.results_dir={results}"])
-    err = capsys.readouterr().err.strip()
-    assert code == 2, err
-    assert len(err.splitlines()) == 1, err
-    assert err.startswith("bench: error:") and must_name in err, err
-    assert not results.exists() and not (tmp_path / "mlflow.db").exists()
+    assert_refused_before_launch(make(tmp_path), must_name, tmp_path, capsys)
 
 
 @pytest.mark.skipif(_cpu_fp16(), reason="this CPU runs fp16")
 def test_fp16_refused_on_a_cpu_without_fp16(tmp_path, capsys, monkeypatch):
-    from parabench.cli import main
-
     monkeypatch.chdir(tmp_path)
-    assert main(["run", *DS, "run.precision=fp16", f"run.results_dir={tmp_path / 'r'}"]) == 2
-    assert "run.precision" in capsys.readouterr().err
+    assert_refused_before_launch([*DS, "run.precision=fp16"], "run.precision", tmp_path, capsys)
 
 
 # --------------------------------------------------------------------------------------------
