@@ -81,12 +81,16 @@ def _git_clean(path: Path) -> tuple[bool, str]:
 
 
 def rules_table() -> str:
+    """The rule table of docs/migrate.md (Markdown; the Sources links are relative to docs/)."""
     from parabench.migrate.rules._base import all_rules
 
-    lines = ["| Code | Name | Safety | Kind | Targets | Description |", "|---|---|---|---|---|---|"]
+    lines = ["| Code | Name | Safety | Kind | Targets | Description | Sources |", "|---|---|---|---|---|---|---|"]
     for code, r in all_rules().items():
         targets = ",".join(sorted(r.targets)) + ("" if r.modes == {"static"} else f" ({','.join(sorted(r.modes))})")
-        lines.append(f"| {code} | {r.name} | {r.safety} | {r.kind} | {targets} | {r.description.replace('|', '/')} |")
+        anchors = r.source.replace("docs/sources.md#", "").split(", ")
+        sources = ", ".join(f"[{a}](sources.md#{a})" for a in anchors)
+        description = r.description.replace("|", "/")
+        lines.append(f"| {code} | {r.name} | {r.safety} | {r.kind} | {targets} | {description} | {sources} |")
     return "\n".join(lines) + "\n"
 
 
