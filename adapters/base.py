@@ -15,13 +15,13 @@ The harness never branches on the backend's name: everything backend-specific li
 
 from __future__ import annotations
 
-import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
 
 from parabench.errors import SpecError
+from parabench.metrics import ModelStateBytes
 from parabench.spec import JobSpec, ModelSpec, ParallelDims
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -48,27 +48,6 @@ class Availability:
     available: bool
     reason: str
     versions: Mapping[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class ModelStateBytes:
-    """Bytes of model state actually held by one rank (storage counted once, padding included)."""
-
-    params: int
-    grads: int
-    optimizer: int  # moments (and fp32 master copies where the backend keeps them separately)
-    optimizer_other: int = 0  # step counters and other non-per-parameter state
-    host: int = 0  # of the above, bytes that live in host memory while the device is an accelerator
-    detail: Mapping[str, int] = field(default_factory=dict)
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.optimizer_other
-
-    def as_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["total"] = self.total
-        return d
 
 
 @dataclass(frozen=True)

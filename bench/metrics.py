@@ -12,10 +12,32 @@ Every number here is measured; formulas are named where a figure is derived:
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
-from parabench.adapters.base import ModelStateBytes
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """Bytes of model state actually held by one rank (storage counted once, padding included)."""
+
+    params: int
+    grads: int
+    optimizer: int  # moments (and fp32 master copies where the backend keeps them separately)
+    optimizer_other: int = 0  # step counters and other non-per-parameter state
+    host: int = 0  # of the above, bytes that live in host memory while the device is an accelerator
+    detail: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.optimizer_other
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["total"] = self.total
+        return d
 
 
 def held_bytes(tensors: Iterable[Any]) -> int:
