@@ -41,6 +41,7 @@ class Capabilities:
     multi_node: bool = True
 
 
+    model_features: frozenset[str] = frozenset()  # optional model parts it implements (spec.MODEL_FEATURES)
 @dataclass(frozen=True)
 class Availability:
     """Whether a backend can run here, and if not, exactly why (shown by ``bench env``)."""
@@ -241,3 +242,7 @@ def check_capabilities(adapter: type[Adapter], job: JobSpec) -> None:
         raise SpecError("run.precision", f"backend {adapter.name} does not support {job.run.precision} (supported: {', '.join(sorted(caps.precisions))})")
     if job.launch.nnodes > 1 and not caps.multi_node:
         raise SpecError("launcher.nnodes", f"backend {adapter.name} runs on a single node only")
+    missing = sorted(job.model.features() - caps.model_features)
+    if missing:
+        raise SpecError(f"model.{missing[0]}", f"backend {adapter.name} does not implement {missing[0]} (used by model "
+                                               f"{job.model.name}); the PyTorch backends (ddp, fsdp, deepspeed) do")

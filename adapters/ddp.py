@@ -19,7 +19,7 @@ from parabench.adapters.base import Adapter, Availability, Capabilities, StateFo
 from parabench.adapters.torch_common import TorchEngine
 from parabench.errors import SpecError
 from parabench.model import build_llama, set_activation_checkpointing
-from parabench.spec import JobSpec
+from parabench.spec import MODEL_FEATURES, JobSpec
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,8 @@ class DDPEngine(TorchEngine):
 
 class DDPAdapter(Adapter):
     name = "ddp"
-    capabilities = Capabilities(devices=frozenset({"cpu", "cuda", "npu"}), precisions=frozenset({"fp32", "bf16"}))
+    capabilities = Capabilities(devices=frozenset({"cpu", "cuda", "npu"}), precisions=frozenset({"fp32", "bf16"}),
+                                model_features=MODEL_FEATURES)
     Options = DDPOptions
 
     @classmethod

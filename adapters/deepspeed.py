@@ -40,7 +40,7 @@ from parabench.adapters.base import (
 )
 from parabench.devices import ProbeFailed, run_probe
 from parabench.errors import SpecError
-from parabench.spec import JobSpec
+from parabench.spec import MODEL_FEATURES, JobSpec
 
 DS_VERSION = "0.19.8"  # the version the parity and state-bytes tests were written against
 SOURCE = "Rajbhandari et al. 2019 (ZeRO, arXiv 1910.02054) sec. 5; offload: Ren et al. 2021 (arXiv 2101.06840)"
@@ -237,7 +237,7 @@ def _probe(accelerator: str) -> dict[str, Any]:
 class DeepSpeedAdapter(Adapter):
     name = "deepspeed"
     capabilities = Capabilities(devices=frozenset({"cpu", "cuda", "npu"}), precisions=frozenset({"fp32", "bf16", "fp16"}),
-                                shards_model_states=True)
+                                shards_model_states=True, model_features=MODEL_FEATURES)
     Options = DeepSpeedOptions
 
     @classmethod
@@ -328,7 +328,7 @@ class DeepSpeedEngine(Engine):
         import torch
 
         from parabench.adapters.torch_common import adamw_param_groups, make_adamw
-        from parabench.model import build_llama, canonical_weights, set_activation_checkpointing
+        from parabench.model import build_llama, initial_weights, set_activation_checkpointing
 
         self.ctx = ctx
         job, o = ctx.job, ctx.job.backend.options
@@ -353,7 +353,7 @@ class DeepSpeedEngine(Engine):
         if job.run.precision != "fp32":
             # DeepSpeed casts the model to bf16/fp16 and derives its fp32 masters from those copies;
             # put the canonical fp32 values back so every backend starts from the same weights.
-            self._set_fp32_masters(canonical_weights(job.model, job.run.seed))
+            self._set_fp32_masters(initial_weights(job.model, job.run.seed))
         self._grad_snapshot: dict[str, int] | None = None
         self._steps = 0
         self._torch = torch

@@ -19,7 +19,7 @@ from parabench.adapters.base import Adapter, Availability, Capabilities, StateFo
 from parabench.adapters.torch_common import TorchEngine
 from parabench.errors import SpecError
 from parabench.model import build_llama, set_activation_checkpointing
-from parabench.spec import JobSpec
+from parabench.spec import MODEL_FEATURES, JobSpec
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class FSDPEngine(TorchEngine):
 class FSDPAdapter(Adapter):
     name = "fsdp"
     capabilities = Capabilities(devices=frozenset({"cpu", "cuda", "npu"}), precisions=frozenset({"fp32", "bf16"}),
-                                shards_model_states=True)
+                                shards_model_states=True, model_features=MODEL_FEATURES)
     Options = FSDPOptions
 
     @classmethod

@@ -299,7 +299,7 @@ class MegatronEngine(Engine):
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         from parabench.adapters.megatron_mapping import canonical_names, to_megatron
-        from parabench.model import canonical_weights
+        from parabench.model import initial_weights
 
         ctx, job, o, spec = self.ctx, self.ctx.job, self.opts, self.ctx.job.model
         torch.cuda.set_device(ctx.local_rank)
@@ -353,7 +353,7 @@ class MegatronEngine(Engine):
                 position_embedding_type="rope", rotary_percent=1.0, rotary_base=spec.rope_theta,
                 vp_stage=c if o.vpp > 1 else None,
             )
-            canonical = canonical_weights(spec, job.run.seed, canonical_names(spec, layout, stage, c))
+            canonical = initial_weights(spec, job.run.seed, canonical_names(spec, layout, stage, c))
             self._load(model, to_megatron(canonical, spec, layout, stage, c, tp_rank))
             model.to(torch.cuda.current_device())
             if bf16:

@@ -1,7 +1,7 @@
 """MindSpore: the canonical Llama as a native MindSpore ``nn.Cell``, data parallel over msrun.
 
 What is the same as every other backend: the architecture and the canonical initial weights
-(``parabench.model.canonical_weights``, loaded through NumPy, so the initial checksum equals the
+(``parabench.model.initial_weights``, loaded through NumPy, so the initial checksum equals the
 torch backends'), the data slices, the token-mean fp32 cross entropy, global grad-norm clipping,
 gradient accumulation over the micro-batches and AdamW with decay on 2-D weights only.
 
@@ -202,13 +202,13 @@ class MindSporeEngine(Engine):
         import mindspore as ms
         import numpy as np
 
-        from parabench.model import canonical_weights
+        from parabench.model import initial_weights
 
         self.ctx, self.ms, self.np = ctx, ms, np
         job = ctx.job
         self.rank, self.world = ctx.comm.rank, ctx.comm.world
         cells = _cells()
-        weights = canonical_weights(job.model, job.run.seed)
+        weights = initial_weights(job.model, job.run.seed)
         self.net = cells.Llama(job.model, weights, job.data.seq_len)
         self.named_params = cells.name_parameters(self.net)
         if sorted(self.named_params) != sorted(weights):

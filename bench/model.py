@@ -3,8 +3,10 @@
 Every backend trains this architecture. Weights are identified by their Hugging Face names
 (``model.layers.0.self_attn.q_proj.weight``), and each full, unsharded weight is generated from
 (seed, name) alone with NumPy, so that DDP, FSDP, ZeRO, Megatron shards and MindSpore all start
-from bit-identical numbers whatever the sharding or the process count. ``weights_checksum`` is
-the fingerprint logged with every run.
+from bit-identical numbers whatever the sharding or the process count. A model read from a Hugging
+Face checkpoint (``+model=hf``, bench/hf.py) starts from the checkpoint's tensors instead;
+:func:`initial_weights` is the one source of initial weights for every backend. ``weights_checksum``
+is the fingerprint logged with every run.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from torch import nn
 
 from parabench.spec import ModelSpec
 
-INIT_SCHEME = "normal(0, initializer_range); o_proj/down_proj scaled by 1/sqrt(2*layers); norms = 1"
+INIT_SCHEME = "normal(0, initializer_range); o_proj/down_proj scaled by 1/sqrt(2*layers); norms = 1; biases = 0"
 
 
 def _rng(seed: int, name: str) -> np.random.Generator:
@@ -33,6 +35,8 @@ def canonical_weight(spec: ModelSpec, seed: int, name: str, shape: tuple[int, ..
     """One full weight as float32, a pure function of (seed, name, shape, spec)."""
     if name.endswith("norm.weight"):
         return np.ones(shape, dtype=np.float32)
+    if name.endswith(".bias"):  # as Hugging Face initialises nn.Linear biases
+        return np.zeros(shape, dtype=np.float32)
     std = spec.initializer_range
     if name.endswith(("o_proj.weight", "down_proj.weight")):
         # Residual-branch output projections: GPT-2 / Megatron-LM scaled init (Radford et al. 2019;
@@ -45,6 +49,28 @@ def canonical_weights(spec: ModelSpec, seed: int, names: Iterable[str] | None = 
     shapes = spec.parameter_shapes()
     wanted = shapes if names is None else {n: shapes[n] for n in names}
     return {n: canonical_weight(spec, seed, n, s) for n, s in wanted.items()}
+
+
+def initial_weights(spec: ModelSpec, seed: int, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+    """The full float32 weights every backend starts from, checked against the spec: read from the
+    safetensors checkpoint ``spec.weights`` when set, else generated from (seed, name). ``names``:
+    a subset (e.g. one pipeline stage's), in that order."""
+    shapes = spec.parameter_shapes()
+    wanted = list(shapes) if names is None else list(names)
+    unknown = [n for n in wanted if n not in shapes]
+    if unknown:
+        raise RuntimeError(f"not parameters of model {spec.name}: {unknown[:5]}")
+    if spec.weights:
+        from parabench.hf import load_weights
+
+        weights = load_weights(spec.weights, wanted)
+    else:
+        weights = {n: canonical_weight(spec, seed, n, shapes[n]) for n in wanted}
+    for name in wanted:
+        value = weights[name]
+        if value.shape != shapes[name] or value.dtype != np.float32:
+            raise RuntimeError(f"{name}: got {value.dtype} {value.shape}, model {spec.name} needs float32 {shapes[name]}")
+    return weights
 
 
 def weights_checksum(state: Mapping[str, "np.ndarray | object"]) -> str:
@@ -78,10 +104,27 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def llama3_inv_freq(inv_freq: torch.Tensor, rs) -> torch.Tensor:
+    """Llama 3.1's frequency scaling (``rope_type: llama3``; Meta's llama-models reference, as in
+    transformers' ``modeling_rope_utils._compute_llama3_parameters``): wavelengths shorter than
+    original_max_position_embeddings / high_freq_factor are kept, longer than .../low_freq_factor are
+    divided by ``factor``, and those between are interpolated smoothly."""
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
 def rope_tables(spec: ModelSpec, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of rotary embeddings (Su et al. 2021, arXiv 2104.09864), HF half-rotation layout."""
     d = spec.head_dim
     inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d))
+    if spec.rope_scaling is not None:
+        inv_freq = llama3_inv_freq(inv_freq, spec.rope_scaling)
     freqs = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().float(), emb.sin().float()
@@ -98,9 +141,9 @@ class Attention(nn.Module):
         super().__init__()
         d = spec.head_dim
         self.n_heads, self.n_kv, self.head_dim = spec.num_attention_heads, spec.num_key_value_heads, d
-        self.q_proj = nn.Linear(spec.hidden_size, self.n_heads * d, bias=False)
-        self.k_proj = nn.Linear(spec.hidden_size, self.n_kv * d, bias=False)
-        self.v_proj = nn.Linear(spec.hidden_size, self.n_kv * d, bias=False)
+        self.q_proj = nn.Linear(spec.hidden_size, self.n_heads * d, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(spec.hidden_size, self.n_kv * d, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(spec.hidden_size, self.n_kv * d, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * d, spec.hidden_size, bias=False)
 
     def forward(self, x, cos, sin):
@@ -156,7 +199,8 @@ class Backbone(nn.Module):
 
 
 class Llama(nn.Module):
-    """Decoder-only Llama: RMSNorm, RoPE, SwiGLU, GQA, optional tied embeddings; HF parameter names."""
+    """Decoder-only Llama: RMSNorm, RoPE (optionally Llama 3.1-scaled), SwiGLU, GQA, optional tied
+    embeddings and q/k/v biases (Qwen2); HF parameter names."""
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
@@ -178,7 +222,7 @@ class Llama(nn.Module):
 
 
 def build_llama(spec: ModelSpec, seed: int | None = None) -> Llama:
-    """The canonical PyTorch Llama; with ``seed`` its weights are the canonical ones."""
+    """The canonical PyTorch Llama; with ``seed`` it holds the initial weights (:func:`initial_weights`)."""
     model = Llama(spec)
     if seed is not None:
         load_canonical(model, spec, seed)
@@ -193,8 +237,8 @@ def set_activation_checkpointing(model: "Llama", enabled: bool) -> None:
 
 @torch.no_grad()
 def load_canonical(model: nn.Module, spec: ModelSpec, seed: int) -> None:
-    """Copy the canonical weights into a freshly built Llama (in place)."""
-    weights = canonical_weights(spec, seed)
+    """Copy the initial weights (:func:`initial_weights`) into a freshly built Llama (in place)."""
+    weights = initial_weights(spec, seed)
     params = dict(model.named_parameters())
     differ = set(weights) ^ set(params)
     if differ:

@@ -122,6 +122,21 @@ class ModelSpec:
     name: str
     hidden_size: int
     intermediate_size: int
+# Optional parts of the canonical model a backend must implement to run it (Capabilities.model_features).
+MODEL_FEATURES = frozenset({"qkv_bias", "rope_scaling"})
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's rotary frequency scaling (Hugging Face ``rope_scaling`` with ``rope_type: llama3``)."""
+
+    rope_type: typing.Literal["llama3"]
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
@@ -138,6 +153,15 @@ class ModelSpec:
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         """Canonical (Hugging Face) parameter names and full, unsharded shapes."""
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2); o_proj and the MLP stay bias-free
+    rope_scaling: RopeScaling | None = None
+    sliding_window: int | None = None  # attention window (Mistral); the canonical model needs seq_len <= it
+    source: str | None = None  # the Hugging Face config.json this spec was read from (+model=hf)
+    weights: str | None = None  # safetensors file or its .index.json: the initial weights; None = generated
+
+    def features(self) -> frozenset[str]:
+        """The optional parts of MODEL_FEATURES this model uses."""
+        return frozenset(n for n, on in (("qkv_bias", self.qkv_bias), ("rope_scaling", self.rope_scaling)) if on)
         h, i, v, d = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
         kv = self.num_key_value_heads * d
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
@@ -154,6 +178,10 @@ class ModelSpec:
             shapes[p + "mlp.down_proj.weight"] = (h, i)
         shapes["model.norm.weight"] = (h,)
         if not self.tie_word_embeddings:
+            if self.qkv_bias:
+                shapes[p + "self_attn.q_proj.bias"] = (self.num_attention_heads * d,)
+                shapes[p + "self_attn.k_proj.bias"] = (kv,)
+                shapes[p + "self_attn.v_proj.bias"] = (kv,)
             shapes["lm_head.weight"] = (v, h)
         return shapes
 
@@ -323,7 +351,7 @@ def from_config(cfg: Mapping[str, Any]) -> JobSpec:
         from parabench.confutil import available_options
 
         raise SpecError("model", f"no model chosen: add +model=NAME (available: {', '.join(available_options('model'))})")
-    model = build(ModelSpec, cfg["model"], "model")
+    model = model_spec(cfg["model"])
     data = build(DataSpec, cfg.get("data"), "data")
     optim = build(OptimSpec, cfg.get("optim"), "optim")
     device = build(DeviceSpec, cfg.get("device"), "device")
@@ -353,6 +381,14 @@ def from_config(cfg: Mapping[str, Any]) -> JobSpec:
 
 
 def _positive(key: str, value: int | float) -> None:
+    if model.sliding_window is not None and data.seq_len > model.sliding_window:
+        raise SpecError("data.seq_len", f"{data.seq_len} exceeds model.sliding_window={model.sliding_window}: the canonical "
+                                        "model attends over the whole causal context, which is sliding-window attention "
+                                        "only while seq_len <= the window")
+    rs = model.rope_scaling
+    if rs is not None and not (rs.factor > 0 and 0 < rs.low_freq_factor < rs.high_freq_factor and rs.original_max_position_embeddings > 0):
+        raise SpecError("model.rope_scaling", f"needs factor > 0, 0 < low_freq_factor < high_freq_factor, "
+                                              f"original_max_position_embeddings > 0; got {to_dict(rs)}")
     if value <= 0:
         raise SpecError(key, f"must be > 0, got {value}")
 
@@ -361,6 +397,21 @@ def _validate_common(model: ModelSpec, data: DataSpec, optim: OptimSpec, device:
                      launch: LaunchSpec, run: RunSpec) -> None:
     for key, value in [
         ("model.hidden_size", model.hidden_size), ("model.intermediate_size", model.intermediate_size),
+def model_spec(node: Mapping[str, Any]) -> ModelSpec:
+    """The model: a preset's fields, or (``+model=hf model.path=...``) a Hugging Face config.json read
+    here, before launch; weights named by the spec are checked tensor by tensor against it."""
+    if isinstance(node, Mapping) and "path" in node:
+        from parabench.hf import spec_fields
+
+        node = spec_fields(node)
+    model = build(ModelSpec, node, "model")
+    if model.weights:
+        from parabench.hf import check_weights
+
+        check_weights(model)
+    return model
+
+
         ("model.num_hidden_layers", model.num_hidden_layers), ("model.num_attention_heads", model.num_attention_heads),
         ("model.num_key_value_heads", model.num_key_value_heads), ("model.vocab_size", model.vocab_size),
         ("model.rope_theta", model.rope_theta), ("model.rms_norm_eps", model.rms_norm_eps),
@@ -436,6 +487,6 @@ def resolve_device(job: JobSpec, device_type: str) -> JobSpec:
 
 __all__ = [
     "BackendSpec", "DataSpec", "DeviceSpec", "JobSpec", "LaunchSpec", "ModelSpec", "OptimSpec",
-    "ParallelDims", "RunSpec", "TrackingSpec", "build", "from_config", "resolve_device", "to_dict",
+    "MODEL_FEATURES", "ParallelDims", "RopeScaling", "RunSpec", "TrackingSpec", "build", "from_config", "model_spec", "resolve_device", "to_dict",
     "tracking_from_config",
 ]
