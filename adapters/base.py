@@ -39,9 +39,9 @@ class Capabilities:
     launcher: str = "torchrun"  # how its workers are started: torchrun | msrun
     shards_model_states: bool = False  # ZeRO/FSDP-style sharding of params/grads/optimizer states
     multi_node: bool = True
-
-
     model_features: frozenset[str] = frozenset()  # optional model parts it implements (spec.MODEL_FEATURES)
+
+
 @dataclass(frozen=True)
 class Availability:
     """Whether a backend can run here, and if not, exactly why (shown by ``bench env``)."""

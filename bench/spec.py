@@ -115,13 +115,6 @@ def to_dict(obj: Any) -> Any:
 # --------------------------------------------------------------------------------------------
 # The specs.
 # --------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ModelSpec:
-    """A Llama-architecture decoder. Field names follow Hugging Face's Llama ``config.json``."""
-
-    name: str
-    hidden_size: int
-    intermediate_size: int
 # Optional parts of the canonical model a backend must implement to run it (Capabilities.model_features).
 MODEL_FEATURES = frozenset({"qkv_bias", "rope_scaling"})
 
@@ -137,6 +130,13 @@ class RopeScaling:
     original_max_position_embeddings: int
 
 
+@dataclass(frozen=True)
+class ModelSpec:
+    """A Llama-architecture decoder. Field names follow Hugging Face's Llama ``config.json``."""
+
+    name: str
+    hidden_size: int
+    intermediate_size: int
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
@@ -146,13 +146,6 @@ class RopeScaling:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     initializer_range: float = 0.02  # std of the normal init (HF name)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Canonical (Hugging Face) parameter names and full, unsharded shapes."""
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2); o_proj and the MLP stay bias-free
     rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None  # attention window (Mistral); the canonical model needs seq_len <= it
@@ -162,6 +155,13 @@ class RopeScaling:
     def features(self) -> frozenset[str]:
         """The optional parts of MODEL_FEATURES this model uses."""
         return frozenset(n for n, on in (("qkv_bias", self.qkv_bias), ("rope_scaling", self.rope_scaling)) if on)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Canonical (Hugging Face) parameter names and full, unsharded shapes."""
         h, i, v, d = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
         kv = self.num_key_value_heads * d
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
@@ -171,6 +171,10 @@ class RopeScaling:
             shapes[p + "self_attn.q_proj.weight"] = (self.num_attention_heads * d, h)
             shapes[p + "self_attn.k_proj.weight"] = (kv, h)
             shapes[p + "self_attn.v_proj.weight"] = (kv, h)
+            if self.qkv_bias:
+                shapes[p + "self_attn.q_proj.bias"] = (self.num_attention_heads * d,)
+                shapes[p + "self_attn.k_proj.bias"] = (kv,)
+                shapes[p + "self_attn.v_proj.bias"] = (kv,)
             shapes[p + "self_attn.o_proj.weight"] = (h, self.num_attention_heads * d)
             shapes[p + "post_attention_layernorm.weight"] = (h,)
             shapes[p + "mlp.gate_proj.weight"] = (i, h)
@@ -178,10 +182,6 @@ class RopeScaling:
             shapes[p + "mlp.down_proj.weight"] = (h, i)
         shapes["model.norm.weight"] = (h,)
         if not self.tie_word_embeddings:
-            if self.qkv_bias:
-                shapes[p + "self_attn.q_proj.bias"] = (self.num_attention_heads * d,)
-                shapes[p + "self_attn.k_proj.bias"] = (kv,)
-                shapes[p + "self_attn.v_proj.bias"] = (kv,)
             shapes["lm_head.weight"] = (v, h)
         return shapes
 
@@ -380,23 +380,6 @@ def from_config(cfg: Mapping[str, Any]) -> JobSpec:
     return job
 
 
-def _positive(key: str, value: int | float) -> None:
-    if model.sliding_window is not None and data.seq_len > model.sliding_window:
-        raise SpecError("data.seq_len", f"{data.seq_len} exceeds model.sliding_window={model.sliding_window}: the canonical "
-                                        "model attends over the whole causal context, which is sliding-window attention "
-                                        "only while seq_len <= the window")
-    rs = model.rope_scaling
-    if rs is not None and not (rs.factor > 0 and 0 < rs.low_freq_factor < rs.high_freq_factor and rs.original_max_position_embeddings > 0):
-        raise SpecError("model.rope_scaling", f"needs factor > 0, 0 < low_freq_factor < high_freq_factor, "
-                                              f"original_max_position_embeddings > 0; got {to_dict(rs)}")
-    if value <= 0:
-        raise SpecError(key, f"must be > 0, got {value}")
-
-
-def _validate_common(model: ModelSpec, data: DataSpec, optim: OptimSpec, device: DeviceSpec,
-                     launch: LaunchSpec, run: RunSpec) -> None:
-    for key, value in [
-        ("model.hidden_size", model.hidden_size), ("model.intermediate_size", model.intermediate_size),
 def model_spec(node: Mapping[str, Any]) -> ModelSpec:
     """The model: a preset's fields, or (``+model=hf model.path=...``) a Hugging Face config.json read
     here, before launch; weights named by the spec are checked tensor by tensor against it."""
@@ -412,6 +395,15 @@ def model_spec(node: Mapping[str, Any]) -> ModelSpec:
     return model
 
 
+def _positive(key: str, value: int | float) -> None:
+    if value <= 0:
+        raise SpecError(key, f"must be > 0, got {value}")
+
+
+def _validate_common(model: ModelSpec, data: DataSpec, optim: OptimSpec, device: DeviceSpec,
+                     launch: LaunchSpec, run: RunSpec) -> None:
+    for key, value in [
+        ("model.hidden_size", model.hidden_size), ("model.intermediate_size", model.intermediate_size),
         ("model.num_hidden_layers", model.num_hidden_layers), ("model.num_attention_heads", model.num_attention_heads),
         ("model.num_key_value_heads", model.num_key_value_heads), ("model.vocab_size", model.vocab_size),
         ("model.rope_theta", model.rope_theta), ("model.rms_norm_eps", model.rms_norm_eps),
@@ -432,6 +424,14 @@ def model_spec(node: Mapping[str, Any]) -> ModelSpec:
         raise SpecError("model.num_key_value_heads", f"{model.num_attention_heads} attention heads are not divisible by {model.num_key_value_heads} key/value heads")
     if data.seq_len > model.max_position_embeddings:
         raise SpecError("data.seq_len", f"{data.seq_len} exceeds model.max_position_embeddings={model.max_position_embeddings}")
+    if model.sliding_window is not None and data.seq_len > model.sliding_window:
+        raise SpecError("data.seq_len", f"{data.seq_len} exceeds model.sliding_window={model.sliding_window}: the canonical "
+                                        "model attends over the whole causal context, which is sliding-window attention "
+                                        "only while seq_len <= the window")
+    rs = model.rope_scaling
+    if rs is not None and not (rs.factor > 0 and 0 < rs.low_freq_factor < rs.high_freq_factor and rs.original_max_position_embeddings > 0):
+        raise SpecError("model.rope_scaling", f"needs factor > 0, 0 < low_freq_factor < high_freq_factor, "
+                                              f"original_max_position_embeddings > 0; got {to_dict(rs)}")
     if data.source == "text":
         if not data.path:
             raise SpecError("data.path", "the text source needs a local file: data.path=/path/to/file.txt")
@@ -487,6 +487,7 @@ def resolve_device(job: JobSpec, device_type: str) -> JobSpec:
 
 __all__ = [
     "BackendSpec", "DataSpec", "DeviceSpec", "JobSpec", "LaunchSpec", "ModelSpec", "OptimSpec",
-    "MODEL_FEATURES", "ParallelDims", "RopeScaling", "RunSpec", "TrackingSpec", "build", "from_config", "model_spec", "resolve_device", "to_dict",
+    "MODEL_FEATURES", "ParallelDims", "RopeScaling", "RunSpec", "TrackingSpec", "build", "from_config", "model_spec",
+    "resolve_device", "to_dict",
     "tracking_from_config",
 ]
