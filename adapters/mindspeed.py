@@ -24,7 +24,7 @@ from typing import Literal
 
 from parabench.adapters.base import Availability, Capabilities, Engine, WorkerContext
 from parabench.adapters.megatron import MegatronAdapter, MegatronOptions
-from parabench.devices import AUTOLOAD_TEXT, package_version
+from parabench.devices import AUTOLOAD_TEXT, cann_version, package_version
 from parabench.errors import SpecError
 from parabench.spec import JobSpec
 
@@ -97,8 +97,6 @@ def mindspeed_argv(job: JobSpec) -> list[str]:
 
 
 def version_set() -> dict[str, str | None]:
-    from parabench.envreport import cann_version
-
     return {"torch": package_version("torch"), "torch-npu": package_version("torch-npu"), "cann": cann_version(),
             "mindspeed": package_version("mindspeed"), "megatron-core": package_version("megatron-core")}
 

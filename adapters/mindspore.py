@@ -43,7 +43,7 @@ from typing import Any, Literal, Sequence
 from parabench.adapters.base import (
     Adapter, Availability, Capabilities, Comm, Engine, ModelStateBytes, StateFormula, WorkerContext,
 )
-from parabench.devices import package_version
+from parabench.devices import cpu_threads, package_version
 from parabench.errors import SpecError
 from parabench.spec import JobSpec, ModelSpec, OptimSpec
 
@@ -139,8 +139,6 @@ class MindSporeAdapter(Adapter):
     def init_worker(cls, ctx: WorkerContext) -> Comm:
         import mindspore as ms
 
-        from parabench.runner import threads_per_rank
-
         opts = ctx.job.backend.options
         kind = ctx.device.kind
         if kind not in DEVICE_TARGETS:  # capabilities refuse it before launch; a direct call must too
@@ -152,7 +150,7 @@ class MindSporeAdapter(Adapter):
         if kind == "cpu":
             # MindSpore's CPU kernels default to 25 threads; use the same per-rank count as torch
             # backends and the MFU peak measurement.
-            ms.device_context.cpu.op_tuning.threads_num(threads_per_rank(ctx.job))
+            ms.device_context.cpu.op_tuning.threads_num(cpu_threads(ctx.job.launch.nproc_per_node, ctx.job.device.threads_per_rank))
         else:
             ctx.device = _ascend_device(ctx.local_rank)
         return MindSporeComm(COLLECTIVE_BACKENDS[kind])

@@ -50,6 +50,19 @@ def run_probe(code: str, timeout_s: float, env: dict[str, str] | None = None) ->
     return out.stdout
 
 
+def cann_version() -> str | None:
+    """CANN toolkit version from its version.cfg / version.info, where installed."""
+    roots = [os.environ.get("ASCEND_TOOLKIT_HOME"), os.environ.get("ASCEND_HOME_PATH"), "/usr/local/Ascend/ascend-toolkit/latest"]
+    for root in filter(None, roots):
+        for name in ("version.cfg", "version.info", "compiler/version.info"):
+            p = Path(root) / name
+            if p.is_file():
+                for line in p.read_text(errors="replace").splitlines():
+                    if "version" in line.lower() and "=" in line:
+                        return line.split("=", 1)[1].strip().strip('"[]')
+    return None
+
+
 def package_version(dist: str) -> str | None:
     """Installed version of a distribution, or None (no import of the package itself)."""
     try:

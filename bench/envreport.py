@@ -6,27 +6,13 @@ import json
 import os
 import platform
 import sys
-from pathlib import Path
 from typing import Any
 
-from parabench.devices import AUTOLOAD_TEXT, package_version
+from parabench.devices import AUTOLOAD_TEXT, cann_version, package_version
 
 # distribution names whose versions are recorded with every run
 VERSIONED = ["torch", "deepspeed", "megatron-core", "mindspore", "torch-npu", "mindspeed", "mlflow", "hydra-core", "numpy"]
 
-
-
-def cann_version() -> str | None:
-    """CANN toolkit version from its version.cfg / version.info, where installed."""
-    roots = [os.environ.get("ASCEND_TOOLKIT_HOME"), os.environ.get("ASCEND_HOME_PATH"), "/usr/local/Ascend/ascend-toolkit/latest"]
-    for root in filter(None, roots):
-        for name in ("version.cfg", "version.info", "compiler/version.info"):
-            p = Path(root) / name
-            if p.is_file():
-                for line in p.read_text(errors="replace").splitlines():
-                    if "version" in line.lower() and "=" in line:
-                        return line.split("=", 1)[1].strip().strip('"[]')
-    return None
 
 
 def versions() -> dict[str, str | None]:

@@ -23,7 +23,7 @@ from typing import Any
 from parabench import __version__
 from parabench.adapters.base import check_capabilities
 from parabench.adapters.registry import get_adapter
-from parabench.devices import AUTOLOAD_ENV, DEVICES
+from parabench.devices import AUTOLOAD_ENV, DEVICES, cpu_threads
 from parabench.errors import RunFailed, SpecError
 from parabench.launchers import get_launcher
 from parabench.spec import JobSpec, from_config, resolve_device, to_dict
@@ -85,12 +85,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def threads_per_rank(job: JobSpec) -> int:
-    from parabench.devices import cpu_threads
-
-    return cpu_threads(job.launch.nproc_per_node, job.device.threads_per_rank)
 
 
 def launch_env(job: JobSpec) -> dict[str, str]:
@@ -255,9 +249,9 @@ def execute(job: JobSpec, plain: dict[str, Any], run_dir: Path, extra_tags: dict
         **{f"version.{k}": v for k, v in versions.items() if v},
     }
     params = flatten(plain)
-    params.update(flatten({"model": to_dict(job.model)}))  # the resolved model (e.g. read from a config.json)
     params.update({"derived.grad_accum": str(job.grad_accum), "derived.num_params": str(job.model.num_params()),
                    "derived.dp": str(job.parallel.dp), "derived.tp": str(job.parallel.tp), "derived.pp": str(job.parallel.pp), "derived.cp": str(job.parallel.cp),
+    params.update(flatten({"model": to_dict(job.model)}))  # the resolved model (e.g. read from a config.json)
                    "derived.threads_per_rank": env.get("OMP_NUM_THREADS", "")})
     # One MLflow run per job: on a multi-node job only node 0 records (the other nodes' workers
     # write their rank files into the same, shared run directory).
@@ -347,7 +341,7 @@ def _peak(job: JobSpec, device_name: str):
 
     if job.device.peak_tflops:
         return Peak(job.device.peak_tflops, "user-supplied (device.peak_tflops)")
-    return DEVICES[job.device.type].peak(job.run.precision, threads_per_rank(job), Path(job.run.results_dir) / ".cache", device_name)
+    return DEVICES[job.device.type].peak(job.run.precision, cpu_threads(job.launch.nproc_per_node, job.device.threads_per_rank), Path(job.run.results_dir) / ".cache", device_name)
 
 
 def _log_results(tracker, summary: dict[str, Any], results: list[dict]) -> None:
