@@ -16,9 +16,10 @@ The harness never branches on the backend's name: everything backend-specific li
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from parabench.errors import SpecError
 from parabench.metrics import ModelStateBytes
@@ -26,8 +27,9 @@ from parabench.spec import JobSpec, ModelSpec, ParallelDims
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+    from _typeshed import DataclassInstance
 
-    from parabench.devices import Device
+    from parabench.devices import Device, Presence
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ class StateFormula:
     source: str
 
     @classmethod
-    def replicated_fp32_adam(cls, psi: int) -> "StateFormula":
+    def replicated_fp32_adam(cls, psi: int) -> StateFormula:
         """Plain data parallel, fp32, (Adam)W: every rank holds params, grads and both moments."""
         return cls(16.0 * psi, "(4 + 4 + 8) * Psi: fp32 params, grads, AdamW moments, replicated",
                    "Rajbhandari et al. 2019 (ZeRO, arXiv 1910.02054) sec. 3.1, K=8 for fp32 Adam")
@@ -76,14 +78,14 @@ class Comm(ABC):
     @abstractmethod
     def barrier(self) -> None: ...
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         pass
 
 
 class TorchComm(Comm):
     """torch.distributed: the device's backend (gloo on CPU, nccl on CUDA, hccl on NPU)."""
 
-    def __init__(self, job: JobSpec, device: "Device"):
+    def __init__(self, job: JobSpec, device: Device):
         import datetime
 
         import torch.distributed as dist
@@ -119,7 +121,7 @@ class WorkerContext:
     rank: int
     world_size: int
     local_rank: int
-    device: "Device"
+    device: Device
     run_dir: Path
     comm: Comm | None = None
 
@@ -139,14 +141,14 @@ class Engine(ABC):
         return [(torch.from_numpy(x).to(dev), torch.from_numpy(y).to(dev)) for x, y in micro_batches]
 
     @abstractmethod
-    def train_step(self, micro_batches: Sequence[tuple["torch.Tensor", "torch.Tensor"]]) -> "torch.Tensor":
+    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Forward/backward over the micro-batches (gradient accumulation), then one optimizer step.
 
         Returns the mean token loss as anything ``float()`` accepts (a 0-dim tensor): the mean token loss over this rank's micro-batches (on every rank
         that takes part in the step, including all tensor/pipeline ranks of a replica)."""
 
     @abstractmethod
-    def full_state_dict(self) -> dict[str, "torch.Tensor"]:
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full, unsharded weights under canonical (Hugging Face) names, as fp32 CPU tensors.
         Collective: every rank calls it."""
 
@@ -168,7 +170,7 @@ class Engine(ABC):
         """Backend-specific documents for rank 0 to log (e.g. the effective DeepSpeed config)."""
         return {}
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         pass
 
 
@@ -178,7 +180,7 @@ class Adapter(ABC):
 
     name: ClassVar[str]
     capabilities: ClassVar[Capabilities]
-    Options: ClassVar[type]
+    Options: ClassVar[type[DataclassInstance]]
 
     @classmethod
     @abstractmethod
@@ -190,7 +192,7 @@ class Adapter(ABC):
         """Split the world; pure data parallelism unless overridden."""
         return ParallelDims(world_size=world_size, dp=world_size)
 
-    @classmethod
+    @classmethod  # noqa: B027 - optional hook: no checks beyond the generic ones
     def validate(cls, job: JobSpec) -> None:
         """Backend-specific checks before launch; raise SpecError naming the key."""
 
@@ -200,7 +202,7 @@ class Adapter(ABC):
         return {}
 
     @classmethod
-    def device_presence(cls, kind: str):
+    def device_presence(cls, kind: str) -> Presence:
         """Is a device of this kind usable by this backend here? Default: torch's view (devices.py);
         a backend with its own runtime (MindSpore) answers for itself."""
         from parabench.devices import DEVICES

@@ -41,10 +41,11 @@ def describe() -> dict[str, str]:
     return {n: _REGISTRY[n][1] for n in names()}
 
 
-def get_adapter(name: str) -> "type[Adapter]":
+def get_adapter(name: str) -> type[Adapter]:
     try:
         target, _ = _REGISTRY[name]
     except KeyError:
         raise SpecError("backend", f"unknown backend {name!r} (choices: {', '.join(names())})") from None
     module, _, cls = target.partition(":")
-    return getattr(importlib.import_module(module), cls)
+    adapter: type[Adapter] = getattr(importlib.import_module(module), cls)
+    return adapter

@@ -15,9 +15,10 @@ import json
 import math
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from parabench.errors import SpecError
 
@@ -28,6 +29,12 @@ DEVICE_TYPES = ("auto", "cpu", "cuda", "npu")
 # --------------------------------------------------------------------------------------------
 # Generic conversion: mapping -> frozen dataclass, with the offending key named on error.
 # --------------------------------------------------------------------------------------------
+if typing.TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+_Spec = typing.TypeVar("_Spec", bound="DataclassInstance")
+
+
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
@@ -59,8 +66,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
         if len(value) != len(args):
             raise SpecError(key, f"expected {len(args)} values, got {len(value)}")
-        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-    if dataclasses.is_dataclass(tp):
+        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         return build(tp, value, key)
@@ -85,7 +92,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise TypeError(f"unsupported spec field type {tp!r} at {key}")  # a bug in a spec class
 
 
-def build(cls: type, node: Mapping[str, Any] | None, prefix: str) -> Any:
+def build(cls: type[_Spec], node: Mapping[str, Any] | None, prefix: str) -> _Spec:
     """Build dataclass ``cls`` from ``node``; unknown or ill-typed keys raise SpecError(prefix.key)."""
     node = dict(node or {})
     hints = typing.get_type_hints(cls)
@@ -312,7 +319,7 @@ class JobSpec:
         return json.dumps(to_dict(self), indent=2, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "JobSpec":
+    def from_json(cls, text: str) -> JobSpec:
         from parabench.adapters.registry import get_adapter
 
         raw = json.loads(text)
@@ -333,7 +340,7 @@ class JobSpec:
         )
 
     @classmethod
-    def load(cls, path: str | Path) -> "JobSpec":
+    def load(cls, path: str | Path) -> JobSpec:
         return cls.from_json(Path(path).read_text())
 
 
@@ -480,7 +487,7 @@ def tracking_from_config(cfg: Mapping[str, Any]) -> tuple[TrackingSpec, str]:
     return tracking, str((cfg.get("run") or {}).get("results_dir", "results"))
 
 
-def resolve_device(job: JobSpec, device_type: str) -> JobSpec:
+def resolve_device(job: JobSpec, device_type: typing.Literal["cpu", "cuda", "npu"]) -> JobSpec:
     """Return ``job`` with ``device.type`` made concrete (auto -> what is present)."""
     return dataclasses.replace(job, device=dataclasses.replace(job.device, type=device_type))
 
