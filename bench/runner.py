@@ -249,9 +249,9 @@ def execute(job: JobSpec, plain: dict[str, Any], run_dir: Path, extra_tags: dict
         **{f"version.{k}": v for k, v in versions.items() if v},
     }
     params = flatten(plain)
+    params.update(flatten({"model": to_dict(job.model)}))  # the resolved model (e.g. read from a config.json)
     params.update({"derived.grad_accum": str(job.grad_accum), "derived.num_params": str(job.model.num_params()),
                    "derived.dp": str(job.parallel.dp), "derived.tp": str(job.parallel.tp), "derived.pp": str(job.parallel.pp), "derived.cp": str(job.parallel.cp),
-    params.update(flatten({"model": to_dict(job.model)}))  # the resolved model (e.g. read from a config.json)
                    "derived.threads_per_rank": env.get("OMP_NUM_THREADS", "")})
     # One MLflow run per job: on a multi-node job only node 0 records (the other nodes' workers
     # write their rank files into the same, shared run directory).
