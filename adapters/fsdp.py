@@ -48,8 +48,9 @@ class FSDPAdapter(Adapter):
     def availability(cls) -> Availability:
         try:
             from torch.distributed.fsdp import fully_shard  # noqa: F401
-        except ImportError as exc:  # pragma: no cover - torch 2.13 has it
-            return Availability(False, f"torch.distributed.fsdp.fully_shard missing: {exc}")
+        except ImportError as exc:  # torch < 2.6 had FSDP2 only under torch.distributed._composable.fsdp
+            return Availability(False, f"FSDP2 needs torch>=2.6 (public torch.distributed.fsdp.fully_shard); torch "
+                                       f"{importlib.metadata.version('torch')} lacks it: {exc}")
         return Availability(True, "FSDP2 fully_shard in torch", {"torch": importlib.metadata.version("torch")})
 
     @classmethod

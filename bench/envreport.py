@@ -12,6 +12,70 @@ from parabench.devices import AUTOLOAD_TEXT, cann_version, package_version
 
 # distribution names whose versions are recorded with every run
 VERSIONED = ["torch", "deepspeed", "megatron-core", "mindspore", "torch-npu", "mindspeed", "mlflow", "hydra-core", "numpy"]
+# The distributions each backend runs on. Their supported ranges are not written here: they are read
+# back from parabench's installed metadata, i.e. from pyproject.toml (one source of truth).
+BACKEND_DISTRIBUTIONS = {"ddp": ["torch"], "fsdp": ["torch"], "deepspeed": ["torch", "deepspeed"],
+                         "megatron": ["torch", "megatron-core"], "mindspeed": ["torch", "torch-npu", "megatron-core"],
+                         "mindspore": ["mindspore"]}
+
+
+def supported_ranges() -> dict[str, str]:
+    """Distribution -> version range parabench declares (dependencies and every extra), plus "python"."""
+    import importlib.metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    # An installed copy has a RECORD; a parabench.egg-info that a source build left in the current
+    # directory (first on sys.path under `python -m`) does not, and may be stale.
+    dists = list(importlib.metadata.distributions(name="parabench"))
+    dist = next((d for d in dists if d.read_text("RECORD") is not None), dists[0])
+    out = {"python": dist.metadata["Requires-Python"] or ""}
+    for line in dist.requires or []:
+        req = Requirement(line)
+        name = canonicalize_name(req.name)
+        if name != "parabench":  # the `all` extra names parabench's own extras
+            out[name] = ",".join(sorted(map(str, req.specifier), key=lambda s: s[0] != ">"))  # lower bound first
+    return out
+
+
+def range_status(found: dict[str, str | None], ranges: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Per distribution in ``ranges``: installed version, range, and whether it lies inside."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    out = {}
+    for dist, spec in ranges.items():
+        have = found.get(dist)
+        try:
+            inside = None if have is None else SpecifierSet(spec).contains(Version(have), prereleases=True)
+        except InvalidVersion:
+            inside = False
+        out[dist] = {"installed": have, "range": spec, "inside": inside}
+    return out
+
+
+def backends_outside(status: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
+    """Backend -> '<dist> <version> (supported: <range>)' for each installed distribution outside its range."""
+    out = {}
+    for backend, dists in BACKEND_DISTRIBUTIONS.items():
+        bad = [f"{d} {status[d]['installed']} (supported: {status[d]['range']})" for d in dists
+               if d in status and status[d]["inside"] is False]
+        if bad:
+            out[backend] = bad
+    return out
+
+
+def known_good_sets(found: dict[str, str | None]) -> list[dict[str, Any]]:
+    """Version sets known to work together (Ascend's MindSpeed pins), each with whether this environment matches."""
+    from parabench.adapters.mindspeed import KNOWN_GOOD
+
+    sets = []
+    for good in KNOWN_GOOD:
+        pins = {k: v for k, v in good.items() if k != "source"}
+        differs = {k: found.get(k) for k, v in pins.items() if not (found.get(k) or "").split("+")[0].startswith(v)}
+        sets.append({"source": good["source"], "versions": pins, "differs": differs})
+    return sets
 
 
 
@@ -48,8 +112,11 @@ def report() -> dict[str, Any]:
             "devices": sorted(adapter.capabilities.devices), "precisions": sorted(adapter.capabilities.precisions),
             "launcher": adapter.capabilities.launcher, "versions": dict(a.versions),
         }
+    found = versions()
+    status = range_status(found, supported_ranges())
     return {"python": sys.version.split()[0], "executable": sys.executable, "cpu": cpu_info(), "devices": devices,
-            "backends": backends, "versions": versions(),
+            "backends": backends, "versions": found, "supported": status, "outside": backends_outside(status),
+            "known_good": known_good_sets(found),
             "notes": [f"{AUTOLOAD_TEXT} is set by parabench: with torch_npu installed but no CANN, "
                       "`import torch` fails otherwise."] if package_version("torch-npu") else []}
 
@@ -76,9 +143,28 @@ def main(argv: list[str]) -> int:
         print(f"  {'':<10} {'':<12} devices {', '.join(b['devices'])}; precisions {', '.join(b['precisions'])}; launcher {b['launcher']}")
         for key, value in b["versions"].items():  # what the adapter's availability probe found
             print(f"  {'':<10} {'':<12} {key} {value}")
-    print("\nversions")
-    for k, v in rep["versions"].items():
-        print(f"  {k:<14} {v or '-'}")
+    print_versions(rep)
     for note in rep["notes"]:
         print(f"\nnote: {note}")
     return 0
+
+
+def print_versions(rep: dict[str, Any]) -> None:
+    """Installed versions against parabench's supported ranges, the backends outside them, and the known-good sets."""
+    print("\nversions (supported range from parabench's package metadata)")
+    marks = {True: "ok", False: "OUTSIDE", None: ""}
+    for k, v in rep["versions"].items():
+        s = rep["supported"].get(k)
+        print(f"  {k:<14} {v or '-':<16} {s['range'] if s else '':<18} {marks[s['inside']] if s else ''}".rstrip())
+    if rep["outside"]:
+        print("\noutside the supported ranges")
+        for backend, why in rep["outside"].items():
+            print(f"  {backend:<10} {'; '.join(why)}")
+    else:
+        print("\nevery installed backend distribution is inside the supported ranges")
+    print("\nknown-good sets")
+    for good in rep["known_good"]:
+        pins = ", ".join(f"{k} {v}" for k, v in good["versions"].items())
+        verdict = "matches" if not good["differs"] else "differs: " + ", ".join(
+            f"{k} {v or 'missing'}" for k, v in good["differs"].items())
+        print(f"  {pins}\n    ({good['source']}) - this environment {verdict}")

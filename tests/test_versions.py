@@ -1,0 +1,101 @@
+"""Supported version ranges: one source (pyproject.toml), read back by `bench env`; the dev pins lie inside them.
+
+The install-into-an-existing-torch check and the oldest-version parity runs are slow jobs of
+benchmarks/compat_matrix.sh (README "Compatibility"); these tests are the fast, always-run part.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from conftest import REPO
+
+
+def pyproject_ranges() -> dict[str, str]:
+    """Distribution -> range, parsed from pyproject.toml itself (not from the installed metadata)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    lines = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
+    out = {"python": project["requires-python"]}
+    for line in lines:
+        req = Requirement(line)
+        if canonicalize_name(req.name) != "parabench":
+            out[canonicalize_name(req.name)] = req.specifier
+    return out
+
+
+def test_bench_env_reads_the_ranges_of_pyproject():
+    from packaging.specifiers import SpecifierSet
+
+    from parabench.envreport import supported_ranges
+
+    installed = supported_ranges()
+    declared = pyproject_ranges()
+    assert set(installed) == set(declared)
+    assert SpecifierSet(installed.pop("python")) == SpecifierSet(declared.pop("python"))
+    assert {k: SpecifierSet(v) for k, v in installed.items()} == declared
+
+
+def test_every_bound_says_why():
+    """Each dependency line with an upper or lower bound carries a comment on it or just above it."""
+    text = (REPO / "pyproject.toml").read_text().splitlines()
+    start = next(i for i, line in enumerate(text) if line.startswith("requires-python"))
+    end = next(i for i, line in enumerate(text) if line.startswith("[project.scripts]"))
+    silent = [line.strip() for i, line in enumerate(text[start:end], start)
+              if re.search(r'"[\w-]+(\[[\w,]+\])?\s*[<>=~]', line) and "#" not in line and not text[i - 1].strip().startswith("#")
+              and not line.strip().startswith(("test =", "all ="))]
+    assert not silent, silent
+
+
+def test_dev_constraints_lie_inside_the_supported_ranges():
+    """constraints/dev-cpu.txt (what ./dev installs) must be an instance of the declared ranges."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.utils import canonicalize_name
+    from packaging.version import Version
+
+    pins = {}
+    for line in (REPO / "constraints" / "dev-cpu.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[canonicalize_name(name)] = Version(version)
+    ranges = pyproject_ranges()
+    assert Version("3.11") in SpecifierSet(ranges.pop("python"))  # ./dev's interpreter
+    outside = {d: (str(pins[d]), str(spec)) for d, spec in ranges.items() if d in pins and not spec.contains(pins[d])}
+    assert not outside, outside
+    assert str(pins["torch"]) == "2.13.0+cpu"  # the CPU wheel, never a CUDA build
+
+
+def test_a_backend_outside_its_range_is_named():
+    from parabench.envreport import backends_outside, range_status
+
+    ranges = {"torch": ">=2.6,<2.15", "megatron-core": ">=0.12,<0.17", "deepspeed": ">=0.16.9,<0.20"}
+    found = {"torch": "2.5.1+cu121", "megatron-core": "0.12.1", "deepspeed": None}
+    status = range_status(found, ranges)
+    assert status["torch"]["inside"] is False and status["megatron-core"]["inside"] is True
+    assert status["deepspeed"]["inside"] is None  # not installed: neither inside nor outside
+    outside = backends_outside(status)
+    assert set(outside) == {"ddp", "fsdp", "deepspeed", "megatron", "mindspeed"}  # all that run on torch
+    assert outside["megatron"] == ["torch 2.5.1+cu121 (supported: >=2.6,<2.15)"]
+    found["torch"] = "2.7.1"
+    assert backends_outside(range_status(found, ranges)) == {}
+
+
+def test_bench_env_prints_ranges_outside_backends_and_the_mindspeed_set(capsys):
+    from parabench.devices import package_version
+    from parabench.envreport import main, report
+
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    versions = out[out.index("\nversions (supported range"):]
+    torch_line = next(line for line in versions.splitlines() if line.split()[:1] == ["torch"])
+    assert package_version("torch") in torch_line and ">=2.6,<2.15" in torch_line
+    assert torch_line.split()[-1] in ("ok", "OUTSIDE")
+    assert "torch 2.7.1, torch-npu 2.7.1.post4, cann 9.0.0" in out and "megatron-core 0.12.1" in out  # MindSpeed's set
+    rep = report()
+    assert set(rep["outside"]) <= set(rep["backends"])
+    assert ("outside the supported ranges" in out) == bool(rep["outside"])
