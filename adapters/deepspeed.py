@@ -36,7 +36,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from parabench.adapters.base import (
-    Adapter, Availability, Capabilities, Engine, ModelStateBytes, StateFormula, WorkerContext,
+    Adapter,
+    Availability,
+    Capabilities,
+    Engine,
+    ModelStateBytes,
+    StateFormula,
+    WorkerContext,
 )
 from parabench.devices import ProbeFailed, run_probe
 from parabench.errors import SpecError
@@ -286,7 +292,7 @@ class DeepSpeedAdapter(Adapter):
         return zero_formula(job)
 
     @classmethod
-    def create_engine(cls, ctx: WorkerContext) -> "DeepSpeedEngine":
+    def create_engine(cls, ctx: WorkerContext) -> DeepSpeedEngine:
         return DeepSpeedEngine(ctx)
 
 

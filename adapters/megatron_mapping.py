@@ -32,8 +32,8 @@ schedule, each device holds v non-contiguous chunks).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 import numpy as np
 

@@ -37,11 +37,19 @@ import functools
 import math
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 from parabench.adapters.base import (
-    Adapter, Availability, Capabilities, Comm, Engine, ModelStateBytes, StateFormula, WorkerContext,
+    Adapter,
+    Availability,
+    Capabilities,
+    Comm,
+    Engine,
+    ModelStateBytes,
+    StateFormula,
+    WorkerContext,
 )
 from parabench.devices import cpu_threads, package_version
 from parabench.errors import SpecError
@@ -156,7 +164,7 @@ class MindSporeAdapter(Adapter):
         return MindSporeComm(COLLECTIVE_BACKENDS[kind])
 
     @classmethod
-    def create_engine(cls, ctx: WorkerContext) -> "MindSporeEngine":
+    def create_engine(cls, ctx: WorkerContext) -> MindSporeEngine:
         return MindSporeEngine(ctx)
 
 
@@ -288,9 +296,8 @@ def _ascend_device(local_rank: int):
 # --------------------------------------------------------------------------------------------
 @functools.cache
 def _cells():
-    import numpy as np
-
     import mindspore as ms
+    import numpy as np
     from mindspore import Parameter, Tensor, nn, ops
 
     class Linear(nn.Cell):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -33,7 +33,7 @@ class TorchEngine(Engine):
     """
 
     def __init__(self, ctx: WorkerContext, model: torch.nn.Module, named_params: Sequence[tuple[str, torch.nn.Parameter]],
-                 sync_context: Callable[[bool], ContextManager], autocast_dtype: torch.dtype | None):
+                 sync_context: Callable[[bool], contextlib.AbstractContextManager], autocast_dtype: torch.dtype | None):
         self.ctx = ctx
         self.model = model
         self.named_params = list(named_params)

@@ -25,9 +25,10 @@ import io
 import json
 import statistics
 import sys
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from parabench.errors import UserError
 from parabench.tracking import default_store_uri

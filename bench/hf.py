@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from parabench.errors import SpecError
 from parabench.spec import ModelSpec

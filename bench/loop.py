@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from parabench.adapters.base import Engine, WorkerContext
 from parabench.data import TokenSource

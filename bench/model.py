@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import torch
@@ -73,7 +73,7 @@ def initial_weights(spec: ModelSpec, seed: int, names: Iterable[str] | None = No
     return weights
 
 
-def weights_checksum(state: Mapping[str, "np.ndarray | object"]) -> str:
+def weights_checksum(state: Mapping[str, np.ndarray | object]) -> str:
     """SHA-256 over (name, shape, float32 little-endian bytes) in name order; first 16 hex digits."""
     h = hashlib.sha256()
     for name in sorted(state):
@@ -229,7 +229,7 @@ def build_llama(spec: ModelSpec, seed: int | None = None) -> Llama:
     return model
 
 
-def set_activation_checkpointing(model: "Llama", enabled: bool) -> None:
+def set_activation_checkpointing(model: Llama, enabled: bool) -> None:
     """Full recompute of every decoder layer in backward (Chen et al. 2016, arXiv 1604.06174)."""
     for layer in model.model.layers:
         layer.checkpoint = enabled

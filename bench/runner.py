@@ -297,7 +297,7 @@ def _report_failure(run_dir: Path, reason: str, tracker) -> None:
 
 
 def build_summary(job: JobSpec, adapter, results: list[dict]) -> dict[str, Any]:
-    from parabench.flops import FORMULA, Peak, flops_per_token
+    from parabench.flops import FORMULA, flops_per_token
     from parabench.metrics import summarize
 
     results = sorted(results, key=lambda r: r["rank"])

@@ -48,7 +48,7 @@ class Finding:
     applied: bool = True
     file: str = ""  # posix path relative to the source root, filled by the engine
 
-    def with_file(self, file: str) -> "Finding":
+    def with_file(self, file: str) -> Finding:
         return dataclasses.replace(self, file=file)
 
 

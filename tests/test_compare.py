@@ -4,7 +4,15 @@ import json
 
 import pytest
 
-from parabench.compare import RunRecord, build_sections, render_csv, render_html, render_text, report_dict, scaling_metrics
+from parabench.compare import (
+    RunRecord,
+    build_sections,
+    render_csv,
+    render_html,
+    render_text,
+    report_dict,
+    scaling_metrics,
+)
 from parabench.errors import UserError
 
 

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from conftest import assert_refused_before_launch, bench, mlflow_runs
-
 from parabench import confutil
 from parabench.errors import SpecError
 from parabench.hf import load_weights

@@ -1,5 +1,4 @@
 import numpy as np
-import pytest
 import torch
 
 from parabench.model import build_llama, canonical_weight, canonical_weights, weights_checksum

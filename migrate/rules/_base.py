@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Callable, ClassVar
+from collections.abc import Callable
+from typing import ClassVar
 
 from parabench.migrate.core import MANUAL, REVIEW, SAFE, Finding, Options
 
-_REGISTRY: dict[str, type["Rule"]] = {}
+_REGISTRY: dict[str, type[Rule]] = {}
 
 
 class Rule:

@@ -7,13 +7,13 @@ does this expression reach, through which alias?".
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import re
-from typing import Callable, ClassVar
+from collections.abc import Callable
+from typing import ClassVar
 
 import libcst as cst
-import builtins
-
 
 from parabench.migrate import api_map, pyfile
 from parabench.migrate.core import MANUAL, REVIEW, Finding, Options
@@ -98,7 +98,7 @@ def fstring_to_npu(node: cst.FormattedString) -> cst.FormattedString:
 class PyContext:
     """One parsed module plus resolved metadata, shared by every Python rule of a run."""
 
-    def __init__(self, module: cst.Module, options: Options, active: frozenset[str], layout: "Layout | None" = None):
+    def __init__(self, module: cst.Module, options: Options, active: frozenset[str], layout: Layout | None = None):
         self.module = module
         self.options = options
         self.active = active
@@ -220,7 +220,7 @@ class PyContext:
 _BUILTINS = frozenset(dir(builtins))
 
 
-def _is_reference(ctx: "PyContext", node: cst.Name) -> bool:
+def _is_reference(ctx: PyContext, node: cst.Name) -> bool:
     """A Name used as a value (not an attribute name, keyword, parameter or definition name)."""
     p = ctx._parent.get(node)
     if isinstance(p, cst.Attribute):
@@ -309,7 +309,7 @@ class Layout:
 
     @staticmethod
     def build(module, tree, starts: list[int] | None = None, parsed: list[int] | None = None,
-              lines: list[str] | None = None) -> "Layout | None":
+              lines: list[str] | None = None) -> Layout | None:
         """``module``/``tree``: anything with a ``body`` (a Module, or a class's block and its ast);
         ``lines``: the source lines (decorator lines are read from them)."""
         body = tree.body
@@ -341,7 +341,7 @@ class Layout:
             return None
         return Layout(region, {stmt: i for i, stmt in enumerate(module.body)}, starts, parsed, nodes, lines)
 
-    def block(self, i: int, stmt: cst.CSTNode) -> "Layout | None":
+    def block(self, i: int, stmt: cst.CSTNode) -> Layout | None:
         """Layout of the body of statement ``i`` when it is a class or a function with an
         indented body (cached); regions are lines of the whole file, as for the module."""
         if i in self._blocks:

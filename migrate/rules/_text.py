@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Iterator
+from collections.abc import Iterator
 
 from parabench.migrate.rules._base import TextDoc
 

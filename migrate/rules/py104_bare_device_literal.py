@@ -10,7 +10,15 @@ import libcst as cst
 
 from parabench.migrate.core import REVIEW
 from parabench.migrate.rules._base import register
-from parabench.migrate.rules._py import DEVICE_RE, PyRule, fstring_device, fstring_to_npu, replace_in_simple_string, string_role, string_value
+from parabench.migrate.rules._py import (
+    DEVICE_RE,
+    PyRule,
+    fstring_device,
+    fstring_to_npu,
+    replace_in_simple_string,
+    string_role,
+    string_value,
+)
 
 ROLES = frozenset({"other", "arg", "compare", "backend-other"})
 
