@@ -211,7 +211,7 @@ def run(
     entries = discover(roots)
     tasks: list[Task] = []
     results: list[FileResult] = []
-    for root, path, rel, how in entries:
+    for _root, path, rel, how in entries:
         if how == "symlink-out":
             results.append(FileResult(rel, "symlink", "skipped", "symlink points outside the source tree: not followed"))
             continue

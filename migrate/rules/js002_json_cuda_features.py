@@ -30,7 +30,7 @@ class JsonCudaFeatures(TextRule):
     def apply(self, doc: TextDoc) -> None:
         strings = json_strings(doc)
         data = doc.cache["json_data"]
-        for start, end, value, is_key, path in strings:
+        for start, _end, value, is_key, path in strings:
             if is_key:
                 low = value.lower()
                 tip = KEYS.get(low) or next((t for k, t in KEYS.items() if low.startswith(k + "_")), None)

@@ -28,7 +28,7 @@ class CudaOnlyPackages(TextRule):
     source = "docs/sources.md#cuda-only-packages, docs/sources.md#class-m-manual"
 
     def apply(self, doc: TextDoc) -> None:
-        for lineno, offset, line, code in iter_requirements(doc):
+        for _lineno, offset, line, code in iter_requirements(doc):
             name = req_name(code)
             if not name or code.lstrip().startswith("-"):
                 continue

@@ -24,7 +24,7 @@ class CudaWheels(TextRule):
     source = "docs/sources.md#mindspeed-versions"
 
     def apply(self, doc: TextDoc) -> None:
-        for lineno, offset, line, code in iter_requirements(doc):
+        for _lineno, offset, line, code in iter_requirements(doc):
             if INDEX.match(code):
                 start = offset + len(line) - len(line.lstrip())
                 doc.change(type(self), start, offset + len(line), f"{MARK} {line.strip()}", "CUDA wheel index removed", op="index-url",

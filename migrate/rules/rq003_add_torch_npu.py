@@ -25,7 +25,7 @@ class AddTorchNpu(TextRule):
         lines = list(iter_requirements(doc))
         if any(req_name(code) == "torch-npu" for _, _, _, code in lines):
             return
-        for lineno, offset, line, code in lines:
+        for _lineno, offset, line, code in lines:
             if req_name(code) == "torch" and not code.lstrip().startswith("-"):
                 pin = PIN.search(code)
                 new = f"torch-npu=={pin.group(1)}.*" if pin else "torch-npu"

@@ -18,7 +18,7 @@ def rename_env(rule: type[TextRule], doc: TextDoc, safety: str) -> None:
         if level != safety:
             continue
         pat = word_re(name)
-        for lineno, offset, code in shell_code_lines(doc):
+        for _lineno, offset, code in shell_code_lines(doc):
             for m in pat.finditer(code):
                 start, end = offset + m.start(), offset + m.end()
                 replacement, msg = new, f"{name} -> {new}"

@@ -24,7 +24,7 @@ class ShellNcclEnvDrop(TextRule):
 
     def apply(self, doc: TextDoc) -> None:
         rule = type(self)
-        for lineno, offset, code in shell_code_lines(doc):
+        for _lineno, offset, code in shell_code_lines(doc):
             matches = [m for m in ASSIGN.finditer(code) if api_map.is_droppable_env(m.group(1))]
             if not matches:
                 continue

@@ -22,7 +22,7 @@ class ShellBackendFlag(TextRule):
     source = "docs/sources.md#mindspeed-flags, docs/sources.md#class-a-safe"
 
     def apply(self, doc: TextDoc) -> None:
-        for lineno, offset, code in shell_code_lines(doc):
+        for _lineno, offset, code in shell_code_lines(doc):
             for m in PAT.finditer(code):
                 start = offset + m.end() - len(m.group(3)) - len("nccl")
                 doc.change(type(self), start, start + 4, "hccl", f"{m.group(1)} nccl -> hccl", op=m.group(1))

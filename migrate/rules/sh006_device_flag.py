@@ -22,7 +22,7 @@ class ShellDeviceFlag(TextRule):
     source = "docs/sources.md#class-s-review"
 
     def apply(self, doc: TextDoc) -> None:
-        for lineno, offset, code in shell_code_lines(doc):
+        for _lineno, offset, code in shell_code_lines(doc):
             for m in PAT.finditer(code):
                 start = offset + m.start() + len(m.group(1)) + len(m.group(2)) + len(m.group(3))
                 doc.change(type(self), start, start + 4, "npu", f"{m.group(1)} cuda -> npu", op=m.group(1))

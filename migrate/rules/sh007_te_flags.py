@@ -24,7 +24,7 @@ class ShellTeFlags(TextRule):
 
     def apply(self, doc: TextDoc) -> None:
         rule = type(self)
-        for lineno, offset, code in shell_code_lines(doc):
+        for _lineno, offset, code in shell_code_lines(doc):
             for m in IMPL.finditer(code):
                 start = offset + m.end() - len(m.group(2)) - len("transformer_engine")
                 doc.change(rule, start, start + len("transformer_engine"), "local", "--transformer-impl transformer_engine -> local",

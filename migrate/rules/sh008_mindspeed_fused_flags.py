@@ -28,7 +28,7 @@ class MindSpeedFusedFlags(TextRule):
                 pat = re.compile(r"(?<![\w-])" + re.escape(flag) + r"(?![\w-])")
             else:
                 pat = re.compile(r"(?<![\w-])" + re.escape(flag) + r"(?:\s+|=)([\"']?)" + re.escape(value) + r"\1(?![\w-])")
-            for lineno, offset, code in shell_code_lines(doc):
+            for _lineno, offset, code in shell_code_lines(doc):
                 m = pat.search(code)
                 if m:
                     at = offset + m.end()

@@ -23,7 +23,7 @@ class ShellTeOnlyFlags(TextRule):
     source = "docs/sources.md#mindspeed-flags, docs/sources.md#class-m-manual, docs/sources.md#pattern-9"
 
     def apply(self, doc: TextDoc) -> None:
-        for lineno, offset, code in shell_code_lines(doc):
+        for _lineno, offset, code in shell_code_lines(doc):
             for m in FLAGS.finditer(code):
                 doc.manual(type(self), offset + m.start(), f"{m.group(1)}: Transformer-Engine/FP8 only", op=m.group(1), tip=api_map.TE_ONLY_FLAGS[m.group(1)])
             if doc.options.target != "mindspeed" or "SH007" not in _active(doc):
