@@ -27,7 +27,7 @@ LAYOUTS = [Layout(1, 1, 1), Layout(2, 1, 1), Layout(1, 2, 1), Layout(2, 2, 1), L
            Layout(4, 1, 1), Layout(2, 2, 1, te_names=True)]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"tp{l.tp}-pp{l.pp}-vpp{l.vpp}{'-te' if l.te_names else ''}")
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: f"tp{lay.tp}-pp{lay.pp}-vpp{lay.vpp}{'-te' if lay.te_names else ''}")
 @pytest.mark.parametrize("spec", [GQA, MHA], ids=["gqa", "mha"])
 def test_round_trip_is_lossless(spec, layout):
     canonical = canonical_weights(spec, seed=7)

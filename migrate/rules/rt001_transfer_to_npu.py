@@ -35,7 +35,7 @@ class TransferToNpu(ModuleRule):
                 at, after = (index + 1, True) if plain else (index, False)
                 break
         if at is None:  # no torch import: before the first third-party import, else after the imports
-            for index, stmt, mods in imports:
+            for index, _stmt, mods in imports:
                 root = mods[0].split(".")[0]
                 if root != "__future__" and root not in sys.stdlib_module_names:
                     at, after = index, False
