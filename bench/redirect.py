@@ -536,7 +536,7 @@ def _npu_modules(torch: Any, functions: dict[str, Any], owner: Redirection) -> d
     for k, v in functions.items():
         setattr(npu, k, v)
 
-    class autocast(torch.amp.autocast_mode.autocast):  # noqa: N801 - mirrors torch_npu.npu.amp.autocast
+    class autocast(torch.amp.autocast_mode.autocast):  # lower case: mirrors torch_npu.npu.amp.autocast
         def __init__(self, enabled: bool = True, dtype: Any = torch.float16, cache_enabled: bool = True) -> None:
             super().__init__("npu", enabled=enabled, dtype=dtype, cache_enabled=cache_enabled)
 

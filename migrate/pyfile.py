@@ -717,7 +717,7 @@ def _ancestors(ctx) -> set:
     return needed
 
 
-def _Apply(edits, needed, origin):  # noqa: N802 - factory keeps libcst out of this module's import time
+def _Apply(edits, needed, origin):  # a class factory (named like one): keeps libcst out of this module's import time
     global _APPLY
     try:
         cls = _APPLY

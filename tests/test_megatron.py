@@ -12,8 +12,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from conftest import FAST, assert_refused_before_launch, bench, summaries  # noqa: E402
-
+from conftest import FAST, assert_refused_before_launch, bench, summaries
 
 pytestmark = pytest.mark.megatron
 

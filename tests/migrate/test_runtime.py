@@ -202,7 +202,7 @@ def test_autocast_and_grad_scaler():
         for scaler in (torch.cuda.amp.GradScaler(), torch.amp.GradScaler("cuda", 2.0**10, 2.0, 0.5, 10, True)):
             assert not scaler.is_enabled()
             steps = []  # a stand-in optimizer: torch.optim would import torch._dynamo (seconds)
-            opt = type("Opt", (), {"step": lambda self: steps.append(1), "param_groups": []})()
+            opt = type("Opt", (), {"step": lambda self: steps.append(1), "param_groups": []})()  # noqa: B023 - used in this iteration
             loss = lin(x).sum()
             assert scaler.scale(loss) is loss
             scaler.scale(loss).backward()
