@@ -202,7 +202,12 @@ class PyContext:
         try:
             new = fn(node)
             after = self.module.code_for_node(new) if isinstance(new, cst.CSTNode) else ""
-        except Exception:  # pragma: no cover - defensive, a rule bug must not lose the file
+        except Exception as exc:  # a rule bug: the rest of the file migrates, this edit becomes a manual item
+            self.findings.append(Finding(
+                rule.code, MANUAL, start, end,
+                f"rule {rule.code} failed here ({type(exc).__name__}: {exc}); migrate this code by hand and report the rule bug",
+                op, tip, before, applied=False,
+            ))
             return False
         if applied:
             self.edits.setdefault(node, []).append(fn)
