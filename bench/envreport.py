@@ -24,18 +24,22 @@ def supported_ranges() -> dict[str, str]:
     import importlib.metadata
 
     from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
     from packaging.utils import canonicalize_name
 
     # An installed copy has a RECORD; a parabench.egg-info that a source build left in the current
     # directory (first on sys.path under `python -m`) does not, and may be stale.
     dists = list(importlib.metadata.distributions(name="parabench"))
     dist = next((d for d in dists if d.read_text("RECORD") is not None), dists[0])
-    out = {"python": dist.metadata["Requires-Python"] or ""}
+    def lower_first(spec: SpecifierSet) -> str:
+        return ",".join(sorted(map(str, spec), key=lambda s: s[0] != ">"))
+
+    out = {"python": lower_first(SpecifierSet(dist.metadata["Requires-Python"] or ""))}
     for line in dist.requires or []:
         req = Requirement(line)
         name = canonicalize_name(req.name)
         if name != "parabench":  # the `all` extra names parabench's own extras
-            out[name] = ",".join(sorted(map(str, req.specifier), key=lambda s: s[0] != ">"))  # lower bound first
+            out[name] = lower_first(req.specifier)
     return out
 
 
