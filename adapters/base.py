@@ -144,8 +144,9 @@ class Engine(ABC):
     def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Forward/backward over the micro-batches (gradient accumulation), then one optimizer step.
 
-        Returns the mean token loss as anything ``float()`` accepts (a 0-dim tensor): the mean token loss over this rank's micro-batches (on every rank
-        that takes part in the step, including all tensor/pipeline ranks of a replica)."""
+        Returns the mean token loss over this rank's micro-batches, as anything ``float()`` accepts
+        (a 0-dim tensor), on every rank that takes part in the step (also every tensor/pipeline
+        rank of a replica)."""
 
     @abstractmethod
     def full_state_dict(self) -> dict[str, torch.Tensor]:

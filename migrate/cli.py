@@ -178,8 +178,6 @@ def _main(argv: list[str]) -> int:
                 sys.stdout.write(r.diff)
     if args.report is not None:
         link_root = out if out is not None else (roots[0] if len(roots) == 1 and roots[0].is_dir() else None)
-        if link_root is None and len(roots) > 1:
-            link_root = None
         write_report(result, args.report, link_root)
     if not args.quiet:
         (sys.stderr if args.diff else sys.stdout).write(summary_text(result))

@@ -7,11 +7,9 @@ import dataclasses
 SAFE = "safe"  # meaning-preserving mechanical rewrite
 REVIEW = "review"  # applied, flagged for a human look
 MANUAL = "manual"  # reported with guidance, never rewritten
-SAFETY_LEVELS = (SAFE, REVIEW, MANUAL)
 
 TARGETS = ("npu", "mindspeed")
 MODES = ("static", "runtime")
-KINDS = ("python", "shell", "json", "yaml", "requirements", "file")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +22,7 @@ class Options:
     select: frozenset[str] | None = None  # rule codes or prefixes; None = all
     ignore: frozenset[str] = frozenset()
 
-    def rule_enabled(self, code: str, safety: str, targets: frozenset[str], modes: frozenset[str]) -> bool:
+    def rule_enabled(self, code: str, targets: frozenset[str], modes: frozenset[str]) -> bool:
         if self.target not in targets or self.mode not in modes:
             return False
         if self.select is not None and not any(code.startswith(s) for s in self.select):

@@ -30,7 +30,7 @@ class Rule:
 
     @classmethod
     def enabled(cls, options: Options) -> bool:
-        return options.rule_enabled(cls.code, cls.safety, cls.targets, cls.modes)
+        return options.rule_enabled(cls.code, cls.targets, cls.modes)
 
 
 def register(cls: type[Rule]) -> type[Rule]:
