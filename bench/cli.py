@@ -5,8 +5,10 @@ Imports are lazy: ``bench --help`` loads neither torch nor any training framewor
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from typing import Any
 
 from parabench.devices import AUTOLOAD_ENV
 
@@ -39,30 +41,58 @@ def _quiet_environment() -> None:
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
 
 
-def _preflight(argv: list[str]) -> bool:
-    """Validate every job of the command before anything starts. Returns True when Hydra should
-    only print (--cfg/--info/--help), in which case there is nothing to validate."""
+class _PreparedJobs:
+    """The jobs the pre-flight composed and validated, by their resolved config. The Hydra task takes
+    its job from here instead of validating it (and probing backends and devices) a second time. A
+    task that runs in another process (a Slurm node, through submitit) validates there: that
+    machine's devices and Slurm placement are the ones that count."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.jobs: dict[str, Any] = {}
+
+    @staticmethod
+    def _key(plain: dict[str, Any]) -> str:
+        return json.dumps(plain, sort_keys=True, default=str)
+
+    def add(self, plain: dict[str, Any]) -> None:
+        from parabench.runner import prepare
+
+        self.jobs[self._key(plain)] = prepare(plain)
+
+    def job(self, plain: dict[str, Any]):
+        from parabench.runner import prepare
+
+        job = self.jobs.get(self._key(plain)) if os.getpid() == self.pid else None
+        return job if job is not None else prepare(plain)
+
+
+def _preflight(argv: list[str]) -> _PreparedJobs | None:
+    """Compose and validate every job of the command before anything starts. Returns None when
+    Hydra should only print (--cfg/--info/--help), in which case there is nothing to validate."""
     from hydra._internal.utils import get_args_parser
 
     from parabench.confutil import compose, expand_sweep, to_plain
-    from parabench.runner import prepare
 
     try:
         args = get_args_parser().parse_args(argv)
     except SystemExit as exc:  # argparse already printed the reason
         raise _ExitCode(2) from exc
     if args.cfg or args.info or args.help or args.hydra_help or args.shell_completion:
-        return True
+        return None
     combos = expand_sweep(args.overrides) if args.multirun else [list(args.overrides)]
-    if args.multirun:
-        sweep_params = compose(combos[0], return_hydra_config=True).hydra.sweeper.get("params") or {}
+    first = compose(combos[0], return_hydra_config=args.multirun)
+    if args.multirun:  # an experiment's hydra.sweeper.params add sweep dimensions of their own
+        sweep_params = first.hydra.sweeper.get("params") or {}
         given = {o.split("=", 1)[0].lstrip("+~") for o in args.overrides}
         extra = [f"{k}={v}" for k, v in sweep_params.items() if k not in given]
         if extra:
             combos = expand_sweep(list(args.overrides) + extra)
-    for combo in combos:
-        prepare(to_plain(compose(combo)))
-    return False
+            first = compose(combos[0])
+    prepared = _PreparedJobs()
+    for i, combo in enumerate(combos):
+        prepared.add(to_plain(first if i == 0 else compose(combo)))
+    return prepared
 
 
 class _ExitCode(Exception):
@@ -70,7 +100,7 @@ class _ExitCode(Exception):
         self.code = code
 
 
-def _job(cfg):
+def _job(cfg, prepared: _PreparedJobs):
     """The Hydra task: one job (called once, or once per sweep combination)."""
     from pathlib import Path
 
@@ -79,11 +109,11 @@ def _job(cfg):
 
     from parabench.confutil import to_plain
     from parabench.errors import RunFailed
-    from parabench.runner import execute, prepare
+    from parabench.runner import execute
 
     hc = HydraConfig.get()
     plain = to_plain(cfg)
-    job = prepare(plain)
+    job = prepared.job(plain)
     out = Path(hc.runtime.output_dir)
     tags = {"backend_config": hc.runtime.choices.get("backend"), "job_num": hc.job.num if hc.mode == RunMode.MULTIRUN else None}
     try:
@@ -104,7 +134,7 @@ def cmd_run(argv: list[str]) -> int:
     from parabench.errors import UserError
 
     try:
-        print_only = _preflight(argv)
+        prepared = _preflight(argv)
     except _ExitCode as exc:
         return exc.code
     except UserError as exc:
@@ -119,7 +149,7 @@ def cmd_run(argv: list[str]) -> int:
 
     @hydra.main(version_base="1.3", config_path="pkg://parabench.conf", config_name="config")
     def task(cfg):
-        return _job(cfg)
+        return _job(cfg, prepared)
 
     saved = sys.argv
     sys.argv = ["bench run", *argv]
@@ -130,7 +160,7 @@ def cmd_run(argv: list[str]) -> int:
         return 2
     finally:
         sys.argv = saved
-    if _FAILED_JOBS and not print_only:
+    if _FAILED_JOBS and prepared is not None:
         print("bench: failed jobs:\n  " + "\n  ".join(_FAILED_JOBS), file=sys.stderr)
         return 1
     return 0

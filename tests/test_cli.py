@@ -120,3 +120,27 @@ def test_wheel_ships_the_config_tree(tmp_path):
         assert must in names, must
     entry = [n for n in names if n.endswith("entry_points.txt")]
     assert entry and "bench = parabench.cli:main" in zipfile.ZipFile(wheel).read(entry[0]).decode()
+
+
+def test_each_job_is_composed_and_validated_once(tmp_path, monkeypatch, capsys):
+    """The pre-flight validates every job of a sweep (backend and device probes included) and the
+    Hydra task reuses that job: runner.prepare runs once per job, not twice."""
+    from parabench.adapters.registry import get_adapter
+    from parabench.cli import main
+
+    calls = []
+
+    def counting(real):
+        def validate(cls, job):
+            calls.append(cls.name)
+            return real(job)
+
+        return classmethod(validate)
+
+    for name in ("ddp", "fsdp"):  # runner.prepare ends with the adapter's own validation: count those
+        monkeypatch.setattr(get_adapter(name), "validate", counting(get_adapter(name).validate))
+    monkeypatch.chdir(tmp_path)
+    code = main(["run", "-m", "+model=llama", "backend=ddp,fsdp", "launcher.dry_run=true", f"run.results_dir={tmp_path / 'r'}"])
+    assert code == 0, capsys.readouterr().err
+    assert sorted(calls) == ["ddp", "fsdp"]
+    assert len(list((tmp_path / "r").glob("runs/*/*/*/launch.sh"))) == 2

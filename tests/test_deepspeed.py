@@ -126,7 +126,9 @@ def test_stage_presets_and_the_experiment_expand_and_validate(tmp_path, monkeypa
     for s in range(4):
         assert to_plain(compose(["+model=llama", f"backend=deepspeed/zero{s}", "backend.overlap_comm=true"]))["backend"]["zero_stage"] == s
     monkeypatch.chdir(tmp_path)
-    assert _preflight(["-m", "+model=llama", "+experiment=zero_stages", f"run.results_dir={tmp_path / 'r'}"]) is False
+    prepared = _preflight(["-m", "+model=llama", "+experiment=zero_stages", f"run.results_dir={tmp_path / 'r'}"])
+    stages = sorted(job.backend.options.zero_stage for job in prepared.jobs.values() if job.backend.name == "deepspeed")
+    assert len(prepared.jobs) == 7 and stages == [0, 1, 2, 2, 3]  # ddp, fsdp, zero0-3, zero2_offload
     assert not (tmp_path / "r").exists()
 
 
