@@ -335,87 +335,108 @@ class _CpuState:
         self.device = self.mapper.index(device)
 
     def functions(self) -> dict[str, Any]:
+        """The emulated ``torch.<source>`` runtime API by name."""
+        return {**self._device_api(), **self._rng_api(), **self._memory_api(), **self._properties_api(), "EMULATED": True}
+
+    def _device_api(self) -> dict[str, Any]:
+        state = self
+        return {
+            "is_available": lambda: True,
+            "is_initialized": lambda: True,
+            "init": _none,
+            "_lazy_init": _none,
+            "device_count": state.count,
+            "current_device": lambda: state.device,
+            "set_device": state.set_device,
+            "device": lambda device: _DeviceCtx(state, device),
+            "device_of": lambda obj: _DeviceCtx(state, None),
+            "synchronize": _none,
+            "Stream": _CpuStream,
+            "Event": _CpuEvent,
+            "stream": lambda stream=None: contextlib.nullcontext(stream),
+            "current_stream": lambda device=None: _DEFAULT_STREAM,
+            "default_stream": lambda device=None: _DEFAULT_STREAM,
+            "set_stream": _none,
+        }
+
+    def _rng_api(self) -> dict[str, Any]:
         torch, state = self.torch, self
         gen = torch.default_generator
-
-        def get_rng_state(device: Any = None) -> Any:
-            return torch.get_rng_state()
-
-        def set_rng_state(new_state: Any, device: Any = None) -> None:
-            torch.set_rng_state(new_state)
 
         def set_rng_state_all(states: Any) -> None:
             states = list(states)
             if states:
                 torch.set_rng_state(states[min(state.device, len(states) - 1)])
 
-        def mem_get_info(device: Any = None) -> tuple[int, int]:
-            page = os.sysconf("SC_PAGE_SIZE")
-            return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
-
-        def get_device_properties(device: Any = None) -> Any:
-            return types.SimpleNamespace(
-                name=f"cpu (emulated {state.source})", total_memory=mem_get_info()[1], major=0, minor=0,
-                multi_processor_count=os.cpu_count() or 1, is_integrated=True, uuid="emulated",
-            )
-
-        zero = lambda *a, **k: 0  # noqa: E731
-        none = lambda *a, **k: None  # noqa: E731
         return {
-            "is_available": lambda: True,
-            "is_initialized": lambda: True,
-            "init": none,
-            "_lazy_init": none,
-            "device_count": state.count,
-            "current_device": lambda: state.device,
-            "set_device": state.set_device,
-            "device": lambda device: _DeviceCtx(state, device),
-            "device_of": lambda obj: _DeviceCtx(state, None),
-            "synchronize": none,
-            "Stream": _CpuStream,
-            "Event": _CpuEvent,
-            "stream": lambda stream=None: contextlib.nullcontext(stream),
-            "current_stream": lambda device=None: _DEFAULT_STREAM,
-            "default_stream": lambda device=None: _DEFAULT_STREAM,
-            "set_stream": none,
             "manual_seed": lambda seed: gen.manual_seed(int(seed)),
             "manual_seed_all": lambda seed: gen.manual_seed(int(seed)),
             "seed": lambda: gen.seed(),
             "seed_all": lambda: gen.seed(),
             "initial_seed": lambda: gen.initial_seed(),
-            "get_rng_state": get_rng_state,
-            "set_rng_state": set_rng_state,
+            "get_rng_state": lambda device=None: torch.get_rng_state(),
+            "set_rng_state": lambda new_state, device=None: torch.set_rng_state(new_state),
             "get_rng_state_all": lambda: [torch.get_rng_state() for _ in range(state.count())],
             "set_rng_state_all": set_rng_state_all,
             "default_generators": _Generators(gen, state.count),
-            "memory_allocated": zero,
-            "max_memory_allocated": zero,
-            "memory_reserved": zero,
-            "max_memory_reserved": zero,
-            "memory_cached": zero,
-            "max_memory_cached": zero,
+        }
+
+    def _memory_api(self) -> dict[str, Any]:
+        source = self.source
+        return {
+            "memory_allocated": _zero,
+            "max_memory_allocated": _zero,
+            "memory_reserved": _zero,
+            "max_memory_reserved": _zero,
+            "memory_cached": _zero,
+            "max_memory_cached": _zero,
             "memory_stats": lambda device=None: collections.defaultdict(int),
-            "memory_summary": lambda *a, **k: f"emulated {state.source} on cpu: no allocator statistics",
-            "mem_get_info": mem_get_info,
-            "reset_peak_memory_stats": none,
-            "reset_max_memory_allocated": none,
-            "reset_max_memory_cached": none,
-            "reset_accumulated_memory_stats": none,
-            "empty_cache": none,
-            "ipc_collect": none,
+            "memory_summary": lambda *a, **k: f"emulated {source} on cpu: no allocator statistics",
+            "mem_get_info": _host_mem_info,
+            "reset_peak_memory_stats": _none,
+            "reset_max_memory_allocated": _none,
+            "reset_max_memory_cached": _none,
+            "reset_accumulated_memory_stats": _none,
+            "empty_cache": _none,
+            "ipc_collect": _none,
+        }
+
+    def _properties_api(self) -> dict[str, Any]:
+        source = self.source
+
+        def get_device_properties(device: Any = None) -> Any:
+            return types.SimpleNamespace(
+                name=f"cpu (emulated {source})", total_memory=_host_mem_info()[1], major=0, minor=0,
+                multi_processor_count=os.cpu_count() or 1, is_integrated=True, uuid="emulated",
+            )
+
+        return {
             "get_device_properties": get_device_properties,
-            "get_device_name": lambda device=None: f"cpu (emulated {state.source})",
+            "get_device_name": lambda device=None: f"cpu (emulated {source})",
             # torch_npu returns None here (docs/sources.md#transfer-to-npu-limits); CUDA code expects a tuple.
-            "get_device_capability": (lambda device=None: None) if state.source == "npu" else (lambda device=None: (0, 0)),
+            "get_device_capability": (lambda device=None: None) if source == "npu" else (lambda device=None: (0, 0)),
             "get_arch_list": lambda: [],
             "is_bf16_supported": lambda including_emulation=True: True,
             "is_tf32_supported": lambda: False,
-            "utilization": zero,
-            "temperature": zero,
-            "power_draw": zero,
-            "clock_rate": zero,
-            "EMULATED": True,
+            "utilization": _zero,
+            "temperature": _zero,
+            "power_draw": _zero,
+            "clock_rate": _zero,
         }
+
+
+def _zero(*args: Any, **kwargs: Any) -> int:
+    return 0
+
+
+def _none(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _host_mem_info(device: Any = None) -> tuple[int, int]:
+    """(free, total) bytes of host memory, for ``mem_get_info``."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
 
 
 # Names of ``torch.cuda`` taken from ``torch.npu`` when the target is npu.
@@ -621,12 +642,30 @@ class Redirection:
     def _install(self) -> None:
         import torch
 
-        p = self._patches
-        src, tgt = self.source, self.target
         real_device = getattr(torch.device, "_real", torch.device)
-        mapper = _Mapper(src, tgt, real_device)
-
+        mapper = _Mapper(self.source, self.target, real_device)
         # 1. The runtime namespace torch.<source>.
+        functions = self._runtime_functions(torch, mapper)
+        if self.source == "cuda":
+            self._patch_cuda_namespace(torch, functions)
+        else:
+            self._install_npu_emulation(torch, functions, mapper, real_device)
+        # 2. Tensor / Module methods.
+        self._patch_moves(torch, mapper)
+        # 3. autocast, GradScaler and torch.device(...) contexts.
+        self._patch_amp(torch, mapper)
+        # 4. torch.distributed and DDP.
+        self._patch_distributed(torch, mapper)
+        # 5. torch.load(map_location=...).
+        self._patch_load(torch, mapper)
+        # 6. The TorchFunctionMode for device arguments (last, so it is popped first).
+        self._mode = _make_mode(torch, mapper)
+        self._mode.__enter__()
+        self._thread = threading.get_ident()
+
+    def _runtime_functions(self, torch: Any, mapper: _Mapper) -> dict[str, Any]:
+        """What ``torch.<source>`` offers under the redirection: the host's emulated runtime, or torch.npu's."""
+        src, tgt = self.source, self.target
         if tgt == "cpu":
             functions = _CpuState(torch, mapper, src).functions()
         else:
@@ -640,56 +679,62 @@ class Redirection:
             functions["EMULATED"] = self.emulated
             functions["_lazy_init"] = lambda: None
         functions["REDIRECTED_TO"] = tgt
+        return functions
 
-        if src == "cuda":
+    def _patch_cuda_namespace(self, torch: Any, functions: dict[str, Any]) -> None:
+        p, tgt = self._patches, self.target
+        for name, value in functions.items():
+            p.set(torch.cuda, name, value, f"torch.cuda.{name}")
+        for sub in ("random", "memory"):
+            mod = getattr(torch.cuda, sub)
             for name, value in functions.items():
-                p.set(torch.cuda, name, value, f"torch.cuda.{name}")
-            for sub in ("random", "memory"):
-                mod = getattr(torch.cuda, sub)
-                for name, value in functions.items():
-                    if name in vars(mod) and not name.startswith("_") and name.isidentifier():
-                        p.set(mod, name, value, f"torch.cuda.{sub}.{name}")
-            if tgt == "cpu":
-                for name in _LEGACY_TYPES:
-                    p.set(torch.cuda, name, getattr(torch, name), f"torch.cuda.{name}")
-            nvtx = torch.cuda.nvtx
-            for name in ("range_push", "range_pop", "range_start", "range_end", "mark"):
-                p.set(nvtx, name, lambda *a, **k: 0, f"torch.cuda.nvtx.{name}")
-            p.set(nvtx, "range", lambda *a, **k: contextlib.nullcontext(), "torch.cuda.nvtx.range")
-        elif "torch_npu" in sys.modules and not getattr(sys.modules["torch_npu"], "EMULATED", False):
+                if name in vars(mod) and not name.startswith("_") and name.isidentifier():
+                    p.set(mod, name, value, f"torch.cuda.{sub}.{name}")
+        if tgt == "cpu":
+            for name in _LEGACY_TYPES:
+                p.set(torch.cuda, name, getattr(torch, name), f"torch.cuda.{name}")
+        nvtx = torch.cuda.nvtx
+        for name in ("range_push", "range_pop", "range_start", "range_end", "mark"):
+            p.set(nvtx, name, lambda *a, **k: 0, f"torch.cuda.nvtx.{name}")
+        p.set(nvtx, "range", lambda *a, **k: contextlib.nullcontext(), "torch.cuda.nvtx.range")
+
+    def _install_npu_emulation(self, torch: Any, functions: dict[str, Any], mapper: _Mapper, real_device: Any) -> None:
+        """Source npu on the cpu: torch_npu and torch.npu as modules, transfer_to_npu, torch.device("npu")."""
+        p, tgt = self._patches, self.target
+        if "torch_npu" in sys.modules and not getattr(sys.modules["torch_npu"], "EMULATED", False):
             # Real torch_npu: redirecting npu onto the cpu would fight the real runtime.
             raise RedirectError("torch_npu is installed: redirect source 'npu' only where it is absent")
-        else:
-            if tgt != "cpu":
-                raise RedirectError("source 'npu' can only be redirected to the 'cpu'")
-            mods = _npu_modules(torch, functions, self)
-            for name, mod in mods.items():
-                p.module(name, mod)
-            p.module("torch.npu", mods["torch_npu.npu"])
-            p.module("torch.npu.amp", mods["torch_npu.npu.amp"])
-            p.set(torch, "npu", mods["torch_npu.npu"], "torch.npu")
-            finder = _TransferToNpuFinder(self)
-            sys.meta_path.insert(0, finder)
-            p.call(lambda: sys.meta_path.remove(finder) if finder in sys.meta_path else None, "sys.meta_path finder")
-            p.call(lambda: [sys.modules.pop(n, None) for n in sorted(self._loaded, reverse=True)], "torch_npu.contrib")
-            # torch.device("npu:0") must not raise on plain torch: a stand-in factory maps it.
-            if getattr(torch.device, "_real", None) is None:
-                factory = _DeviceFactoryMeta("device", (), {"__doc__": "parabench stand-in for torch.device"})
-                factory._real, factory._mappers = real_device, []
-                p.set(torch, "device", factory, "torch.device")
-                old_reducer = copyreg.dispatch_table.get(real_device)
-                p.call(
-                    lambda: copyreg.dispatch_table.pop(real_device, None)
-                    if old_reducer is None
-                    else copyreg.dispatch_table.__setitem__(real_device, old_reducer),
-                    "copyreg torch.device",
-                )
-                copyreg.pickle(real_device, lambda d: (_rebuild_device, (str(d),)))
-            factory = torch.device
-            factory._mappers.append(mapper)
-            p.call(lambda: factory._mappers.remove(mapper), "torch.device mapping")
+        if tgt != "cpu":
+            raise RedirectError("source 'npu' can only be redirected to the 'cpu'")
+        mods = _npu_modules(torch, functions, self)
+        for name, mod in mods.items():
+            p.module(name, mod)
+        p.module("torch.npu", mods["torch_npu.npu"])
+        p.module("torch.npu.amp", mods["torch_npu.npu.amp"])
+        p.set(torch, "npu", mods["torch_npu.npu"], "torch.npu")
+        finder = _TransferToNpuFinder(self)
+        sys.meta_path.insert(0, finder)
+        p.call(lambda: sys.meta_path.remove(finder) if finder in sys.meta_path else None, "sys.meta_path finder")
+        p.call(lambda: [sys.modules.pop(n, None) for n in sorted(self._loaded, reverse=True)], "torch_npu.contrib")
+        # torch.device("npu:0") must not raise on plain torch: a stand-in factory maps it.
+        if getattr(torch.device, "_real", None) is None:
+            factory = _DeviceFactoryMeta("device", (), {"__doc__": "parabench stand-in for torch.device"})
+            factory._real, factory._mappers = real_device, []
+            p.set(torch, "device", factory, "torch.device")
+            old_reducer = copyreg.dispatch_table.get(real_device)
+            p.call(
+                lambda: copyreg.dispatch_table.pop(real_device, None)
+                if old_reducer is None
+                else copyreg.dispatch_table.__setitem__(real_device, old_reducer),
+                "copyreg torch.device",
+            )
+            copyreg.pickle(real_device, lambda d: (_rebuild_device, (str(d),)))
+        factory = torch.device
+        factory._mappers.append(mapper)
+        p.call(lambda: factory._mappers.remove(mapper), "torch.device mapping")
 
-        # 2. Tensor / Module methods.
+    def _patch_moves(self, torch: Any, mapper: _Mapper) -> None:
+        p, src, tgt = self._patches, self.source, self.target
         on_target = self._on_target_fn(torch)
         tensor_to, module_to = torch.Tensor.to, torch.nn.Module.to
 
@@ -718,8 +763,10 @@ class Redirection:
             self._patch_tensor_type(torch, on_target)
             p.set(torch.Tensor, "record_stream", lambda t, stream=None: None, "torch.Tensor.record_stream")
 
-        # 3. autocast and GradScaler (patching the base classes covers torch.autocast, torch.amp.*,
-        #    torch.cuda.amp.* and torch.npu.amp.*, which all call these __init__s).
+    def _patch_amp(self, torch: Any, mapper: _Mapper) -> None:
+        p, src, tgt = self._patches, self.source, self.target
+        # autocast and GradScaler: patching the base classes covers torch.autocast, torch.amp.*,
+        # torch.cuda.amp.* and torch.npu.amp.*, which all call these __init__s.
         ac_cls, gs_cls = torch.amp.autocast_mode.autocast, torch.amp.grad_scaler.GradScaler
         ac_init, gs_init = ac_cls.__init__, gs_cls.__init__
 
@@ -750,11 +797,8 @@ class Redirection:
         dc_init = DeviceContext.__init__
         p.set(DeviceContext, "__init__", lambda dc, device: dc_init(dc, mapper.map(device)), "DeviceContext.__init__")
 
-        # 4. torch.distributed and DDP.
-        self._patch_distributed(torch, mapper)
-
-        # 5. torch.load(map_location=...).
-        load = torch.load
+    def _patch_load(self, torch: Any, mapper: _Mapper) -> None:
+        p, load = self._patches, torch.load
 
         def load_redirected(*args: Any, **kwargs: Any) -> Any:
             if len(args) >= 2:
@@ -766,11 +810,6 @@ class Redirection:
         p.set(torch, "load", load_redirected, "torch.load")
         if torch.serialization.load is load:
             p.set(torch.serialization, "load", load_redirected, "torch.serialization.load")
-
-        # 6. The TorchFunctionMode for device arguments (last, so it is popped first).
-        self._mode = _make_mode(torch, mapper)
-        self._mode.__enter__()
-        self._thread = threading.get_ident()
 
     def _on_target_fn(self, torch: Any) -> Callable[[Any], bool]:
         if self.target == "cpu":
