@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import copy
 import dataclasses
+import functools
 import re
 
 from parabench.migrate import api_map
@@ -120,7 +121,7 @@ def _docstring(body: list) -> ast.AST | None:
     return None
 
 
-def _hits(nodes: list, search, docstrings: set[int]) -> bool:
+def _mentions_trigger(nodes: list, search, docstrings: set[int]) -> bool:
     """Does any identifier, attribute name, import or role-bearing string under ``nodes`` match?
     One pass; a container is always reached before its body, so its docstring is known in time."""
     string_gate = _STRING_GATE.match
@@ -229,7 +230,7 @@ def _group(stmts: list, lines: list[str]) -> list[tuple[int, int, int]]:
 
 
 @dataclasses.dataclass
-class _Seg:
+class _Span:
     """A span of whole lines that is parsed or blanked as one: a top-level statement, or the
     header (decorators, ``class`` line) or one member of a top-level class."""
 
@@ -275,68 +276,98 @@ def _select(text: str, tree: ast.Module, options: Options, search) -> Plan:
     if doc is not None:
         docstrings.add(id(doc))
     if len(body) < 2 or "\r" in text or not text.endswith("\n"):
-        return Plan(runtime or _hits([tree], search, docstrings), "", text, tree)
+
+    def whole_file() -> Plan:  # no blanking: LibCST parses the file as it is
+        return Plan(runtime or _mentions_trigger([tree], search, docstrings), "", text, tree)
+
+        return whole_file()
     lines = text.split("\n")
     units = _group(body, lines)
     first = [u[0] for u in units]
     if any(b <= a for a, b in zip(first, first[1:])):
-        return Plan(runtime or _hits([tree], search, docstrings), "", text, tree)
-    segs: list[_Seg] = []
+        return whole_file()
+    spans, members = _spans(body, units, lines, runtime, docstrings)
+    starts = _line_starts(text)
+    offs = [starts[g.start - 1] for g in spans] + [len(text)]
+    if any(b <= a for a, b in zip(offs, offs[1:])):
+        return whole_file()
+    for k, g in enumerate(spans):
+        g.text = text[offs[k]: offs[k + 1]]
+    keep, triggered = _spans_that_matter(spans, doc is not None, runtime, search, docstrings)
+    if not runtime and not triggered:
+        return Plan(False)
+    if not runtime:
+        _keep_linked_spans(spans, keep, triggered, search)
+    _keep_class_headers(spans, keep, members)
+    if sum(len(g.text) for k, g in enumerate(spans) if keep[k]) > _PARTIAL_MAX * len(text):
+        return Plan(True, "", text, tree)  # blanking would save little
+    parts = [text[: offs[0]]]
+    for k, g in enumerate(spans):
+        parts.append(g.text if keep[k] else "\n" * g.text.count("\n"))
+    return _partial_plan("".join(parts), body, units, spans, keep, members, first)
+
+
+def _spans(body: list, units: list[tuple[int, int, int]], lines: list[str], runtime: bool,
+           docstrings: set[int]) -> tuple[list[_Span], dict[int, list[tuple[int, int, int]]]]:
+    """The spans of the module in order - a whole top-level statement, or a class header and each of
+    its member groups - and, per class split into members, its member groups."""
+    spans: list[_Span] = []
     members: dict[int, list[tuple[int, int, int]]] = {}
     for u, (start, i, j) in enumerate(units):
         s = body[i]
         groups = _class_members(s, lines) if j == i + 1 and type(s) is ast.ClassDef and not runtime else None
         if groups is None:
-            segs.append(_Seg(start, u, body[i:j]))
+            spans.append(_Span(start, u, body[i:j]))
             continue
         members[u] = groups
         cdoc = _docstring(s.body)
         if cdoc is not None:
             docstrings.add(id(cdoc))
-        segs.append(_Seg(start, u, [*s.decorator_list, *s.bases, *s.keywords, *getattr(s, "type_params", ())], -2))
-        segs.extend(_Seg(f, u, s.body[a:b], g) for g, (f, a, b) in enumerate(groups))
-    starts = _line_starts(text)
-    offs = [starts[g.start - 1] for g in segs] + [len(text)]
-    if any(b <= a for a, b in zip(offs, offs[1:])):
-        return Plan(runtime or _hits([tree], search, docstrings), "", text, tree)
-    m = len(segs)
-    for k, g in enumerate(segs):
-        g.text = text[offs[k]: offs[k + 1]]
-    keep = [False] * m
-    if doc is not None:
-        keep[0] = True
+        spans.append(_Span(start, u, [*s.decorator_list, *s.bases, *s.keywords, *getattr(s, "type_params", ())], -2))
+        spans.extend(_Span(f, u, s.body[a:b], g) for g, (f, a, b) in enumerate(groups))
+    return spans, members
+
+
+def _spans_that_matter(spans: list[_Span], module_doc: bool, runtime: bool, search,
+                       docstrings: set[int]) -> tuple[list[bool], list[int]]:
+    """(keep, triggered): the structural spans and those holding a trigger are kept; ``triggered``
+    lists the latter (the start of ``_keep_linked_spans``)."""
+    keep = [False] * len(spans)
+    keep[0] = module_doc
     triggered: list[int] = []
-    for k, g in enumerate(segs):
+    for k, g in enumerate(spans):
         if g.member == -1:
             t0 = type(g.nodes[0])
             if t0 is _Import or t0 is _ImportFrom or any(type(s) in (_Import, _ImportFrom) for s in g.nodes[1:]):
                 keep[k] = True
             elif t0 is _If and any(type(x) is ast.Name and x.id == "__name__" for x in ast.walk(g.nodes[0].test)):
                 keep[k] = True
-        if not runtime and search(g.text) and _hits(g.nodes, search, docstrings):
+        if not runtime and search(g.text) and _mentions_trigger(g.nodes, search, docstrings):
             keep[k] = True
             triggered.append(k)
-    if not runtime and not triggered:
-        return Plan(False)
-    if not runtime:
-        _linked(segs, keep, triggered, search)
-    # a class is parsed with its header when a member is; its body cannot be empty
+    return keep, triggered
+
+
+def _keep_class_headers(spans: list[_Span], keep: list[bool], members: dict[int, list]) -> None:
+    """A class is parsed with its header when a member is; its body cannot be empty (a kept header
+    alone keeps its first member)."""
     header = -1
-    for k, g in enumerate(segs):
+    for k, g in enumerate(spans):
         if g.member == -2:
             header = k
         elif g.member >= 0 and keep[k]:
             keep[header] = True
-    for k, g in enumerate(segs):
+    for k, g in enumerate(spans):
         if g.member == -2 and keep[k] and not any(keep[k + 1: k + 1 + len(members[g.unit])]):
             keep[k + 1] = True
-    if sum(len(g.text) for k, g in enumerate(segs) if keep[k]) > _PARTIAL_MAX * len(text):
-        return Plan(True, "", text, tree)  # blanking would save little
-    parts = [text[: offs[0]]]
-    for k, g in enumerate(segs):
-        parts.append(g.text if keep[k] else "\n" * g.text.count("\n"))
-    kept_units: dict[int, list[int]] = {}  # unit -> kept member groups (all segments of a whole statement)
-    for k, g in enumerate(segs):
+
+
+def _partial_plan(parse_text: str, body: list, units: list[tuple[int, int, int]], spans: list[_Span], keep: list[bool],
+                  members: dict[int, list[tuple[int, int, int]]], first: list[int]) -> Plan:
+    """The plan for a partial parse: the ``ast`` statements LibCST will see (classes with blanked
+    members hold their kept members only)."""
+    kept_units: dict[int, list[int]] = {}  # unit -> kept member groups (all spans of a whole statement)
+    for k, g in enumerate(spans):
         if keep[k]:
             kept_units.setdefault(g.unit, [])
             if g.member >= 0:
@@ -344,7 +375,7 @@ def _select(text: str, tree: ast.Module, options: Options, search) -> Plan:
     stmts: list = []
     partial_classes: set[int] = set()
     for u, groups_kept in kept_units.items():
-        start, i, j = units[u]
+        _start, i, j = units[u]
         if u in members and len(groups_kept) < len(members[u]):
             cls = copy.copy(body[i])
             cls.body = [s for g in groups_kept for s in body[i].body[members[u][g][1]: members[u][g][2]]]
@@ -353,32 +384,32 @@ def _select(text: str, tree: ast.Module, options: Options, search) -> Plan:
         else:
             stmts.extend(body[i:j])
     sub = ast.Module(body=stmts, type_ignores=[])
-    return Plan(True, "", "".join(parts), sub, first, sorted(kept_units), frozenset(partial_classes))
+    return Plan(True, "", parse_text, sub, first, sorted(kept_units), frozenset(partial_classes))
 
 
-def _linked(segs: list[_Seg], keep: list[bool], triggered: list[int], search) -> None:
+def _keep_linked_spans(spans: list[_Span], keep: list[bool], triggered: list[int], search) -> None:
     """Mark the spans linked to parsed ones by names (see ``_select``)."""
     binds: dict[int, list[tuple[str, str]]] = {}
-    for k, g in enumerate(segs):
+    for k, g in enumerate(spans):
         if "import" in g.text:
             binds[k] = _bindings(g.nodes)
     special = {local for pairs in binds.values() for local, qual in pairs if search(qual)}
     for k in triggered:
-        if _ALIAS_RE.search(segs[k].text):
-            for node in segs[k].nodes:
+        if _ALIAS_RE.search(spans[k].text):
+            for node in spans[k].nodes:
                 for x in ast.walk(node):
                     if (type(x) is ast.Assign and len(x.targets) == 1 and type(x.targets[0]) is ast.Name
                             and type(x.value) is ast.Attribute and x.value.attr == "cuda"):
                         special.add(x.targets[0].id)
     if special:
         uses = re.compile(r"\b(?:" + "|".join(sorted(map(re.escape, special))) + r")\b").search
-        for k, g in enumerate(segs):
+        for k, g in enumerate(spans):
             if not keep[k] and uses(g.text):
                 keep[k] = True
     pending = {k: {local for local, _ in pairs} for k, pairs in binds.items() if not keep[k]}
     if pending:
         mentioned: set[str] = set()
-        for k, g in enumerate(segs):
+        for k, g in enumerate(spans):
             if keep[k]:
                 mentioned.update(_IDENT_RE.findall(g.text))
         changed = True
@@ -387,7 +418,7 @@ def _linked(segs: list[_Seg], keep: list[bool], triggered: list[int], search) ->
             for k, names in list(pending.items()):
                 if names & mentioned:
                     keep[k] = True
-                    mentioned.update(_IDENT_RE.findall(segs[k].text))
+                    mentioned.update(_IDENT_RE.findall(spans[k].text))
                     del pending[k]
                     changed = True
 
@@ -441,7 +472,7 @@ def _migrate(text: str, path: str, options: Options, plan: Plan) -> tuple[str, l
     if visitors:
         _dispatch(ctx.order, visitors)
     origin: dict = {}
-    new = module.visit(_Apply(ctx.edits, _ancestors(ctx), origin)) if ctx.edits else module
+    new = module.visit(_edit_applier(ctx.edits, _ancestors(ctx), origin)) if ctx.edits else module
     ctx.origin = origin
     for rule in rules:
         if issubclass(rule, ModuleRule):
@@ -514,7 +545,7 @@ def _render(new, parsed, layout, text: str, plan: Plan, origin: dict, inserted: 
     objects are copied from ``text`` (with the statements blanked for a partial parse around them),
     rebuilt ones replace only the lines that changed, inserted ones are generated.
     None when that cannot be done exactly."""
-    if layout is None or not parsed.has_trailing_newline or not _same(new.header, parsed.header) or not _same(new.footer, parsed.footer):
+    if layout is None or not parsed.has_trailing_newline or not _same_objects(new.header, parsed.header) or not _same_objects(new.footer, parsed.footer):
         return None
     starts = _line_starts(text)
     ptext = plan.parse_text
@@ -536,7 +567,7 @@ def _render(new, parsed, layout, text: str, plan: Plan, origin: dict, inserted: 
             old = ptext[pstarts[rows[i]]: pstarts[rows[i + 1]]]
             piece = _patch_statement(region, rows[i] + 1, ptext, pstarts, origin[stmt], stmt, layout.block(i, origin[stmt]), origin, parsed)
             if piece is None:
-                piece = _patch(region, old, new.code_for_node(stmt))
+                piece = _replace_changed_lines(region, old, new.code_for_node(stmt))
             if piece is None:
                 return None
             out.append(piece)
@@ -603,7 +634,7 @@ def _patch_block(lines: list[str], base: int, ptext: str, pstarts: list[int], ol
             if row + count >= len(pstarts) or ptext[pstarts[row]: pstarts[row + count]] != old_code:
                 return False
         lo = row - (base - 1)
-        piece = _patch("\n".join(lines[lo: lo + count]) + "\n", old_code, _code_at(module, indents, new_s))
+        piece = _replace_changed_lines("\n".join(lines[lo: lo + count]) + "\n", old_code, _code_at(module, indents, new_s))
         if piece is None or not piece.endswith("\n"):
             return False
         mine.append((lo, lo + count, piece[:-1].split("\n")))
@@ -638,10 +669,10 @@ def _code_at(module, indents: tuple[str, ...], node) -> str:
 def _same_field(a, b) -> bool:
     if a is b:
         return True
-    return isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)) and _same(a, b)
+    return isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)) and _same_objects(a, b)
 
 
-def _same(a, b) -> bool:
+def _same_objects(a, b) -> bool:
     """The same line objects (a transform that does not descend rebuilds the tuple, not the lines)."""
     return a is b or (len(a) == len(b) and all(x is y for x, y in zip(a, b)))
 
@@ -654,7 +685,7 @@ def _blanked_between(plan: Plan, a: int) -> bool:
     return after != before + 1
 
 
-def _patch(region: str, old: str, new: str) -> str | None:
+def _replace_changed_lines(region: str, old: str, new: str) -> str | None:
     """``region`` (source text) with the lines where ``old`` (the parsed text of the same lines)
     and ``new`` differ replaced by ``new``'s. None when a differing line is not in ``region``
     as parsed (a blanked line)."""
@@ -673,7 +704,9 @@ def _patch(region: str, old: str, new: str) -> str | None:
     return "\n".join(r[:p] + n[p: len(n) - s] + r[len(r) - s:])
 
 
+@functools.cache
 def _apply_class():
+    """The transformer class (built on first use: keeps libcst out of this module's import time)."""
     import libcst as cst
 
     class Apply(cst.CSTTransformer):
@@ -717,10 +750,6 @@ def _ancestors(ctx) -> set:
     return needed
 
 
-def _Apply(edits, needed, origin):  # a class factory (named like one): keeps libcst out of this module's import time
-    global _APPLY
-    try:
-        cls = _APPLY
-    except NameError:
-        cls = _APPLY = _apply_class()
-    return cls(edits, needed, origin)
+def _edit_applier(edits, needed, origin):
+    """A LibCST transformer that applies ``edits`` to the nodes in ``needed`` (see ``_apply_class``)."""
+    return _apply_class()(edits, needed, origin)

@@ -298,10 +298,10 @@ def test_entry_script_without_imports_keeps_its_docstring_parsed():
 
 def test_patch_refuses_to_replace_a_blanked_line():
     region = "# lead\nx = 1\ny = torch.cuda.foo()\n"
-    assert pyfile._patch(region, "# lead\nx = 1\ny = torch.cuda.foo()\n", "# lead\nx = 1\ny = torch.npu.foo()\n") == (
+    assert pyfile._replace_changed_lines(region, "# lead\nx = 1\ny = torch.cuda.foo()\n", "# lead\nx = 1\ny = torch.npu.foo()\n") == (
         "# lead\nx = 1\ny = torch.npu.foo()\n")
     # line 2 was blanked for LibCST ("" in the parsed text): a change there cannot be spliced back
-    assert pyfile._patch(region, "# lead\n\ny = torch.cuda.foo()\n", "# lead\nz = 2\ny = torch.npu.foo()\n") is None
+    assert pyfile._replace_changed_lines(region, "# lead\n\ny = torch.cuda.foo()\n", "# lead\nz = 2\ny = torch.npu.foo()\n") is None
 
 
 def test_class_members_are_blanked_and_patched_one_by_one():
