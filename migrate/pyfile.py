@@ -275,11 +275,11 @@ def _select(text: str, tree: ast.Module, options: Options, search) -> Plan:
     doc = _docstring(body)
     if doc is not None:
         docstrings.add(id(doc))
-    if len(body) < 2 or "\r" in text or not text.endswith("\n"):
 
     def whole_file() -> Plan:  # no blanking: LibCST parses the file as it is
         return Plan(runtime or _mentions_trigger([tree], search, docstrings), "", text, tree)
 
+    if len(body) < 2 or "\r" in text or not text.endswith("\n"):
         return whole_file()
     lines = text.split("\n")
     units = _group(body, lines)
