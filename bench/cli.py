@@ -1,6 +1,7 @@
 """The ``bench`` command: run | env | migrate | smoke.
 
-Imports are lazy: ``bench --help`` loads neither torch nor any training framework.
+Each command's module is imported when that command runs, and Hydra only by ``bench run``:
+``bench --help`` loads neither torch nor Hydra nor any training framework.
 """
 
 from __future__ import annotations
@@ -10,7 +11,10 @@ import os
 import sys
 from typing import Any
 
+from parabench import __version__
+from parabench.confutil import compose, expand_sweep, register_resolvers, to_plain
 from parabench.devices import AUTOLOAD_ENV
+from parabench.errors import RunFailed, UserError
 
 USAGE = """usage: bench <command> [args]
 
@@ -28,9 +32,6 @@ commands:
 Results: run directories under results/runs/, MLflow store sqlite:///results/mlflow.db
 (view with: mlflow ui --backend-store-uri sqlite:///results/mlflow.db).
 """
-
-_FAILED_JOBS: list[str] = []
-
 
 def _quiet_environment() -> None:
     # torch_npu installed without CANN makes `import torch` fail unless autoload is off
@@ -50,6 +51,7 @@ class _PreparedJobs:
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.jobs: dict[str, Any] = {}
+        self.failed: list[str] = []  # "<job number>: <reason>" of the sweep's jobs that failed
 
     @staticmethod
     def _key(plain: dict[str, Any]) -> str:
@@ -67,17 +69,9 @@ class _PreparedJobs:
         return job if job is not None else prepare(plain)
 
 
-def _preflight(argv: list[str]) -> _PreparedJobs | None:
+def _preflight(args) -> _PreparedJobs | None:
     """Compose and validate every job of the command before anything starts. Returns None when
     Hydra should only print (--cfg/--info/--help), in which case there is nothing to validate."""
-    from hydra._internal.utils import get_args_parser
-
-    from parabench.confutil import compose, expand_sweep, to_plain
-
-    try:
-        args = get_args_parser().parse_args(argv)
-    except SystemExit as exc:  # argparse already printed the reason
-        raise _ExitCode(2) from exc
     if args.cfg or args.info or args.help or args.hydra_help or args.shell_completion:
         return None
     combos = expand_sweep(args.overrides) if args.multirun else [list(args.overrides)]
@@ -95,11 +89,6 @@ def _preflight(argv: list[str]) -> _PreparedJobs | None:
     return prepared
 
 
-class _ExitCode(Exception):
-    def __init__(self, code: int):
-        self.code = code
-
-
 def _job(cfg, prepared: _PreparedJobs):
     """The Hydra task: one job (called once, or once per sweep combination)."""
     from pathlib import Path
@@ -107,8 +96,6 @@ def _job(cfg, prepared: _PreparedJobs):
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from parabench.confutil import to_plain
-    from parabench.errors import RunFailed
     from parabench.runner import execute
 
     hc = HydraConfig.get()
@@ -124,44 +111,41 @@ def _job(cfg, prepared: _PreparedJobs):
         return summaries
     except RunFailed as exc:
         if hc.mode == RunMode.MULTIRUN:
-            _FAILED_JOBS.append(f"{hc.job.num}: {exc}")
+            prepared.failed.append(f"{hc.job.num}: {exc}")
             return None
         print(f"bench: {exc}", file=sys.stderr)
         sys.exit(1)
 
 
 def cmd_run(argv: list[str]) -> int:
-    from parabench.errors import UserError
+    from hydra._internal.utils import _run_hydra, get_args_parser
+    from hydra.version import setbase
 
     try:
-        prepared = _preflight(argv)
-    except _ExitCode as exc:
-        return exc.code
+        args = get_args_parser().parse_args(argv)
+    except SystemExit:  # argparse already printed the reason
+        return 2
+    try:
+        prepared = _preflight(args)
     except UserError as exc:
         print(f"bench: error: {exc}", file=sys.stderr)
         return exc.exit_code
 
-    import hydra
-
-    from parabench.confutil import register_resolvers
-
     register_resolvers()
 
-    @hydra.main(version_base="1.3", config_path="pkg://parabench.conf", config_name="config")
     def task(cfg):
         return _job(cfg, prepared)
 
-    saved = sys.argv
-    sys.argv = ["bench run", *argv]
+    # What @hydra.main does, with our parsed arguments instead of sys.argv.
+    setbase("1.3")
     try:
-        task()
+        _run_hydra(args=args, args_parser=get_args_parser(), task_function=task,
+                   config_path="pkg://parabench.conf", config_name="config")
     except ValueError as exc:  # Hydra's own argument checks (e.g. -m together with --cfg)
         print(f"bench: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
-    finally:
-        sys.argv = saved
-    if _FAILED_JOBS and prepared is not None:
-        print("bench: failed jobs:\n  " + "\n  ".join(_FAILED_JOBS), file=sys.stderr)
+    if prepared is not None and prepared.failed:
+        print("bench: failed jobs:\n  " + "\n  ".join(prepared.failed), file=sys.stderr)
         return 1
     return 0
 
@@ -172,8 +156,6 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     if argv[0] in ("-V", "--version"):
-        from parabench import __version__
-
         print(f"parabench {__version__}")
         return 0
     _quiet_environment()
