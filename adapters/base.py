@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from parabench.devices import DEVICES, Device, Presence
 from parabench.errors import SpecError
 from parabench.metrics import ModelStateBytes
 from parabench.spec import JobSpec, ModelSpec, ParallelDims
@@ -28,8 +29,6 @@ from parabench.spec import JobSpec, ModelSpec, ParallelDims
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from _typeshed import DataclassInstance
-
-    from parabench.devices import Device, Presence
 
 
 @dataclass(frozen=True)
@@ -206,8 +205,6 @@ class Adapter(ABC):
     def device_presence(cls, kind: str) -> Presence:
         """Is a device of this kind usable by this backend here? Default: torch's view (devices.py);
         a backend with its own runtime (MindSpore) answers for itself."""
-        from parabench.devices import DEVICES
-
         return DEVICES[kind].presence()
 
     @classmethod

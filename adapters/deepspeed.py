@@ -44,8 +44,9 @@ from parabench.adapters.base import (
     StateFormula,
     WorkerContext,
 )
-from parabench.devices import ProbeFailed, run_probe
+from parabench.devices import ProbeFailed, resolve, run_probe
 from parabench.errors import SpecError
+from parabench.metrics import held_bytes, optimizer_state_tensors
 from parabench.spec import MODEL_FEATURES, JobSpec
 
 DS_VERSION = "0.19.8"  # the version the parity and state-bytes tests were written against
@@ -251,8 +252,6 @@ class DeepSpeedAdapter(Adapter):
         if importlib.util.find_spec("deepspeed") is None:
             return Availability(False, f"deepspeed is not installed: pip install --no-build-isolation deepspeed=={DS_VERSION} "
                                        "(with your torch pinned in the same command)")
-        from parabench.devices import resolve
-
         accelerator = resolve("auto")
         probe = _probe(accelerator)
         versions = {"deepspeed": importlib.metadata.version("deepspeed")}
@@ -433,8 +432,6 @@ class DeepSpeedEngine(Engine):
 
     # -- accounting -------------------------------------------------------------------------
     def _grad_bytes(self) -> dict[str, int]:
-        from parabench.metrics import held_bytes
-
         opt = self.engine.optimizer
         tensors = [p.grad for p in self.params]
         inner = getattr(opt, "optimizer", None)
@@ -452,8 +449,6 @@ class DeepSpeedEngine(Engine):
         return {"grads": held_bytes(tensors), "comm_buckets": held_bytes(buckets), "sources": sources}
 
     def model_state_bytes(self) -> ModelStateBytes:
-        from parabench.metrics import held_bytes, optimizer_state_tensors
-
         job, o = self.ctx.job, self.ctx.job.backend.options
         opt = self.engine.optimizer
         inner = getattr(opt, "optimizer", opt)

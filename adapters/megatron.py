@@ -58,6 +58,8 @@ from parabench.adapters.base import (
 )
 from parabench.devices import package_version
 from parabench.errors import SpecError
+from parabench.metrics import held_bytes, optimizer_state_tensors
+from parabench.redirect import install
 from parabench.spec import JobSpec, ModelSpec, ParallelDims
 
 # megatron-core releases this adapter was written against and tested with. Its private pieces
@@ -277,8 +279,6 @@ class MegatronEngine(Engine):
         self.counters = _Counters()
         try:
             if redirect_cuda and self.device_type in ("cpu", "npu"):
-                from parabench.redirect import install
-
                 # CUDA -> host (or NPU): torch.cuda.*, device="cuda" literals, CUDA RNG, .cuda(), nccl.
                 self._redirection = install("cuda", self.device_type)
                 self._redirect_inside_backward(torch)
@@ -580,8 +580,6 @@ class MegatronEngine(Engine):
         return {n: torch.from_numpy(v) for n, v in canonical.items()}
 
     def model_state_bytes(self) -> ModelStateBytes:
-        from parabench.metrics import held_bytes, optimizer_state_tensors
-
         params = [p for m in self.chunks for p in m.parameters()]
         optimizers = self._megatron_optimizers()
         moments, other = optimizer_state_tensors(o.optimizer for o in optimizers)

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from parabench.adapters.base import Availability, Capabilities, Engine, WorkerContext
-from parabench.adapters.megatron import MegatronAdapter, MegatronOptions
-from parabench.devices import AUTOLOAD_TEXT, cann_version, package_version
+from parabench.adapters.megatron import MegatronAdapter, MegatronEngine, MegatronOptions
+from parabench.devices import AUTOLOAD_TEXT, NPUDevice, cann_library, cann_version, package_version
 from parabench.errors import SpecError
 from parabench.spec import JobSpec
 
@@ -118,8 +118,6 @@ class MindSpeedAdapter(MegatronAdapter):
 
     @classmethod
     def availability(cls) -> Availability:
-        from parabench.devices import NPUDevice, cann_library
-
         found = version_set()
         versions = {k: v for k, v in found.items() if v}
         if not found["torch-npu"] or importlib.util.find_spec("torch_npu") is None:
@@ -169,8 +167,6 @@ class MindSpeedAdapter(MegatronAdapter):
 
     @classmethod
     def create_engine(cls, ctx: WorkerContext) -> Engine:
-        from parabench.adapters.megatron import MegatronEngine
-
         # MindSpeed reads its switches from the command line when its adaptor is imported.
         saved = sys.argv
         sys.argv = [saved[0], *mindspeed_argv(ctx.job)]

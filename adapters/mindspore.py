@@ -51,7 +51,16 @@ from parabench.adapters.base import (
     StateFormula,
     WorkerContext,
 )
-from parabench.devices import cpu_threads, package_version
+from parabench.devices import (
+    DEVICES,
+    NPUDevice,
+    Presence,
+    ProbeFailed,
+    cann_library,
+    cpu_threads,
+    package_version,
+    run_probe,
+)
 from parabench.errors import SpecError
 from parabench.spec import JobSpec, ModelSpec, OptimSpec
 
@@ -94,8 +103,6 @@ class MindSporeAdapter(Adapter):
     @classmethod
     def device_presence(cls, kind: str):
         """MindSpore reaches Ascend through CANN itself, not through torch_npu."""
-        from parabench.devices import DEVICES, Presence, ProbeFailed, cann_library, run_probe
-
         if kind != "npu":
             return DEVICES[kind].presence()
         if cann_library() is None:
@@ -259,8 +266,6 @@ class MindSporeEngine(Engine):
 
 def _ascend_device(local_rank: int):
     """The npu Device seen through MindSpore's runtime (no torch_npu in a MindSpore worker)."""
-    from parabench.devices import NPUDevice
-
     class MindSporeAscend(NPUDevice):
         def setup(self) -> None:
             pass

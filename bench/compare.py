@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from parabench.errors import UserError
+from parabench.plots import bar_stack_svg, line_svg
 from parabench.tracking import default_store_uri
 
 SECTION_KEYS = ("model", "device", "precision", "seq_len")
@@ -400,8 +401,6 @@ def render_csv(report: dict[str, Any]) -> str:
 
 
 def render_html(report: dict[str, Any]) -> str:
-    from parabench.plots import bar_stack_svg, line_svg
-
     parts = [f"<h1>parabench comparison</h1><p class='meta'>{html.escape(report['meta']['created'])} &middot; "
              f"{html.escape(report['meta']['tracking_uri'])} &middot; {len(report['meta']['run_ids'])} runs</p>"]
     for i, sec in enumerate(report["sections"]):

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from parabench.flops import cpu_gemm_peak, table_peak
+
 # With torch_npu installed but no CANN, ``import torch`` itself fails unless device-backend
 # autoload is off (docs/sources.md#device-backend-autoload). Workers that want torch_npu import it explicitly.
 AUTOLOAD_ENV = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
@@ -113,8 +115,6 @@ class Device:
     @classmethod
     def peak(cls, precision: str, threads: int, cache_dir: Path, device_name: str):
         """Peak dense FLOP/s of one device for MFU: the datasheet table; None when unknown."""
-        from parabench.flops import table_peak
-
         return table_peak(device_name, precision)
 
 
@@ -145,8 +145,6 @@ class CPUDevice(Device):
     @classmethod
     def peak(cls, precision: str, threads: int, cache_dir: Path, device_name: str):
         """No datasheet for 'a CPU': measure a GEMM at the rank's thread count (cached)."""
-        from parabench.flops import cpu_gemm_peak
-
         return cpu_gemm_peak(threads, precision, cache_dir, device_name)
 
 

@@ -8,7 +8,9 @@ import platform
 import sys
 from typing import Any
 
-from parabench.devices import AUTOLOAD_TEXT, cann_version, package_version
+from parabench.adapters.mindspeed import KNOWN_GOOD
+from parabench.adapters.registry import describe, get_adapter
+from parabench.devices import AUTOLOAD_TEXT, DEVICES, cann_version, cpu_model, package_version
 
 # distribution names whose versions are recorded with every run
 VERSIONED = ["torch", "deepspeed", "megatron-core", "mindspore", "torch-npu", "mindspeed", "mlflow", "hydra-core", "numpy"]
@@ -72,8 +74,6 @@ def backends_outside(status: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
 
 def known_good_sets(found: dict[str, str | None]) -> list[dict[str, Any]]:
     """Version sets known to work together (Ascend's MindSpeed pins), each with whether this environment matches."""
-    from parabench.adapters.mindspeed import KNOWN_GOOD
-
     sets = []
     for good in KNOWN_GOOD:
         pins = {k: v for k, v in good.items() if k != "source"}
@@ -91,15 +91,10 @@ def versions() -> dict[str, str | None]:
 
 
 def cpu_info() -> dict[str, Any]:
-    from parabench.devices import cpu_model
-
     return {"model": cpu_model(), "cores": os.cpu_count(), "machine": platform.machine()}
 
 
 def report() -> dict[str, Any]:
-    from parabench.adapters.registry import describe, get_adapter
-    from parabench.devices import DEVICES
-
     devices = {}
     for kind, cls in DEVICES.items():
         p = cls.presence()

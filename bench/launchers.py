@@ -76,14 +76,14 @@ class Msrun(Launcher):
     interpreter's bin first) and exports, per worker, ``RANK_ID`` (= node_rank x local workers +
     local index, given ``--node_rank``), ``DEVICE_ID`` (the local index), ``MS_WORKER_NUM`` and
     ``MS_ROLE=MS_WORKER``. The scheduler gets the same command with ``MS_ROLE=MS_SCHED`` and
-    ``RANK_ID=0``, so the command is this module's entry (:func:`msrun_entry`), which serves the
-    scheduler without touching rank 0's files and hands workers to ``parabench.worker``.
+    ``RANK_ID=0``, so ``parabench.worker`` serves the scheduler first (without touching rank 0's
+    files) and trains only in workers.
     With ``--join=True`` msrun waits for all workers and exits non-zero if any worker fails
     (killing the others).
     """
 
     name = "msrun"
-    ENTRY = ["-m", "parabench.launchers"]
+    ENTRY = WORKER
 
     @staticmethod
     def _args(job: JobSpec, port: int) -> list[str]:
@@ -105,28 +105,12 @@ class Msrun(Launcher):
         la = job.launch
         return ("msrun " + " ".join(cls._args(job, port))
                 + f' --node_rank="${{NODE_RANK:-{la.node_rank}}}" --master_addr="${{MASTER_ADDR:-{la.master_addr}}}"'
-                + ' --log_dir="$RUN_DIR/logs" python -m parabench.launchers "$RUN_DIR"')
+                + ' --log_dir="$RUN_DIR/logs" python -m parabench.worker "$RUN_DIR"')
 
     @staticmethod
     def coords() -> tuple[int, int, int]:
         env = os.environ
         return int(env.get("RANK_ID", 0)), int(env.get("DEVICE_ID", 0)), int(env.get("MS_WORKER_NUM", 1))
-
-
-def msrun_entry(argv: list[str]) -> int:
-    """What msrun runs in every process: the scheduler serves the world, workers train."""
-    if os.environ.get("MS_ROLE") == "MS_SCHED":
-        # The scheduler computes nothing: CPU target whatever the workers' device. init() returns
-        # only on failure; when all workers have left, it ends this process itself.
-        import mindspore
-        from mindspore.communication import init
-
-        mindspore.set_device("CPU")
-        init()
-        return 0
-    from parabench.worker import main
-
-    return main(argv)
 
 
 LAUNCHERS: dict[str, type[Launcher]] = {Torchrun.name: Torchrun, Msrun.name: Msrun}
@@ -170,6 +154,3 @@ def which(tool: str) -> str | None:
     beside = os.path.join(os.path.dirname(sys.executable), tool)
     return beside if os.access(beside, os.X_OK) else shutil.which(tool)
 
-
-if __name__ == "__main__":  # msrun's command: python -m parabench.launchers RUN_DIR
-    sys.exit(msrun_entry(sys.argv[1:]))

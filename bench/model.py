@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from parabench.hf import load_weights
 from parabench.spec import ModelSpec
 
 INIT_SCHEME = "normal(0, initializer_range); o_proj/down_proj scaled by 1/sqrt(2*layers); norms = 1; biases = 0"
@@ -61,8 +62,6 @@ def initial_weights(spec: ModelSpec, seed: int, names: Iterable[str] | None = No
     if unknown:
         raise RuntimeError(f"not parameters of model {spec.name}: {unknown[:5]}")
     if spec.weights:
-        from parabench.hf import load_weights
-
         weights = load_weights(spec.weights, wanted)
     else:
         weights = {n: canonical_weight(spec, seed, n, shapes[n]) for n in wanted}

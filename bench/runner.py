@@ -1,4 +1,5 @@
-"""Compose once -> validate -> run dir -> spawn workers (torchrun) -> watch -> collect -> track.
+"""One job: validate the composed config (:func:`prepare`), then run it (:func:`execute`): run dir ->
+spawn workers (the backend's launcher: torchrun or msrun) -> watch -> collect -> track.
 
 One call of :func:`execute` is one job. The run directory
 ``<results_dir>/runs/<experiment>/<timestamp>/<job>/`` holds ``config.resolved.yaml`` (what was
@@ -20,13 +21,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from parabench import __version__
+from parabench import __version__, envreport
 from parabench.adapters.base import check_capabilities
 from parabench.adapters.registry import get_adapter
 from parabench.devices import AUTOLOAD_ENV, DEVICES, cpu_threads
 from parabench.errors import RunFailed, SpecError
-from parabench.launchers import get_launcher
-from parabench.spec import JobSpec, from_config, resolve_device, to_dict
+from parabench.flops import FORMULA, Peak, flops_per_token
+from parabench.launchers import get_launcher, slurm_placement
+from parabench.metrics import summarize
+from parabench.jobs import from_config
+from parabench.spec import JobSpec, resolve_device, to_dict
+from parabench.tracking import JobRun, flatten, git_sha, is_secret, store_uri
 
 POLL_S = 0.2
 TAIL_LINES = 25
@@ -70,8 +75,6 @@ def prepare(plain: dict[str, Any]) -> JobSpec:
 
 def _slurm_placement(launcher: dict[str, Any]) -> dict[str, Any]:
     """This node's nnodes/node_rank/master_addr from the Slurm allocation (launcher.slurm=true)."""
-    from parabench.launchers import slurm_placement
-
     try:
         return slurm_placement(dict(os.environ))
     except RuntimeError as exc:
@@ -112,8 +115,6 @@ def _export(key: str, value: str) -> str:
 
 def write_bundle(job: JobSpec, run_dir: Path, env: dict[str, str], port: int) -> Path:
     """``launch.sh``: the exact, relocatable command a user can run on the target machine."""
-    from parabench.tracking import is_secret
-
     launcher = get_launcher(get_adapter(job.backend.name).capabilities.launcher)
     lines = [
         "#!/usr/bin/env bash",
@@ -222,9 +223,6 @@ def launch(job: JobSpec, run_dir: Path, env: dict[str, str], port: int) -> tuple
 def execute(job: JobSpec, plain: dict[str, Any], run_dir: Path, extra_tags: dict[str, Any] | None = None) -> dict[str, Any] | None:
     import yaml
 
-    from parabench import envreport
-    from parabench.tracking import JobRun, flatten, git_sha, is_secret
-
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
     (run_dir / "config.resolved.yaml").write_text(yaml.safe_dump(plain, sort_keys=False))
@@ -297,9 +295,6 @@ def _report_failure(run_dir: Path, reason: str, tracker) -> None:
 
 
 def build_summary(job: JobSpec, adapter, results: list[dict]) -> dict[str, Any]:
-    from parabench.flops import FORMULA, flops_per_token
-    from parabench.metrics import summarize
-
     results = sorted(results, key=lambda r: r["rank"])
     fpt = flops_per_token(job.model, job.data.seq_len)
     peak = _peak(job, results[0]["device_name"])
@@ -337,8 +332,6 @@ def build_summary(job: JobSpec, adapter, results: list[dict]) -> dict[str, Any]:
 
 
 def _peak(job: JobSpec, device_name: str):
-    from parabench.flops import Peak
-
     if job.device.peak_tflops:
         return Peak(job.device.peak_tflops, "user-supplied (device.peak_tflops)")
     return DEVICES[job.device.type].peak(job.run.precision, cpu_threads(job.launch.nproc_per_node, job.device.threads_per_rank), Path(job.run.results_dir) / ".cache", device_name)
@@ -393,7 +386,5 @@ def print_summary(job: JobSpec, s: dict[str, Any], tracker, run_dir: Path) -> No
         f"  run dir        {run_dir}",
     ]
     if tracker.run_id:
-        from parabench.tracking import store_uri
-
         lines.append(f"  MLflow run     {tracker.run_id} in {store_uri(job.tracking, job.run.results_dir)}")
     print("\n".join(lines))

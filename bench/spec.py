@@ -1,8 +1,9 @@
-"""Frozen, typed job specs: the only place that reads the composed Hydra config.
+"""Frozen, typed job specs and the checks of their fields.
 
-The runner composes the config once, converts it here (validating everything that can be checked
-before a process starts), and writes the result to ``spec.json`` in the run directory. Workers read
-that file; adapters and the training loop only ever see these dataclasses, never a DictConfig.
+:mod:`parabench.jobs` builds a JobSpec from the composed config (validating everything that can be
+checked before a process starts: these checks and the chosen adapter's), the runner writes it to
+``spec.json`` in the run directory, and each worker reads that file back (``jobs.load_job``).
+Adapters and the training loop only ever see these dataclasses, never a DictConfig.
 
 Every validation error names the dotted key the user can override, e.g.
 ``data.global_batch_size: 6 is not divisible by micro_batch_size x data-parallel size = 4 x 2``.
@@ -21,10 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from parabench.errors import SpecError
-
-PRECISIONS = ("fp32", "bf16", "fp16")
-DEVICE_TYPES = ("auto", "cpu", "cuda", "npu")
-
 
 # --------------------------------------------------------------------------------------------
 # Generic conversion: mapping -> frozen dataclass, with the offending key named on error.
@@ -318,97 +315,18 @@ class JobSpec:
     def to_json(self) -> str:
         return json.dumps(to_dict(self), indent=2, sort_keys=True)
 
-    @classmethod
-    def from_json(cls, text: str) -> JobSpec:
-        from parabench.adapters.registry import get_adapter
-
-        raw = json.loads(text)
-        backend_raw = raw.pop("backend")
-        adapter = get_adapter(backend_raw["name"])
-        backend = BackendSpec(backend_raw["name"], build(adapter.Options, backend_raw["options"], "backend"))
-        return cls(
-            model=build(ModelSpec, raw["model"], "model"),
-            data=build(DataSpec, raw["data"], "data"),
-            optim=build(OptimSpec, raw["optim"], "optim"),
-            device=build(DeviceSpec, raw["device"], "device"),
-            launch=build(LaunchSpec, raw["launch"], "launcher"),
-            run=build(RunSpec, raw["run"], "run"),
-            tracking=build(TrackingSpec, raw["tracking"], "tracking"),
-            backend=backend,
-            parallel=build(ParallelDims, raw["parallel"], "parallel"),
-            experiment=raw.get("experiment"),
-        )
-
-    @classmethod
-    def load(cls, path: str | Path) -> JobSpec:
-        return cls.from_json(Path(path).read_text())
-
 
 # --------------------------------------------------------------------------------------------
-# Conversion from the composed config + validation.
+# Validation of the fields (parabench.jobs builds the JobSpec from the config and calls these).
 # --------------------------------------------------------------------------------------------
-def from_config(cfg: Mapping[str, Any]) -> JobSpec:
-    """Convert a composed, resolved config (plain dict) into a JobSpec, validating everything
-    that does not depend on this machine (the runner's ``prepare`` then resolves the device and
-    runs the adapter's own checks)."""
-    from parabench.adapters.registry import get_adapter
-
-    cfg = dict(cfg)
-    if "model" not in cfg or cfg.get("model") is None:
-        from parabench.confutil import available_options
-
-        raise SpecError("model", f"no model chosen: add +model=NAME (available: {', '.join(available_options('model'))})")
-    model = model_spec(cfg["model"])
-    data = build(DataSpec, cfg.get("data"), "data")
-    optim = build(OptimSpec, cfg.get("optim"), "optim")
-    device = build(DeviceSpec, cfg.get("device"), "device")
-    launch = build(LaunchSpec, cfg.get("launcher"), "launcher")
-    run = build(RunSpec, cfg.get("run"), "run")
-    tracking = build(TrackingSpec, cfg.get("tracking"), "tracking")
-
-    backend_node = dict(cfg.get("backend") or {})
-    name = backend_node.pop("name", None)
-    if not name:
-        raise SpecError("backend", "no backend chosen: add backend=NAME")
-    adapter = get_adapter(name)  # raises SpecError listing the choices
-    options = build(adapter.Options, backend_node, "backend")
-    extra = sorted(set(cfg) - {"model", "data", "optim", "device", "launcher", "run", "tracking", "backend", "experiment"})
-    if extra:
-        raise SpecError(extra[0], "unknown top-level key")
-
-    _validate_common(model, data, optim, device, launch, run)
-    parallel = adapter.parallel_dims(options, launch.world_size, model)
-    _validate_parallel(parallel, model, data)
-    job = JobSpec(
-        model=model, data=data, optim=optim, device=device, launch=launch, run=run,
-        tracking=tracking, backend=BackendSpec(name, options), parallel=parallel,
-        experiment=cfg.get("experiment") if isinstance(cfg.get("experiment"), str) else None,
-    )
-    return job
-
-
-def model_spec(node: Mapping[str, Any]) -> ModelSpec:
-    """The model: a preset's fields, or (``+model=hf model.path=...``) a Hugging Face config.json read
-    here, before launch; weights named by the spec are checked tensor by tensor against it."""
-    if isinstance(node, Mapping) and "path" in node:
-        from parabench.hf import spec_fields
-
-        node = spec_fields(node)
-    model = build(ModelSpec, node, "model")
-    if model.weights:
-        from parabench.hf import check_weights
-
-        check_weights(model)
-    return model
-
-
 def _positive(key: str, value: int | float) -> None:
     if value <= 0:
         raise SpecError(key, f"must be > 0, got {value}")
 
 
-def _validate_common(model: ModelSpec, data: DataSpec, optim: OptimSpec, device: DeviceSpec,
-                     launch: LaunchSpec, run: RunSpec) -> None:
+def validate_common(model: ModelSpec, data: DataSpec, optim: OptimSpec, device: DeviceSpec,
+                    launch: LaunchSpec, run: RunSpec) -> None:
+    """Every check of the job's fields that needs neither the backend nor this machine."""
     for key, value in [
         ("model.hidden_size", model.hidden_size), ("model.intermediate_size", model.intermediate_size),
         ("model.num_hidden_layers", model.num_hidden_layers), ("model.num_attention_heads", model.num_attention_heads),
@@ -471,7 +389,8 @@ def _validate_common(model: ModelSpec, data: DataSpec, optim: OptimSpec, device:
         raise SpecError("device.peak_tflops", f"must be > 0 or null, got {device.peak_tflops}")
 
 
-def _validate_parallel(parallel: ParallelDims, model: ModelSpec, data: DataSpec) -> None:
+def validate_parallel(parallel: ParallelDims, model: ModelSpec, data: DataSpec) -> None:
+    """The batch geometry against the parallel dimensions the backend derived."""
     per_step = data.micro_batch_size * parallel.dp
     if data.global_batch_size % per_step:
         raise SpecError(
@@ -494,7 +413,7 @@ def resolve_device(job: JobSpec, device_type: typing.Literal["cpu", "cuda", "npu
 
 __all__ = [
     "BackendSpec", "DataSpec", "DeviceSpec", "JobSpec", "LaunchSpec", "ModelSpec", "OptimSpec",
-    "MODEL_FEATURES", "ParallelDims", "RopeScaling", "RunSpec", "TrackingSpec", "build", "from_config", "model_spec",
+    "MODEL_FEATURES", "ParallelDims", "RopeScaling", "RunSpec", "TrackingSpec", "build", "validate_common", "validate_parallel",
     "resolve_device", "to_dict",
     "tracking_from_config",
 ]

@@ -1,4 +1,5 @@
-"""MLflow logging: one run per job; a parent run with a child per job for multirun sweeps.
+"""MLflow logging: one run per job; a parent run with a child per job for multirun sweeps (the
+parent is opened by :mod:`parabench.sweep`).
 
 Default store: embedded and local, ``sqlite:///<results_dir>/mlflow.db`` with artifacts under
 ``<results_dir>/mlartifacts`` (open it with ``mlflow ui --backend-store-uri sqlite:///results/mlflow.db``).
@@ -10,12 +11,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
-
-from hydra.experimental.callback import Callback
+from typing import Any
 
 from parabench.spec import TrackingSpec
 
@@ -141,61 +140,3 @@ class JobRun:
     def end(self, status: str) -> None:
         if self.run_id:
             self.client.set_terminated(self.run_id, status)
-
-
-class MultirunCallback(Callback):
-    """Hydra callback: a parent MLflow run around a multirun sweep; children attach to it."""
-
-    def __init__(self) -> None:
-        self._parent: JobRun | None = None
-
-    def on_multirun_start(self, config, **kwargs) -> None:
-        from omegaconf import OmegaConf
-
-        from parabench.spec import tracking_from_config
-
-        raw = {k: OmegaConf.to_container(config[k], resolve=True) for k in ("tracking", "run") if k in config}
-        raw["experiment"] = config.get("experiment")
-        tracking, results_dir = tracking_from_config(raw)
-        if not tracking.enabled:
-            return
-        sweep = config.hydra.sweep.dir
-        overrides = list(config.hydra.overrides.task)
-        self._parent = JobRun(tracking, results_dir)
-        experiment = raw.get("experiment") if isinstance(raw.get("experiment"), str) else None
-        run_id = self._parent.start(
-            run_name=f"sweep {experiment or ' '.join(overrides)}"[:250],
-            params={"sweep.overrides": " ".join(overrides), "sweep.dir": str(sweep)},
-            tags={"parabench.kind": "sweep", "host": socket.gethostname(), "git_sha": git_sha(), "experiment": experiment},
-        )
-        os.environ[PARENT_ENV] = run_id or ""
-
-    def on_multirun_end(self, config, **kwargs) -> None:
-        parent = self._parent
-        os.environ.pop(PARENT_ENV, None)
-        if parent is None or not parent.run_id:
-            return
-        children = parent.client.search_runs(
-            [parent.client.get_run(parent.run_id).info.experiment_id],
-            filter_string=f"tags.mlflow.parentRunId = '{parent.run_id}'",
-        )
-        failed = [c for c in children if c.info.status != "FINISHED"]
-        parent.set_tags({"children": len(children), "children_failed": len(failed)})
-        try:
-            self._log_scaling(parent, [c.info.run_id for c in children if c.info.status == "FINISHED"])
-        finally:
-            parent.end("FAILED" if failed or not children else "FINISHED")
-
-    @staticmethod
-    def _log_scaling(parent: "JobRun", run_ids: list[str]) -> None:
-        """Scaling efficiency per backend variant and world size (see parabench.compare)."""
-        if not run_ids:
-            return
-        from parabench.compare import build_sections, load_runs, report_dict, scaling_metrics
-
-        sections = build_sections(load_runs(parent.client, run_ids), baseline=None, strict=False)
-        metrics, flags = scaling_metrics(sections)
-        parent.log_metrics((k, v, 0) for k, v in metrics.items())
-        if flags:
-            parent.set_tags({"scaling_flags": "; ".join(flags)[:5000]})
-        parent.client.log_dict(parent.run_id, report_dict(sections, {"run_ids": run_ids}), "scaling.json")

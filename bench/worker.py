@@ -4,7 +4,8 @@ Reads the resolved spec the runner wrote (no Hydra here), joins the process grou
 adapter for an engine, runs the measured loop, and writes ``ranks/rank<R>.json``. Its output goes
 to ``logs/rank<R>.log``; its pid to ``pids/rank<R>`` (the runner prints log tails on failure).
 Everything backend-specific, including framework monkeypatches, happens inside
-``adapter.create_engine`` in this process only.
+``adapter.create_engine`` in this process only. Under msrun the same command also starts msrun's
+scheduler (``MS_ROLE=MS_SCHED``), which this module serves without training.
 """
 
 from __future__ import annotations
@@ -14,6 +15,12 @@ import sys
 import time
 import traceback
 from pathlib import Path
+
+from parabench.adapters.base import WorkerContext
+from parabench.adapters.registry import get_adapter
+from parabench.devices import DEVICES
+from parabench.jobs import load_job
+from parabench.launchers import get_launcher
 
 
 def _redirect_output(run_dir: Path, rank: int) -> None:
@@ -29,14 +36,24 @@ def _redirect_output(run_dir: Path, rank: int) -> None:
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
 
 
+def _serve_msrun_scheduler() -> int:
+    """msrun runs its scheduler with the workers' command: it computes nothing (CPU target whatever
+    the workers' device). init() returns only on failure; when all workers have left, it ends this
+    process itself."""
+    import mindspore
+    from mindspore.communication import init
+
+    mindspore.set_device("CPU")
+    init()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    if os.environ.get("MS_ROLE") == "MS_SCHED":
+        return _serve_msrun_scheduler()
     argv = sys.argv[1:] if argv is None else argv
     run_dir = Path(argv[0])
-    from parabench.adapters.registry import get_adapter
-    from parabench.launchers import get_launcher
-    from parabench.spec import JobSpec
-
-    job = JobSpec.load(run_dir / "spec.json")
+    job = load_job(run_dir / "spec.json")
     adapter = get_adapter(job.backend.name)
     rank, local_rank, world = get_launcher(adapter.capabilities.launcher).coords()
     _redirect_output(run_dir, rank)
@@ -52,8 +69,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(job, adapter, run_dir: Path, rank: int, local_rank: int, world: int) -> int:
-    from parabench.adapters.base import WorkerContext
-    from parabench.devices import DEVICES
     from parabench.loop import train, write_json_atomic
     from parabench.model import weights_checksum
 

@@ -12,6 +12,9 @@ import sys
 from pathlib import Path
 
 from parabench.migrate.core import MODES, TARGETS, Options
+from parabench.migrate.engine import run
+from parabench.migrate.report import summary_text, write_report
+from parabench.migrate.rules._base import all_rules
 
 
 class UsageError(Exception):
@@ -82,8 +85,6 @@ def _git_clean(path: Path) -> tuple[bool, str]:
 
 def rules_table() -> str:
     """The rule table of docs/migrate.md (Markdown; the Sources links are relative to docs/)."""
-    from parabench.migrate.rules._base import all_rules
-
     lines = ["| Code | Name | Safety | Kind | Targets | Description | Sources |", "|---|---|---|---|---|---|---|"]
     for code, r in all_rules().items():
         targets = ",".join(sorted(r.targets)) + ("" if r.modes == {"static"} else f" ({','.join(sorted(r.modes))})")
@@ -110,8 +111,6 @@ def _main(argv: list[str]) -> int:
         return 0
     if not args.src:
         raise UsageError("no SRC given (files or directories to migrate)")
-    from parabench.migrate.rules._base import all_rules
-
     known = list(all_rules())
     options = Options(
         target=args.target, mode=args.mode, safe_only=args.safe_only,
@@ -166,12 +165,8 @@ def _main(argv: list[str]) -> int:
             if r.is_dir() and rep.is_relative_to(r.resolve()) and not args.in_place:
                 raise UsageError(f"--report {args.report} lies inside SRC {r}")
 
-    from parabench.migrate.engine import run
-
     result = run(roots, options, out, in_place=args.in_place, backup=args.backup, diff=args.diff,
                  jobs=args.jobs, progress=args.progress)
-    from parabench.migrate.report import summary_text, write_report
-
     if args.diff:
         for r in result.files:
             if r.diff:

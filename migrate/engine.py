@@ -15,6 +15,9 @@ import sys
 from pathlib import Path
 
 from parabench.migrate.core import FileResult, Finding, Options
+from parabench.migrate.pyfile import migrate_python
+from parabench.migrate.rules._base import TextDoc, all_rules, rules_for
+from parabench.migrate.rules._text import TextParseError
 
 SKIP_DIRS = frozenset({".git", ".hg", ".svn", "__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache", ".tox", ".venv"})
 SHELL_EXT = frozenset({".sh", ".bash", ".zsh", ".slurm", ".sbatch"})
@@ -117,13 +120,8 @@ def _read_text(path: str) -> tuple[str | None, str]:
 def migrate_text(kind: str, text: str, rel: str, options: Options) -> tuple[str, list[Finding], str]:
     """Apply the enabled rules of ``kind`` to ``text`` -> (new_text, findings, skip_reason)."""
     if kind == "python":
-        from parabench.migrate.pyfile import migrate_python
-
         new, findings, _full, reason = migrate_python(text, rel, options)
         return new, findings, reason
-    from parabench.migrate.rules._base import TextDoc, rules_for
-    from parabench.migrate.rules._text import TextParseError
-
     rules = rules_for(kind, options)
     if not rules:
         return text, [], ""
@@ -285,8 +283,6 @@ def _preload(options: Options) -> None:
     """Import libcst and the rules once in the parent so forked workers start warm."""
     import libcst
 
-    import parabench.migrate.pyfile  # noqa: F401
-    from parabench.migrate.rules._base import all_rules
     from parabench.migrate.rules._walk import walk
 
     all_rules()

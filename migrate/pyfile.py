@@ -17,6 +17,7 @@ import re
 
 from parabench.migrate import api_map
 from parabench.migrate.core import Finding, Options
+from parabench.migrate.rules._base import rules_for
 
 # Words that any static Python rule can react to (case-insensitive, in identifiers or strings).
 _STATIC_WORDS = (
@@ -451,7 +452,6 @@ def _migrate(text: str, path: str, options: Options, plan: Plan) -> tuple[str, l
     """Run the rules on ``plan.parse_text``; None when a partial parse cannot be spliced back."""
     import libcst as cst
 
-    from parabench.migrate.rules._base import rules_for
     from parabench.migrate.rules._py import Layout, ModuleRule, PyContext, PyRule
 
     try:

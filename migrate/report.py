@@ -25,6 +25,7 @@ from pathlib import Path
 from parabench.migrate import api_map
 from parabench.migrate.core import MANUAL, REVIEW, SAFE, Finding
 from parabench.migrate.engine import RunResult
+from parabench.migrate.rules._base import all_rules
 
 SCHEMA = "parabench.migrate/report-v1"
 TOOL_VERSION = "0.1.0"
@@ -53,8 +54,6 @@ def _counts(result: RunResult) -> dict[str, int]:
 
 
 def to_dict(result: RunResult) -> dict:
-    from parabench.migrate.rules._base import all_rules
-
     changes, manual = _split(result)
     rules = all_rules()
     fired = sorted({f.rule for f in changes + manual})
@@ -105,8 +104,6 @@ def to_dict(result: RunResult) -> dict:
 
 
 def summary_text(result: RunResult, *, limit: int = 20) -> str:
-    from parabench.migrate.rules._base import all_rules
-
     rules = all_rules()
     changes, manual = _split(result)
     c = _counts(result)

@@ -11,7 +11,7 @@ its Python sub-processes (every torchrun worker), never in this process. A bare 
 the child's. It is a smoke test: it shows the migrated code path runs and learns, and its numbers
 are CPU numbers.
 
-This module imports neither torch nor the redirection: the ``bench`` process stays clean and fast.
+This module imports no torch and installs nothing: the ``bench`` process stays clean and fast.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ import importlib.util
 import os
 import sys
 
+from parabench import redirect
+
 ENV_SOURCES = "PARABENCH_SMOKE_REDIRECT"  # comma-separated sources, e.g. "npu" or "npu,cuda"
 
 SITECUSTOMIZE = (
@@ -40,8 +42,6 @@ def boot(own_file: str) -> None:
     if not sources:
         return
     try:
-        from parabench import redirect
-
         for source in sources:
             redirect.install(source, "cpu")
     except Exception as e:  # site would swallow it; a smoke run without its redirection is meaningless

@@ -99,7 +99,7 @@ def test_backend_configs_and_registry_agree():
 
 def test_every_shipped_model_composes_into_a_spec():
     from parabench.confutil import available_options, compose, to_plain
-    from parabench.spec import from_config
+    from parabench.jobs import from_config
 
     for model in available_options("model"):
         job = from_config(to_plain(compose([f"+model={model}"])))

@@ -75,7 +75,7 @@ def test_fp16_refused_on_a_cpu_without_fp16(tmp_path, capsys, monkeypatch):
 # --------------------------------------------------------------------------------------------
 def _job(*overrides):
     from parabench.confutil import compose, to_plain
-    from parabench.spec import from_config
+    from parabench.jobs import from_config
 
     return from_config(to_plain(compose([*DS, *overrides])))
 

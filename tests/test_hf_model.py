@@ -14,8 +14,9 @@ from conftest import assert_refused_before_launch, bench, mlflow_runs
 from parabench import confutil
 from parabench.errors import SpecError
 from parabench.hf import load_weights
+from parabench.jobs import from_config
 from parabench.model import build_llama, canonical_weights, initial_weights, rope_tables, weights_checksum
-from parabench.spec import ModelSpec, RopeScaling, from_config
+from parabench.spec import ModelSpec, RopeScaling
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 

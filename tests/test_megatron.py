@@ -74,8 +74,9 @@ def test_engine_in_process_matches_the_canonical_model(tmp_path):
     from parabench.confutil import compose, to_plain
     from parabench.data import TokenSource
     from parabench.devices import DEVICES
+    from parabench.jobs import from_config
     from parabench.model import build_llama, canonical_weights, causal_lm_loss, weights_checksum
-    from parabench.spec import from_config, resolve_device
+    from parabench.spec import resolve_device
 
     job = resolve_device(from_config(to_plain(compose(M + ["data.seq_len=32", "data.global_batch_size=4", "model.num_hidden_layers=2"]))), "cpu")
     with socket.socket() as s:
@@ -119,7 +120,7 @@ def test_engine_in_process_matches_the_canonical_model(tmp_path):
 def test_expected_model_state_formulas():
     from parabench.adapters.megatron import MegatronAdapter, rank_param_counts
     from parabench.confutil import compose, to_plain
-    from parabench.spec import from_config
+    from parabench.jobs import from_config
 
     def job(*extra):
         return from_config(to_plain(compose(M + list(extra))))

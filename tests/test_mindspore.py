@@ -104,8 +104,8 @@ def test_pynative_needs_numpy_below_2(tmp_path, capsys, monkeypatch):
 
 
 def test_msrun_command_and_coordinates(monkeypatch):
+    from parabench.jobs import from_config
     from parabench.launchers import Msrun, get_launcher
-    from parabench.spec import from_config
 
     job = from_config({"model": {"name": "t", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
                                  "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 32},
@@ -116,7 +116,7 @@ def test_msrun_command_and_coordinates(monkeypatch):
     cmd = Msrun.command(job, 12345, "/runs/x")
     assert cmd[0].endswith("msrun") and "--worker_num=2" in cmd and "--local_worker_num=2" in cmd
     assert "--join=True" in cmd and "--master_port=12345" in cmd and "--log_dir=/runs/x/logs" in cmd
-    assert cmd[-4:] == ["python", "-m", "parabench.launchers", "/runs/x"]
+    assert cmd[-4:] == ["python", "-m", "parabench.worker", "/runs/x"]
     monkeypatch.setenv("RANK_ID", "3")
     monkeypatch.setenv("DEVICE_ID", "1")
     monkeypatch.setenv("MS_WORKER_NUM", "4")

@@ -3,9 +3,9 @@
 import pytest
 
 from parabench.confutil import compose, to_plain
+from parabench.jobs import from_config
 from parabench.launchers import Torchrun, expand_nodelist, slurm_placement
 from parabench.runner import prepare
-from parabench.spec import from_config
 
 
 def job(*overrides):

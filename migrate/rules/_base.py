@@ -13,6 +13,7 @@ import pkgutil
 from collections.abc import Callable
 from typing import ClassVar
 
+import parabench.migrate.rules as pkg
 from parabench.migrate.core import MANUAL, REVIEW, SAFE, Finding, Options
 
 _REGISTRY: dict[str, type[Rule]] = {}
@@ -44,8 +45,6 @@ def register(cls: type[Rule]) -> type[Rule]:
 def all_rules() -> dict[str, type[Rule]]:
     """Import every module of this package once and return code -> rule class, sorted by code."""
     if not getattr(all_rules, "_loaded", False):
-        import parabench.migrate.rules as pkg
-
         for info in pkgutil.iter_modules(pkg.__path__):
             if not info.name.startswith("_"):
                 importlib.import_module(f"{pkg.__name__}.{info.name}")

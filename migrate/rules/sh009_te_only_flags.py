@@ -6,7 +6,7 @@ import re
 
 from parabench.migrate import api_map
 from parabench.migrate.core import MANUAL
-from parabench.migrate.rules._base import TextDoc, TextRule, register
+from parabench.migrate.rules._base import TextDoc, TextRule, register, rules_for
 from parabench.migrate.rules._text import shell_code_lines
 
 FLAGS = re.compile(r"(?<![\w-])(" + "|".join(re.escape(f) for f in sorted(api_map.TE_ONLY_FLAGS, key=len, reverse=True)) + r")(?![\w-])")
@@ -33,6 +33,4 @@ class ShellTeOnlyFlags(TextRule):
 
 
 def _active(doc: TextDoc) -> set[str]:
-    from parabench.migrate.rules._base import rules_for
-
     return {r.code for r in rules_for("shell", doc.options)}

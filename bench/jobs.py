@@ -1,0 +1,107 @@
+"""Building a JobSpec: from the composed config (:func:`from_config`) or a run's ``spec.json``
+(:func:`load_job`).
+
+This sits above the adapters, because a job cannot be typed without its backend: the ``backend.*``
+keys are the chosen adapter's ``Options`` dataclass, and the adapter splits the world into parallel
+dimensions. A Hugging Face model (``+model=hf model.path=...``) is read here too, before launch
+(:mod:`parabench.hf`). The dataclasses and the checks that need neither live in :mod:`parabench.spec`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from parabench.adapters.registry import get_adapter
+from parabench.confutil import available_options
+from parabench.errors import SpecError
+from parabench.hf import check_weights, spec_fields
+from parabench.spec import (
+    BackendSpec,
+    DataSpec,
+    DeviceSpec,
+    JobSpec,
+    LaunchSpec,
+    ModelSpec,
+    OptimSpec,
+    ParallelDims,
+    RunSpec,
+    TrackingSpec,
+    build,
+    validate_common,
+    validate_parallel,
+)
+
+_TOP_LEVEL = {"model", "data", "optim", "device", "launcher", "run", "tracking", "backend", "experiment"}
+
+
+def from_config(cfg: Mapping[str, Any]) -> JobSpec:
+    """Convert a composed, resolved config (plain dict) into a JobSpec, validating everything
+    that does not depend on this machine (the runner's ``prepare`` then resolves the device and
+    runs the adapter's own checks)."""
+    cfg = dict(cfg)
+    if "model" not in cfg or cfg.get("model") is None:
+        raise SpecError("model", f"no model chosen: add +model=NAME (available: {', '.join(available_options('model'))})")
+    model = model_spec(cfg["model"])
+    data = build(DataSpec, cfg.get("data"), "data")
+    optim = build(OptimSpec, cfg.get("optim"), "optim")
+    device = build(DeviceSpec, cfg.get("device"), "device")
+    launch = build(LaunchSpec, cfg.get("launcher"), "launcher")
+    run = build(RunSpec, cfg.get("run"), "run")
+    tracking = build(TrackingSpec, cfg.get("tracking"), "tracking")
+
+    backend_node = dict(cfg.get("backend") or {})
+    name = backend_node.pop("name", None)
+    if not name:
+        raise SpecError("backend", "no backend chosen: add backend=NAME")
+    adapter = get_adapter(name)  # raises SpecError listing the choices
+    options = build(adapter.Options, backend_node, "backend")
+    extra = sorted(set(cfg) - _TOP_LEVEL)
+    if extra:
+        raise SpecError(extra[0], "unknown top-level key")
+
+    validate_common(model, data, optim, device, launch, run)
+    parallel = adapter.parallel_dims(options, launch.world_size, model)
+    validate_parallel(parallel, model, data)
+    return JobSpec(
+        model=model, data=data, optim=optim, device=device, launch=launch, run=run,
+        tracking=tracking, backend=BackendSpec(name, options), parallel=parallel,
+        experiment=cfg.get("experiment") if isinstance(cfg.get("experiment"), str) else None,
+    )
+
+
+def model_spec(node: Mapping[str, Any]) -> ModelSpec:
+    """The model: a preset's fields, or (``+model=hf model.path=...``) a Hugging Face config.json read
+    here, before launch; weights named by the spec are checked tensor by tensor against it."""
+    if isinstance(node, Mapping) and "path" in node:
+        node = spec_fields(node)
+    model = build(ModelSpec, node, "model")
+    if model.weights:
+        check_weights(model)
+    return model
+
+
+def job_from_json(text: str) -> JobSpec:
+    """The JobSpec that ``JobSpec.to_json`` wrote."""
+    raw = json.loads(text)
+    backend_raw = raw.pop("backend")
+    adapter = get_adapter(backend_raw["name"])
+    return JobSpec(
+        model=build(ModelSpec, raw["model"], "model"),
+        data=build(DataSpec, raw["data"], "data"),
+        optim=build(OptimSpec, raw["optim"], "optim"),
+        device=build(DeviceSpec, raw["device"], "device"),
+        launch=build(LaunchSpec, raw["launch"], "launcher"),
+        run=build(RunSpec, raw["run"], "run"),
+        tracking=build(TrackingSpec, raw["tracking"], "tracking"),
+        backend=BackendSpec(backend_raw["name"], build(adapter.Options, backend_raw["options"], "backend")),
+        parallel=build(ParallelDims, raw["parallel"], "parallel"),
+        experiment=raw.get("experiment"),
+    )
+
+
+def load_job(path: str | Path) -> JobSpec:
+    """The JobSpec of a run directory's ``spec.json``."""
+    return job_from_json(Path(path).read_text())

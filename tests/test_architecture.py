@@ -1,0 +1,254 @@
+"""Every import goes down the floors (docs/architecture.md), read from the source with ast, no import.
+
+Floors, top to bottom; a module may import its own floor or a lower one, never a higher one, and
+the project's imports have no cycle:
+
+    cli        parabench.cli, parabench.__main__
+    commands   runner, compare, sweep, envreport (bench env), parabench.migrate.* (bench migrate/smoke)
+    processes  launchers, worker, loop, jobs (config or spec.json -> JobSpec: needs the adapter)
+    adapters   parabench.adapters.*
+    foundation model, data, devices, metrics, flops, redirect, tracking, plots, hf, indexed
+    spec       spec, errors, confutil, parabench (the package: its version)
+
+A project module is imported inside a function only where it is heavy: it imports, itself or through
+the project modules it imports at module level, a framework that is slow to import or absent
+(``HEAVY``). Everything else is imported at the top of the module, so the imports there show the
+structure. One more place may import lazily: the cli imports the module of a command (the
+commands floor) when that command runs, so ``bench --help`` loads none of them (all of them
+together cost 0.5-0.7 s on a 2-core machine; tests/test_cli.py allows ``--help`` 0.5 s).
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"bench": "parabench", "adapters": "parabench.adapters", "migrate": "parabench.migrate"}
+
+FLOORS: list[tuple[str, tuple[str, ...]]] = [
+    ("cli", ("parabench.cli", "parabench.__main__")),
+    ("commands", ("parabench.runner", "parabench.compare", "parabench.sweep", "parabench.envreport", "parabench.migrate")),
+    ("processes", ("parabench.launchers", "parabench.worker", "parabench.loop", "parabench.jobs")),
+    ("adapters", ("parabench.adapters",)),
+    ("foundation", ("parabench.model", "parabench.data", "parabench.devices", "parabench.metrics", "parabench.flops",
+                    "parabench.redirect", "parabench.tracking", "parabench.plots", "parabench.hf", "parabench.indexed")),
+    ("spec", ("parabench.spec", "parabench.errors", "parabench.confutil", "parabench")),
+]
+
+# Third-party packages that are slow to import, need hardware, or are optional extras.
+HEAVY = {"torch", "torch_npu", "deepspeed", "megatron", "mindspore", "mindspeed", "mlflow", "hydra", "omegaconf",
+         "libcst", "numpy", "safetensors", "transformers"}
+
+# (importer, imported): an exception to the rules above, each with the reason it must stay.
+ALLOWED: dict[tuple[str, str], str] = {
+    ("parabench.migrate.pyfile", "parabench.migrate.rules._py"): (
+        "cycle: pyfile runs the Python rules (migrate_python imports rules._py lazily) and rules._py "
+        "uses pyfile's statement selection (_select, first_line). Breaking it means moving the rule "
+        "runner out of pyfile; until then the lazy import keeps the cycle out of import time."
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Import:
+    source: str  # importing module
+    target: str  # imported project module, or the top-level name of a third-party package
+    line: int
+    local: bool  # inside a function
+    type_only: bool  # under ``if TYPE_CHECKING:``
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for folder, package in PACKAGES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = [p for p in path.relative_to(ROOT / folder).with_suffix("").parts if p != "__init__"]
+            mods[".".join([package, *parts])] = path
+    return mods
+
+
+MODULES = _modules()
+
+
+def _project_module(name: str) -> str | None:
+    """The project module that ``name`` (a module, or module.attribute) is, or None."""
+    if name != "parabench" and not name.startswith("parabench."):
+        return None
+    while name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def _targets(node: ast.Import | ast.ImportFrom, module: str) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    base = node.module or ""
+    if node.level:
+        package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+        for _ in range(node.level - 1):
+            package = package.rpartition(".")[0]
+        base = f"{package}.{base}" if base else package
+    return [f"{base}.{a.name}" for a in node.names]
+
+
+class _Visitor(ast.NodeVisitor):
+    def __init__(self, module: str) -> None:
+        self.module, self.imports, self._depth, self._type_only = module, [], 0, 0
+
+    def visit_FunctionDef(self, node: ast.AST) -> None:
+        self._depth += 1
+        self.generic_visit(node)
+        self._depth -= 1
+
+    visit_AsyncFunctionDef = visit_Lambda = visit_FunctionDef
+
+    def visit_If(self, node: ast.If) -> None:
+        test = ast.unparse(node.test)
+        type_only = test in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+        self._type_only += type_only
+        for child in node.body:
+            self.visit(child)
+        self._type_only -= type_only
+        for child in node.orelse:
+            self.visit(child)
+
+    def _record(self, node: ast.Import | ast.ImportFrom) -> None:
+        for name in _targets(node, self.module):
+            target = _project_module(name) or name.partition(".")[0]
+            self.imports.append(Import(self.module, target, node.lineno, self._depth > 0, self._type_only > 0))
+
+    visit_Import = visit_ImportFrom = _record
+
+
+def _imports() -> list[Import]:
+    found = []
+    for module, path in MODULES.items():
+        visitor = _Visitor(module)
+        visitor.visit(ast.parse(path.read_text(), str(path)))
+        found += [i for i in visitor.imports if i.target != module]
+    return found
+
+
+IMPORTS = _imports()
+PROJECT = [i for i in IMPORTS if i.target in MODULES]
+
+
+def floor(module: str) -> int:
+    """Index of the module's floor (0 = top); the longest matching prefix decides."""
+    best, index = -1, None
+    for i, (_, prefixes) in enumerate(FLOORS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, index = len(prefix), i
+    assert index is not None, f"{module} is on no floor: add it to FLOORS (and docs/architecture.md)"
+    return index
+
+
+def _heavy_modules() -> set[str]:
+    """Project modules that import a HEAVY package at module level, directly or through project modules."""
+    runtime = [i for i in IMPORTS if not i.local and not i.type_only]
+    heavy = {i.source for i in runtime if i.target in HEAVY}
+    grew = True
+    while grew:
+        more = {i.source for i in runtime if i.target in heavy} - heavy
+        heavy |= more
+        grew = bool(more)
+    return heavy
+
+
+def _where(i: Import) -> str:
+    return f"{MODULES[i.source].relative_to(ROOT)}:{i.line} {i.source} -> {i.target}"
+
+
+def test_every_module_has_a_floor():
+    for module in MODULES:
+        floor(module)
+
+
+def test_imports_go_down():
+    up = [f"{_where(i)} (floor {FLOORS[floor(i.source)][0]} imports floor {FLOORS[floor(i.target)][0]})"
+          for i in PROJECT if floor(i.target) < floor(i.source) and (i.source, i.target) not in ALLOWED]
+    assert not up, "imports that go up a floor:\n" + "\n".join(up)
+
+
+def test_project_modules_are_imported_in_functions_only_when_heavy():
+    heavy = _heavy_modules()
+    cli, commands = floor("parabench.cli"), floor("parabench.runner")
+    hidden = [_where(i) for i in PROJECT if i.local and i.target not in heavy and (i.source, i.target) not in ALLOWED
+              and not (floor(i.source) == cli and floor(i.target) == commands)]
+    assert not hidden, ("light project modules imported inside functions (import them at module level; "
+                        "only modules that pull in " + ", ".join(sorted(HEAVY)) + " may be imported lazily):\n"
+                        + "\n".join(hidden))
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            connect(v)
+    return found
+
+
+def test_no_import_cycles():
+    """Module-level and function-local imports together (a lazy import hides a cycle, it does not
+    remove it); ``TYPE_CHECKING`` imports are not executed and do not count."""
+    edges: dict[str, set[str]] = {}
+    for i in PROJECT:
+        if not i.type_only and (i.source, i.target) not in ALLOWED:
+            edges.setdefault(i.source, set()).add(i.target)
+    assert not _cycles(edges), f"import cycles: {_cycles(edges)}"
+
+
+@pytest.mark.parametrize("edges, cycles", [
+    ({"a": {"b"}, "b": {"a"}, "c": {"a"}}, [["a", "b"]]),
+    ({"a": {"b"}, "b": {"c"}}, []),
+])
+def test_the_cycle_finder_finds_cycles(edges, cycles):
+    assert _cycles(edges) == cycles
+
+
+def test_the_floor_test_sees_upward_and_local_imports():
+    code = "import os\nfrom parabench.cli import main\n\ndef f():\n    from parabench import errors\n"
+    visitor = _Visitor("parabench.spec")
+    visitor.visit(ast.parse(code))
+    got = [(i.target, i.local) for i in visitor.imports]
+    assert got == [("os", False), ("parabench.cli", False), ("parabench.errors", True)]
+    assert floor("parabench.cli") < floor("parabench.spec")
+    assert floor("parabench.adapters.megatron") == floor("parabench.adapters")
+    assert floor("parabench.migrate.rules._py") == floor("parabench.runner")
+
+
+def test_every_allowance_still_matters():
+    used = {(i.source, i.target) for i in PROJECT}
+    assert not set(ALLOWED) - used, f"allowed imports that no longer exist: {set(ALLOWED) - used}"
