@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_refused_before_launch, bench, mlflow_runs
+from conftest import assert_refused_before_launch, bench, mlflow_runs, summaries
 from parabench import confutil
 from parabench.errors import SpecError
 from parabench.hf import load_weights
@@ -218,3 +218,26 @@ def test_run_starts_from_the_checkpoint(tmp_path, results):
     assert run["status"] == "FINISHED" and run["tags.model"] == "tiny-llama"
     assert run["tags.initial_checksum"] == file_checksum
     assert run["params.model.hidden_size"] == "32" and run["params.model.weights"] == spec.weights
+
+
+BACKENDS_FROM_FILE = {
+    "fsdp x2": (None, ["backend=fsdp", "launcher.nproc_per_node=2"]),
+    "megatron tp2": ("megatron.core", ["backend=megatron", "backend.tp=2", "launcher.nproc_per_node=2"]),
+    "mindspore": ("mindspore", ["backend=mindspore", "backend.mode=graph"]),
+}
+
+
+@pytest.mark.parametrize("case", BACKENDS_FROM_FILE)
+def test_sharded_and_other_framework_backends_start_from_the_checkpoint(tmp_path, results, case):
+    """initial_weights feeds FSDP's shards, Megatron's tensor-parallel shards and MindSpore's cells:
+    the gathered initial weights are the file's tensors on each."""
+    module, overrides = BACKENDS_FROM_FILE[case]
+    if module:
+        pytest.importorskip(module)
+    write_model(tmp_path / "tiny-llama", LLAMA)
+    proc = bench(["run", "+model=hf", f"model.path={tmp_path / 'tiny-llama'}", *FAST, *overrides,
+                  "tracking.enabled=false"], results)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    spec = from_config(_plain(tmp_path / "tiny-llama")).model
+    (summary,) = summaries(results).values()
+    assert summary["initial_checksum"] == weights_checksum(load_weights(spec.weights, spec.parameter_shapes()))
