@@ -203,7 +203,7 @@ def test_offload_with_cpu_adam_trains_like_ddp(two_ranks):
     ddp, ds = two_ranks[1]["ddp"]["losses"], two_ranks[1]["zero2_offload"]["losses"]
     assert rel(ddp[0], ds[0]) <= 1e-6
     # DeepSpeedCPUAdam: the same AdamW, a different (vectorised C++) implementation
-    assert max(rel(a, b) for a, b in zip(ddp, ds)) <= OFFLOAD_TOLERANCE
+    assert max(rel(a, b) for a, b in zip(ddp, ds, strict=True)) <= OFFLOAD_TOLERANCE
     art = json.loads((two_ranks[1]["zero2_offload"]["run_dir"] / "backend_artifacts.json").read_text())
     assert art["client_optimizer"] == "deepspeed.ops.adam.cpu_adam.DeepSpeedCPUAdam"
 

@@ -101,7 +101,7 @@ def test_llama3_rope_scaling_follows_the_reference_formula():
     freqs = torch.atan2(sin[1, :16].double(), cos[1, :16].double())  # position 1: angle = inv_freq (all < pi)
     base = 1.0 / 10000.0 ** (torch.arange(0, 32, 2, dtype=torch.float64) / 32)
     wavelen = 2 * torch.pi / base
-    for f, b, w in zip(freqs.tolist(), base.tolist(), wavelen.tolist()):
+    for f, b, w in zip(freqs.tolist(), base.tolist(), wavelen.tolist(), strict=True):
         if w < 64 / 4:  # short wavelengths kept
             assert f == pytest.approx(b, rel=1e-5)
         elif w > 64 / 1:  # long wavelengths divided by the factor

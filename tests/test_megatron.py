@@ -165,7 +165,7 @@ def e2e(tmp_path_factory):
         assert proc.returncode == 0, (name, proc.stderr[-4000:])
         jobs = summaries(results)  # run-dir name -> summary; sweep dirs are numbered in sweep order
         assert len(jobs) == len(labels), sorted(jobs)
-        out.update(zip(labels, (jobs[k] for k in sorted(jobs))))
+        out.update(zip(labels, (jobs[k] for k in sorted(jobs)), strict=True))
     return out
 
 

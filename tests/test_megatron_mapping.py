@@ -76,7 +76,7 @@ def test_fused_qkv_is_grouped_per_query_group():
         assert np.array_equal(rows[:2 * d], q[2 * g * d:(2 * g + 2) * d])  # query heads 2g, 2g+1 use kv head g
         assert np.array_equal(rows[2 * d:3 * d], k[g * d:(g + 1) * d])
         assert np.array_equal(rows[3 * d:], v[g * d:(g + 1) * d])
-    assert all(np.array_equal(a, b) for a, b in zip(split_qkv(qkv, GQA), (q, k, v)))
+    assert all(np.array_equal(a, b) for a, b in zip(split_qkv(qkv, GQA), (q, k, v), strict=True))
 
 
 def test_tensor_rank_shards():

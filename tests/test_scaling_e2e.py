@@ -33,7 +33,7 @@ def test_parent_run_logs_efficiencies(scaling):
         assert parent[f"metrics.efficiency/{backend}/N2_min"] == pytest.approx(tps["2"].min() / (2 * tps["1"].max()))
         assert parent[f"metrics.efficiency/{backend}/N2_max"] == pytest.approx(tps["2"].max() / (2 * tps["1"].min()))
     # weak scaling: the global batch follows the world size
-    assert set(zip(children["tags.world_size"], children["params.data.global_batch_size"])) == {("1", "2"), ("2", "4")}
+    assert set(zip(children["tags.world_size"], children["params.data.global_batch_size"], strict=True)) == {("1", "2"), ("2", "4")}
 
 
 def test_compare_report_matches_mlflow_and_renders(scaling, tmp_path):
