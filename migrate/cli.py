@@ -116,49 +116,10 @@ def _main(argv: list[str]) -> int:
         target=args.target, mode=args.mode, safe_only=args.safe_only,
         select=_codes(args.select, known), ignore=_codes(args.ignore, known) or frozenset(),
     )
-    roots = []
-    for s in args.src:
-        p = Path(s)
-        if not p.exists():
-            raise UsageError(f"SRC not found: {s}")
-        if p.is_symlink():
-            raise UsageError(f"SRC is a symlink (not followed): {s}")
-        roots.append(p)
-    names = [r.name for r in roots]
-    if len(set(names)) != len(names):
-        raise UsageError("several SRC share a name; migrate them separately")
-    for a in roots:
-        for b in roots:
-            if a is not b and a.resolve().is_relative_to(b.resolve()):
-                raise UsageError(f"SRC {a} lies inside SRC {b}")
+    roots = _source_roots(args.src)
     if args.jobs is not None and args.jobs < 1:
         raise UsageError("--jobs must be >= 1")
-
-    write_nothing = args.diff or args.check
-    out: Path | None = None
-    if args.in_place:
-        if args.out is not None:
-            raise UsageError("--in-place and --out exclude each other")
-        if write_nothing:
-            raise UsageError("--in-place with --diff/--check makes no sense: those write nothing")
-        if args.backup is None:
-            for r in roots:
-                ok, why = _git_clean(r)
-                if not ok:
-                    raise UsageError(f"--in-place needs --backup or a clean git tree ({r}: {why})")
-    elif args.backup is not None:
-        raise UsageError("--backup only applies to --in-place")
-    elif not write_nothing:
-        out = args.out if args.out is not None else _default_out(roots, options.target)
-        res_out = out.resolve()
-        for r in roots:
-            rr = r.resolve()
-            if res_out == rr or (r.is_dir() and res_out.is_relative_to(rr)):
-                raise UsageError(f"--out {out} lies inside SRC {r}: choose a directory outside the source tree")
-            if rr.is_relative_to(res_out):
-                raise UsageError(f"SRC {r} lies inside --out {out}")
-        if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
-            raise UsageError(f"--out {out} exists and is not empty (use --force to write into it)")
+    out = _output_dir(args, roots, options.target)
     if args.report is not None:
         rep = args.report.resolve()
         for r in roots:
@@ -184,6 +145,58 @@ def _main(argv: list[str]) -> int:
         )
         return 1 if pending else 0
     return 0
+
+
+def _source_roots(src: list[str]) -> list[Path]:
+    """The SRC arguments as paths: existing, no symlinks, distinct names, none inside another."""
+    roots = []
+    for s in src:
+        p = Path(s)
+        if not p.exists():
+            raise UsageError(f"SRC not found: {s}")
+        if p.is_symlink():
+            raise UsageError(f"SRC is a symlink (not followed): {s}")
+        roots.append(p)
+    names = [r.name for r in roots]
+    if len(set(names)) != len(names):
+        raise UsageError("several SRC share a name; migrate them separately")
+    for a in roots:
+        for b in roots:
+            if a is not b and a.resolve().is_relative_to(b.resolve()):
+                raise UsageError(f"SRC {a} lies inside SRC {b}")
+    return roots
+
+
+def _output_dir(args, roots: list[Path], target: str) -> Path | None:
+    """Where the migrated tree goes: None for --in-place, --diff and --check; --out, else a
+    sibling of the source. Refuses an output inside a source (or the reverse) and a non-empty one."""
+    write_nothing = args.diff or args.check
+    if args.in_place:
+        if args.out is not None:
+            raise UsageError("--in-place and --out exclude each other")
+        if write_nothing:
+            raise UsageError("--in-place with --diff/--check makes no sense: those write nothing")
+        if args.backup is None:
+            for r in roots:
+                ok, why = _git_clean(r)
+                if not ok:
+                    raise UsageError(f"--in-place needs --backup or a clean git tree ({r}: {why})")
+        return None
+    if args.backup is not None:
+        raise UsageError("--backup only applies to --in-place")
+    if write_nothing:
+        return None
+    out = args.out if args.out is not None else _default_out(roots, target)
+    res_out = out.resolve()
+    for r in roots:
+        rr = r.resolve()
+        if res_out == rr or (r.is_dir() and res_out.is_relative_to(rr)):
+            raise UsageError(f"--out {out} lies inside SRC {r}: choose a directory outside the source tree")
+        if rr.is_relative_to(res_out):
+            raise UsageError(f"SRC {r} lies inside --out {out}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
+        raise UsageError(f"--out {out} exists and is not empty (use --force to write into it)")
+    return out
 
 
 def _default_out(roots: list[Path], target: str) -> Path:

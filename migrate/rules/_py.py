@@ -454,10 +454,37 @@ def string_role(ctx: PyContext, node: cst.CSTNode) -> str:
 
 
 def _string_role(ctx: PyContext, node: cst.CSTNode) -> str:
+    child, p = _role_holder(ctx, node)
+    if isinstance(p, cst.ConcatenatedString):
+        return "concat"
+    if isinstance(p, cst.Expr):
+        return "prose"
+    if isinstance(p, cst.Arg):
+        return _argument_role(ctx, p)
+    if isinstance(p, cst.Param) and p.default is child:
+        return _named_value_role(p.name.value)
+    if isinstance(p, (cst.Comparison, cst.ComparisonTarget)):
+        return _comparison_role(ctx, p, child)
+    if isinstance(p, (cst.SubscriptElement, cst.Index)):
+        return "key"
+    if isinstance(p, cst.DictElement):
+        d = ctx.parent(p)
+        if _dict_in_device_arg(ctx, d):
+            return "device"
+        return "key" if p.key is child else "other"
+    if isinstance(p, (cst.Assign, cst.AnnAssign)) and getattr(p, "value", None) is child:
+        return _named_value_role(" ".join(_target_names(p)))
+    return "other"
+
+
+def _role_holder(ctx: PyContext, node: cst.CSTNode) -> tuple[cst.CSTNode, cst.CSTNode | None]:
+    """(child, parent): the node whose parent gives the string its role - climbing through
+    conditional and boolean expressions and list/tuple/set elements (a container's role is its
+    elements'); the parent is a ConcatenatedString when the string is part of one."""
     child, p = node, ctx.parent(node)
     while True:
         if isinstance(p, cst.ConcatenatedString):
-            return "concat"
+            return child, p
         if isinstance(p, cst.IfExp) and p.test is not child:
             child, p = p, ctx.parent(p)
             continue
@@ -468,75 +495,65 @@ def _string_role(ctx: PyContext, node: cst.CSTNode) -> str:
             container = ctx.parent(p)
             child, p = container, ctx.parent(container)
             continue
-        break
-    if isinstance(p, cst.Expr):
-        return "prose"
-    if isinstance(p, cst.Arg):
-        call = ctx.parent(p)
-        if not isinstance(call, cst.Call):
-            return "other"
-        qn, last = _call_name(ctx, call)
-        if p.keyword is not None:
-            k = p.keyword.value
-            if k in DEVICE_KWARGS:
-                return "device"
-            if k in BACKEND_KWARGS:
-                return "backend" if qn & BACKEND_CALLS else "backend-other"
-            if k == "accelerator":
-                return "accelerator"
-            if k in ("msg", "message", "help", "desc", "description"):
-                return "prose"
-            return "arg"
-        positional = [a for a in call.args if a.keyword is None and not a.star]
-        index = next((i for i, a in enumerate(positional) if a is p), -1)
-        if index == 0 and isinstance(call.func, cst.Attribute) and call.func.attr.value == "to" and not qn & ATTR_CALLS:
+        return child, p
+
+
+def _named_value_role(names: str) -> str:
+    """Role of a parameter default or an assigned value, by the name(s) it is bound to."""
+    names = names.lower()
+    if "device" in names:
+        return "device"
+    if "backend" in names:
+        return "backend-other"
+    return "other"
+
+
+def _argument_role(ctx: PyContext, p: cst.Arg) -> str:
+    call = ctx.parent(p)
+    if not isinstance(call, cst.Call):
+        return "other"
+    qn, last = _call_name(ctx, call)
+    if p.keyword is not None:
+        k = p.keyword.value
+        if k in DEVICE_KWARGS:
             return "device"
-        if index == 0 and qn & DEVICE_POS0_CALLS:
-            return "device"
-        if index == 0 and qn & BACKEND_CALLS:
-            return "backend"
-        if index == 0 and isinstance(call.func, cst.Attribute) and call.func.attr.value in KEY_METHODS:
-            return "key"  # mapping.get("cuda"): a lookup key (pattern 4)
-        if qn & ATTR_CALLS and index == 1:
-            return "attrname"
-        if qn & IMPORT_CALLS:
-            return "import"
-        if any(q.startswith(("subprocess.", "os.system", "os.popen")) for q in qn):
-            return "command"
-        if _is_prose_call(qn, last):
+        if k in BACKEND_KWARGS:
+            return "backend" if qn & BACKEND_CALLS else "backend-other"
+        if k == "accelerator":
+            return "accelerator"
+        if k in ("msg", "message", "help", "desc", "description"):
             return "prose"
         return "arg"
-    if isinstance(p, cst.Param) and p.default is child:
-        name = p.name.value.lower()
-        if "device" in name:
-            return "device"
-        if "backend" in name:
-            return "backend-other"
-        return "other"
-    if isinstance(p, (cst.Comparison, cst.ComparisonTarget)):
-        comp = p if isinstance(p, cst.Comparison) else ctx.parent(p)
-        others = [comp.left] + [t.comparator for t in comp.comparisons]
-        text = " ".join(ctx.module.code_for_node(o) for o in others if o is not child).lower()
-        if "backend" in text:
-            return "compare-backend"
-        if "device" in text or ".type" in text:
-            return "compare-device"
-        return "compare"
-    if isinstance(p, (cst.SubscriptElement, cst.Index)):
-        return "key"
-    if isinstance(p, cst.DictElement):
-        d = ctx.parent(p)
-        if _dict_in_device_arg(ctx, d):
-            return "device"
-        return "key" if p.key is child else "other"
-    if isinstance(p, (cst.Assign, cst.AnnAssign)) and getattr(p, "value", None) is child:
-        names = " ".join(_target_names(p)).lower()
-        if "device" in names:
-            return "device"
-        if "backend" in names:
-            return "backend-other"
-        return "other"
-    return "other"
+    positional = [a for a in call.args if a.keyword is None and not a.star]
+    index = next((i for i, a in enumerate(positional) if a is p), -1)
+    if index == 0 and isinstance(call.func, cst.Attribute) and call.func.attr.value == "to" and not qn & ATTR_CALLS:
+        return "device"
+    if index == 0 and qn & DEVICE_POS0_CALLS:
+        return "device"
+    if index == 0 and qn & BACKEND_CALLS:
+        return "backend"
+    if index == 0 and isinstance(call.func, cst.Attribute) and call.func.attr.value in KEY_METHODS:
+        return "key"  # mapping.get("cuda"): a lookup key (pattern 4)
+    if qn & ATTR_CALLS and index == 1:
+        return "attrname"
+    if qn & IMPORT_CALLS:
+        return "import"
+    if any(q.startswith(("subprocess.", "os.system", "os.popen")) for q in qn):
+        return "command"
+    if _is_prose_call(qn, last):
+        return "prose"
+    return "arg"
+
+
+def _comparison_role(ctx: PyContext, p: cst.CSTNode, child: cst.CSTNode) -> str:
+    comp = p if isinstance(p, cst.Comparison) else ctx.parent(p)
+    others = [comp.left] + [t.comparator for t in comp.comparisons]
+    text = " ".join(ctx.module.code_for_node(o) for o in others if o is not child).lower()
+    if "backend" in text:
+        return "compare-backend"
+    if "device" in text or ".type" in text:
+        return "compare-device"
+    return "compare"
 
 
 def _dict_in_device_arg(ctx: PyContext, d: cst.CSTNode | None) -> bool:
