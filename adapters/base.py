@@ -214,6 +214,12 @@ class Adapter(ABC):
         return {}
 
     @classmethod
+    def worker_args(cls, job: JobSpec) -> list[str]:
+        """Arguments after the run directory on every worker's command line, for a framework that
+        reads its switches from ``sys.argv`` (MindSpeed); the worker itself ignores them."""
+        return []
+
+    @classmethod
     def expected_model_state(cls, job: JobSpec) -> StateFormula | None:
         """The per-rank model-state bytes a published formula predicts for this job, if any."""
         return None

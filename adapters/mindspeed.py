@@ -8,7 +8,8 @@ The model, the canonical->Megatron weight mapping, the schedules and the metrics
 adapter's (this class derives from it). What MindSpeed adds, inside the worker process only:
 1. ``import torch_npu`` (the NPU device's setup), HCCL as the process-group backend;
 2. MindSpeed's feature switches become the command-line flags MindSpeed's argument parser reads
-   (``mindspeed.arguments`` parses ``sys.argv`` when ``mindspeed.megatron_adaptor`` is imported);
+   (``mindspeed.arguments`` parses ``sys.argv`` when ``mindspeed.megatron_adaptor`` is imported):
+   the launcher puts them after the run directory on every worker's command line (``worker_args``);
 3. ``import mindspeed.megatron_adaptor`` before megatron-core is imported: it applies
    ``torch_npu.contrib.transfer_to_npu`` (so parabench's own CUDA redirection is not installed on
    top) and patches Megatron symbols with the NPU kernels (docs/sources.md#mindspeed-adaptor).
@@ -166,12 +167,17 @@ class MindSpeedAdapter(MegatronAdapter):
         return {"mindspeed_args.txt": "\n".join(mindspeed_argv(job)) + "\n"}
 
     @classmethod
+    def worker_args(cls, job: JobSpec) -> list[str]:
+        return mindspeed_argv(job)
+
+    @classmethod
     def create_engine(cls, ctx: WorkerContext) -> Engine:
-        # MindSpeed reads its switches from the command line when its adaptor is imported.
-        saved = sys.argv
-        sys.argv = [saved[0], *mindspeed_argv(ctx.job)]
-        try:
-            import mindspeed.megatron_adaptor  # noqa: F401  (worker only: patches megatron-core, applies transfer_to_npu)
-        finally:
-            sys.argv = saved
+        # MindSpeed reads its switches from the command line when its adaptor is imported: the
+        # launcher put them on this worker's command line (worker_args).
+        missing = [a for a in mindspeed_argv(ctx.job) if a not in sys.argv]
+        if missing:
+            raise RuntimeError(f"MindSpeed reads its switches from sys.argv, which lacks {missing[:3]}: start the "
+                               "worker through the launcher (python -m parabench.worker RUN_DIR <mindspeed_args.txt>)")
+        import mindspeed.megatron_adaptor  # noqa: F401  (worker only: patches megatron-core, applies transfer_to_npu)
+
         return MegatronEngine(ctx, redirect_cuda=False)  # transfer_to_npu already maps CUDA onto the NPU

@@ -8,13 +8,25 @@ environment variables). The dry-run bundle (``launch.sh``) uses the same command
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import sys
 from typing import ClassVar
 
+from parabench.adapters.registry import get_adapter
 from parabench.spec import JobSpec
 
 WORKER = ["-m", "parabench.worker"]
+
+
+def _worker_args(job: JobSpec) -> list[str]:
+    """What follows the run directory on the worker's command line (the backend's worker_args)."""
+    return get_adapter(job.backend.name).worker_args(job)
+
+
+def _bundle_args(job: JobSpec) -> str:
+    args = _worker_args(job)
+    return " " + shlex.join(args) if args else ""
 
 
 class Launcher:
@@ -51,7 +63,7 @@ class Torchrun(Launcher):
         la = job.launch
         where = ([f"--rdzv-endpoint={la.master_addr}:{port}"] if la.rdzv_backend == "c10d"
                  else [f"--node-rank={la.node_rank}", f"--master-addr={la.master_addr}"])
-        return [python, "-m", "torch.distributed.run", *cls._args(job, port), *where, *WORKER, run_dir]
+        return [python, "-m", "torch.distributed.run", *cls._args(job, port), *where, *WORKER, run_dir, *_worker_args(job)]
 
     @classmethod
     def bundle_command(cls, job: JobSpec, port: int) -> str:
@@ -60,7 +72,7 @@ class Torchrun(Launcher):
             where = f' --rdzv-endpoint="${{MASTER_ADDR:-{la.master_addr}}}:{port}"'
         else:
             where = f' --node-rank="${{NODE_RANK:-{la.node_rank}}}" --master-addr="${{MASTER_ADDR:-{la.master_addr}}}"'
-        return "torchrun " + " ".join(cls._args(job, port)) + where + ' -m parabench.worker "$RUN_DIR"'
+        return "torchrun " + " ".join(cls._args(job, port)) + where + ' -m parabench.worker "$RUN_DIR"' + _bundle_args(job)
 
 
     @staticmethod
@@ -98,14 +110,14 @@ class Msrun(Launcher):
         if not os.access(msrun, os.X_OK):
             msrun = which("msrun") or "msrun"
         return [msrun, *cls._args(job, port), f"--node_rank={la.node_rank}", f"--master_addr={la.master_addr}",
-                f"--log_dir={os.path.join(run_dir, 'logs')}", "python", *cls.ENTRY, run_dir]
+                f"--log_dir={os.path.join(run_dir, 'logs')}", "python", *cls.ENTRY, run_dir, *_worker_args(job)]
 
     @classmethod
     def bundle_command(cls, job: JobSpec, port: int) -> str:
         la = job.launch
         return ("msrun " + " ".join(cls._args(job, port))
                 + f' --node_rank="${{NODE_RANK:-{la.node_rank}}}" --master_addr="${{MASTER_ADDR:-{la.master_addr}}}"'
-                + ' --log_dir="$RUN_DIR/logs" python -m parabench.worker "$RUN_DIR"')
+                + ' --log_dir="$RUN_DIR/logs" python -m parabench.worker "$RUN_DIR"' + _bundle_args(job))
 
     @staticmethod
     def coords() -> tuple[int, int, int]:

@@ -108,3 +108,21 @@ def test_version_matrix_is_data_with_sources():
 def test_invalid_mindspeed_settings_refused(overrides, key, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert_refused_before_launch(["+model=llama", "backend=mindspeed", "launcher.dry_run=true", *overrides], key, tmp_path, capsys)
+
+
+def test_mindspeed_switches_travel_on_the_worker_command_line(tmp_path):
+    """MindSpeed parses sys.argv when its adaptor is imported: the launcher passes the switches to
+    each worker, and an engine built in a process that lacks them refuses instead of running without them."""
+    from parabench.adapters.base import WorkerContext
+    from parabench.adapters.mindspeed import MindSpeedAdapter, mindspeed_argv
+    from parabench.confutil import compose, to_plain
+    from parabench.devices import DEVICES
+    from parabench.jobs import from_config
+    from parabench.launchers import Torchrun
+
+    job = from_config(to_plain(compose(["+model=llama", "backend=mindspeed", "launcher.nproc_per_node=2", "backend.tp=2"])))
+    cmd = Torchrun.command(job, 29500, str(tmp_path))
+    assert cmd[cmd.index(str(tmp_path)) + 1:] == mindspeed_argv(job) and "--tensor-model-parallel-size=2" in cmd
+    ctx = WorkerContext(job=job, rank=0, world_size=1, local_rank=0, device=DEVICES["cpu"](0), run_dir=tmp_path)
+    with pytest.raises(RuntimeError, match="sys.argv"):
+        MindSpeedAdapter.create_engine(ctx)

@@ -14,4 +14,4 @@ export PYTHONUNBUFFERED=1
 export PYTORCH_NPU_ALLOC_CONF=expandable_segments:True
 export TASK_QUEUE_ENABLE=2
 export TORCH_DEVICE_BACKEND_AUTOLOAD=0
-exec torchrun --nnodes=2 --nproc-per-node=8 --max-restarts=0 --master-port=6000 --node-rank="${NODE_RANK:-0}" --master-addr="${MASTER_ADDR:-node0}" -m parabench.worker "$RUN_DIR"
+exec torchrun --nnodes=2 --nproc-per-node=8 --max-restarts=0 --master-port=6000 --node-rank="${NODE_RANK:-0}" --master-addr="${MASTER_ADDR:-node0}" -m parabench.worker "$RUN_DIR" --tensor-model-parallel-size=8 --pipeline-model-parallel-size=2 --context-parallel-size=1 --micro-batch-size=1 --global-batch-size=32 --seq-length=4096 --num-layers=40 --hidden-size=5120 --ffn-hidden-size=13824 --num-attention-heads=40 --group-query-attention --num-query-groups=40 --normalization=RMSNorm --swiglu --position-embedding-type=rope --disable-bias-linear --untie-embeddings-and-output-weights --transformer-impl=local --distributed-backend=nccl --optimization-level=2 --bf16 --sequence-parallel --use-distributed-optimizer --use-fused-rmsnorm --use-fused-swiglu --use-fused-rotary-pos-emb --use-flash-attn
