@@ -289,58 +289,18 @@ class MegatronEngine(Engine):
 
     # -- construction ----------------------------------------------------------------------------
     def _build(self, torch) -> None:
-        import torch.nn.functional as F
-        from megatron.core import parallel_state as ps
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
         from megatron.core.models.gpt.gpt_model import GPTModel
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-        from megatron.core.transformer.transformer_config import TransformerConfig
 
         from parabench.adapters.megatron_mapping import canonical_names, to_megatron
         from parabench.model import initial_weights
 
-        ctx, job, o, spec = self.ctx, self.ctx.job, self.opts, self.ctx.job.model
-        torch.cuda.set_device(ctx.local_rank)
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=o.tp, pipeline_model_parallel_size=o.pp,
-            virtual_pipeline_model_parallel_size=o.vpp if o.vpp > 1 else None, context_parallel_size=o.cp,
-        )
-        self.ps = ps
-        model_parallel_cuda_manual_seed(job.run.seed)  # dropout is 0; the RNG tracker must exist anyway
-
+        job, o, spec = self.ctx.job, self.opts, self.ctx.job.model
+        ps = self._init_parallel_state(torch)
         bf16 = job.run.precision == "bf16"
         dtype = torch.bfloat16 if bf16 else torch.float32
         use_te = self._use_te()
-        config = TransformerConfig(
-            num_layers=spec.num_hidden_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.intermediate_size,
-            num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_key_value_heads,
-            kv_channels=spec.head_dim, layernorm_epsilon=spec.rms_norm_eps, normalization="RMSNorm",
-            gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False,
-            hidden_dropout=0.0, attention_dropout=0.0,
-            tensor_model_parallel_size=o.tp, pipeline_model_parallel_size=o.pp,
-            virtual_pipeline_model_parallel_size=o.vpp if o.vpp > 1 else None,
-            context_parallel_size=o.cp, sequence_parallel=o.sequence_parallel,
-            params_dtype=dtype, pipeline_dtype=dtype, bf16=bf16,
-            # Weights come from the canonical mapping: skip Megatron's own (full-matrix) init.
-            perform_initialization=False, use_cpu_initialization=True,
-            # Fused CUDA kernels are not available on the host / through the redirection.
-            bias_activation_fusion=use_te, apply_rope_fusion=False, masked_softmax_fusion=use_te,
-            persist_layer_norm=False, gradient_accumulation_fusion=False, bias_dropout_fusion=False,
-            # Megatron-LM's training defaults: the interleaved schedule overlaps p2p with compute
-            # (individual isend/irecv), 1F1B batches its p2p ops.
-            overlap_p2p_comm=o.vpp > 1, batch_p2p_comm=o.vpp == 1,
-            # Megatron frees a stage's output right after posting its send. On CUDA the caching
-            # allocator keeps the memory until the send's stream is done; on the host a gloo isend
-            # still in flight (overlapped p2p) then reads reused memory and the next stage gets
-            # garbage (seen: wrong losses for micro-batches 3 and 4 at pp=2, vpp=2). Keep outputs.
-            deallocate_pipeline_outputs=self.device_type == "cuda",
-        )
+        config = self._transformer_config(dtype, use_te)
         self.config = config
         layer_spec = self._layer_spec(use_te, config)
 
@@ -366,15 +326,7 @@ class MegatronEngine(Engine):
                 model = Float16Module(config, model)
             chunks.append(model)
 
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=o.overlap_grad_reduce, overlap_param_gather=o.overlap_param_gather,
-            use_distributed_optimizer=o.distributed_optimizer, bucket_size=o.bucket_size or None,
-            average_in_collective=False,
-        )
-        self.chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=m, disable_bucketing=(i > 0))
-                       for i, m in enumerate(chunks)]
-        for m in self.chunks:  # DDP copied the weights into its buffers; broadcast keeps replicas identical
-            m.broadcast_params()
+        self.chunks = self._wrap_ddp(chunks, config)
 
         opt = job.optim
         self.optimizer = get_megatron_optimizer(
@@ -389,7 +341,80 @@ class MegatronEngine(Engine):
             group["weight_decay"] = opt.weight_decay * group.get("wd_mult", 1.0)
             group["lr"] = opt.lr * group.get("lr_mult", 1.0)
 
-        # Wire the schedules to the DDP wrappers, as megatron's training loop does.
+        self.forward_backward = self._wire_schedules(config)
+        self.counters.tp_group = ps.get_tensor_model_parallel_group()
+        self._instrument()
+        self.steps = 0
+        self.schedule_s = 0.0
+
+    def _init_parallel_state(self, torch):
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        o = self.opts
+        torch.cuda.set_device(self.ctx.local_rank)
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=o.tp, pipeline_model_parallel_size=o.pp,
+            virtual_pipeline_model_parallel_size=o.vpp if o.vpp > 1 else None, context_parallel_size=o.cp,
+        )
+        self.ps = ps
+        model_parallel_cuda_manual_seed(self.ctx.job.run.seed)  # dropout is 0; the RNG tracker must exist anyway
+        return ps
+
+    def _transformer_config(self, dtype, use_te: bool):
+        """The canonical Llama as a megatron-core TransformerConfig, in this job's parallel layout."""
+        import torch.nn.functional as F
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        o, spec = self.opts, self.ctx.job.model
+        return TransformerConfig(
+            num_layers=spec.num_hidden_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.intermediate_size,
+            num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_key_value_heads,
+            kv_channels=spec.head_dim, layernorm_epsilon=spec.rms_norm_eps, normalization="RMSNorm",
+            gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False,
+            hidden_dropout=0.0, attention_dropout=0.0,
+            tensor_model_parallel_size=o.tp, pipeline_model_parallel_size=o.pp,
+            virtual_pipeline_model_parallel_size=o.vpp if o.vpp > 1 else None,
+            context_parallel_size=o.cp, sequence_parallel=o.sequence_parallel,
+            params_dtype=dtype, pipeline_dtype=dtype, bf16=self.ctx.job.run.precision == "bf16",
+            # Weights come from the canonical mapping: skip Megatron's own (full-matrix) init.
+            perform_initialization=False, use_cpu_initialization=True,
+            # Fused CUDA kernels are not available on the host / through the redirection.
+            bias_activation_fusion=use_te, apply_rope_fusion=False, masked_softmax_fusion=use_te,
+            persist_layer_norm=False, gradient_accumulation_fusion=False, bias_dropout_fusion=False,
+            # Megatron-LM's training defaults: the interleaved schedule overlaps p2p with compute
+            # (individual isend/irecv), 1F1B batches its p2p ops.
+            overlap_p2p_comm=o.vpp > 1, batch_p2p_comm=o.vpp == 1,
+            # Megatron frees a stage's output right after posting its send. On CUDA the caching
+            # allocator keeps the memory until the send's stream is done; on the host a gloo isend
+            # still in flight (overlapped p2p) then reads reused memory and the next stage gets
+            # garbage (seen: wrong losses for micro-batches 3 and 4 at pp=2, vpp=2). Keep outputs.
+            deallocate_pipeline_outputs=self.device_type == "cuda",
+        )
+
+    def _wrap_ddp(self, chunks: list, config) -> list:
+        """Megatron's DDP around each model chunk (bucketing on the first only), replicas identical."""
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        o = self.opts
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=o.overlap_grad_reduce, overlap_param_gather=o.overlap_param_gather,
+            use_distributed_optimizer=o.distributed_optimizer, bucket_size=o.bucket_size or None,
+            average_in_collective=False,
+        )
+        wrapped = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=m, disable_bucketing=(i > 0))
+                   for i, m in enumerate(chunks)]
+        for m in wrapped:  # DDP copied the weights into its buffers; broadcast keeps replicas identical
+            m.broadcast_params()
+        return wrapped
+
+    def _wire_schedules(self, config):
+        """Wire the schedules to the DDP wrappers, as megatron's training loop does; returns the
+        forward-backward schedule function."""
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        o = self.opts
         one = lambda fns: fns[0] if len(fns) == 1 else fns  # noqa: E731
         if o.overlap_grad_reduce:
             config.no_sync_func = one([m.no_sync for m in self.chunks])
@@ -397,12 +422,7 @@ class MegatronEngine(Engine):
         if o.overlap_param_gather:
             config.param_sync_func = one([m.start_param_sync for m in self.chunks])
         config.finalize_model_grads_func = finalize_model_grads
-        self.forward_backward = get_forward_backward_func()
-
-        self.counters.tp_group = ps.get_tensor_model_parallel_group()
-        self._instrument()
-        self.steps = 0
-        self.schedule_s = 0.0
+        return get_forward_backward_func()
 
     def _redirect_inside_backward(self, torch) -> None:
         """Keep the redirection's device-rewriting TorchFunctionMode active in autograd backward.
