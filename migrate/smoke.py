@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 
+from parabench.devices import AUTOLOAD_ENV
 from parabench.migrate.smoke_boot import ENV_SOURCES, SITECUSTOMIZE
 
 EMULATION_BANNER = "CPU SMOKE TEST (npu emulated on CPU) - numbers are not NPU numbers"
@@ -103,7 +104,8 @@ def _environment(pairs: list[str], boot_dir: str, sources: list[str]) -> dict[st
     env["PYTHONPATH"] = os.pathsep.join([boot_dir, *filter(None, [env.get("PYTHONPATH")])])
     env[ENV_SOURCES] = ",".join(sources)
     # An installed torch_npu without CANN breaks `import torch` (docs/sources.md#device-backend-autoload).
-    env.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+    for key, value in AUTOLOAD_ENV.items():
+        env.setdefault(key, value)
     return env
 
 
