@@ -1,14 +1,14 @@
-"""Every import goes down the floors (docs/architecture.md), read from the source with ast, no import.
+"""Every import goes down the floors of docs/architecture.md, read from the source with ast, no import.
 
 Floors, top to bottom; a module may import its own floor or a lower one, never a higher one, and
 the project's imports have no cycle:
 
-    cli        parabench.cli, parabench.__main__
-    commands   runner, compare, sweep, envreport (bench env), parabench.migrate.* (bench migrate/smoke)
-    processes  launchers, worker, loop, jobs (config or spec.json -> JobSpec: needs the adapter)
-    adapters   parabench.adapters.*
-    foundation model, data, devices, metrics, flops, redirect, tracking, plots, hf, indexed
-    spec       spec, errors, confutil, parabench (the package: its version)
+    command line     parabench.cli, parabench.__main__
+    commands         runner, compare, sweep, envreport (bench env), parabench.migrate.* (bench migrate/smoke)
+    processes        launchers, worker, loop, jobs (config or spec.json -> JobSpec: needs the adapter)
+    backends         parabench.adapters.*
+    building blocks  model, data, indexed, hf, devices, redirect, flops, metrics, tracking, plots, confutil
+    contract         spec, errors, parabench (the package: its version)
 
 A project module is imported inside a function only where it is heavy: it imports, itself or through
 the project modules it imports at module level, a framework that is slow to import or absent
@@ -30,13 +30,14 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"bench": "parabench", "adapters": "parabench.adapters", "migrate": "parabench.migrate"}
 
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
-    ("cli", ("parabench.cli", "parabench.__main__")),
+    ("command line", ("parabench.cli", "parabench.__main__")),
     ("commands", ("parabench.runner", "parabench.compare", "parabench.sweep", "parabench.envreport", "parabench.migrate")),
     ("processes", ("parabench.launchers", "parabench.worker", "parabench.loop", "parabench.jobs")),
-    ("adapters", ("parabench.adapters",)),
-    ("foundation", ("parabench.model", "parabench.data", "parabench.devices", "parabench.metrics", "parabench.flops",
-                    "parabench.redirect", "parabench.tracking", "parabench.plots", "parabench.hf", "parabench.indexed")),
-    ("spec", ("parabench.spec", "parabench.errors", "parabench.confutil", "parabench")),
+    ("backends", ("parabench.adapters",)),
+    ("building blocks", ("parabench.model", "parabench.data", "parabench.indexed", "parabench.hf", "parabench.devices",
+                         "parabench.redirect", "parabench.flops", "parabench.metrics", "parabench.tracking",
+                         "parabench.plots", "parabench.confutil")),
+    ("contract", ("parabench.spec", "parabench.errors", "parabench")),
 ]
 
 # Third-party packages that are slow to import, need hardware, or are optional extras.
