@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from parabench.adapters.base import Engine, WorkerContext
-from parabench.data import TokenSource
+from parabench.data import DataLedger, TokenSource
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:
@@ -27,13 +27,16 @@ def write_json_atomic(path: Path, payload: dict) -> None:
 
 def train(engine: Engine, ctx: WorkerContext, on_step: Callable[[int, int, float, float], None] | None = None) -> dict:
     job, device = ctx.job, ctx.device
-    source = TokenSource(job.data, job.model.vocab_size)
+    source = TokenSource(job.data, job.model.vocab_size, ctx.run_dir)
     dp_rank, dp_size = engine.data_parallel()
+    ledger = DataLedger(source, dp_rank, dp_size)  # which rows this rank trained on (checksum)
     total = job.run.warmup_steps + job.run.steps
     step_times: list[float] = []
     losses: list[float] = []
     for step in range(total):
-        batches = engine.prepare_batch(source.rank_micro_batches(step, dp_rank, dp_size))
+        micro_batches = source.rank_micro_batches(step, dp_rank, dp_size)
+        ledger.record(step, micro_batches)
+        batches = engine.prepare_batch(micro_batches)
         device.synchronize()
         t0 = time.perf_counter()
         loss = engine.train_step(batches)
@@ -55,4 +58,5 @@ def train(engine: Engine, ctx: WorkerContext, on_step: Callable[[int, int, float
         "peak_memory_kind": peak_kind,
         "model_state": engine.model_state_bytes().as_dict(),
         "extra": engine.extra_metrics(),
+        "data": ledger.as_dict(),
     }

@@ -45,6 +45,7 @@ def prepare(plain: dict[str, Any]) -> JobSpec:
     if launcher.get("slurm") and not launcher.get("dry_run"):
         plain = {**plain, "launcher": {**launcher, **_slurm_placement(launcher)}}
     job = from_config(plain)
+    _check_data(job)
     adapter = get_adapter(job.backend.name)
     check_capabilities(adapter, job)
     if job.launch.dry_run:
@@ -227,6 +228,7 @@ def execute(job: JobSpec, plain: dict[str, Any], run_dir: Path, extra_tags: dict
     (run_dir / "logs").mkdir(exist_ok=True)
     (run_dir / "config.resolved.yaml").write_text(yaml.safe_dump(plain, sort_keys=False))
     (run_dir / "spec.json").write_text(job.to_json())
+    _stage_data(job, run_dir)
     env = launch_env(job)
     port = job.launch.master_port or free_port()
     bundle = write_bundle(job, run_dir, env, job.launch.master_port or 29500)
@@ -313,6 +315,7 @@ def build_summary(job: JobSpec, adapter, results: list[dict]) -> dict[str, Any]:
         "peak_source": peak.source if peak else "unknown device peak: MFU not computed",
         "peak_uncertain": bool(peak and peak.uncertain),
         "initial_checksum": checksums.pop() if len(checksums) == 1 else f"MISMATCH {sorted(checksums)}",
+        **_data_summary(results),
         "losses": results[0]["losses"],
         "model_state_per_rank": state_per_rank,
         # per rank: bytes / the parameters that rank's shard holds (TP/PP shards hold a part of the model)
@@ -329,6 +332,28 @@ def build_summary(job: JobSpec, adapter, results: list[dict]) -> dict[str, Any]:
     extra = {k: v for r in results for k, v in r.get("extra", {}).items()}
     summary.update({f"extra.{k}": v for k, v in extra.items()})
     return summary
+
+
+def _check_data(job: JobSpec) -> None:
+    """Data problems (missing/corrupt files, token ids outside the vocabulary) refused before launch."""
+    from parabench.data import check_data
+
+    check_data(job, Path(job.run.results_dir) / ".cache")
+
+
+def _stage_data(job: JobSpec, run_dir: Path) -> None:
+    from parabench.data import stage_data
+
+    stage_data(job, Path(job.run.results_dir) / ".cache", run_dir)
+
+
+def _data_summary(results: list[dict]) -> dict[str, str]:
+    """Which reader the ranks used, and the run's checksum of the rows they trained on."""
+    from parabench.data import combined_checksum
+
+    readers = sorted({r["data"]["reader"] for r in results})
+    return {"data_reader": readers[0] if len(readers) == 1 else f"MISMATCH {readers}",
+            "data_checksum": combined_checksum([r["data"] for r in results])}
 
 
 def _peak(job: JobSpec, device_name: str):
@@ -348,7 +373,7 @@ def _log_results(tracker, summary: dict[str, Any], results: list[dict]) -> None:
         metrics += [(f"rank{r['rank']}.{k}", ms[k], 0) for k in ("params", "grads", "optimizer", "optimizer_other", "total")]
         metrics += [(f"rank{r['rank']}.peak_memory_bytes", r["peak_memory_bytes"], 0)]
     tracker.log_metrics(metrics)
-    tracker.set_tags({k: summary[k] for k in ("flops_formula", "peak_source", "initial_checksum", "device_name",
+    tracker.set_tags({k: summary[k] for k in ("flops_formula", "peak_source", "initial_checksum", "data_checksum", "data_reader", "device_name",
                                               "peak_memory_kind", "model_state_expected_formula") if k in summary})
 
 
@@ -383,6 +408,7 @@ def print_summary(job: JobSpec, s: dict[str, Any], tracker, run_dir: Path) -> No
     lines += [
         f"  loss           {s['loss_first']:.6f} (step 0) -> {s['loss_final']:.6f} (step {len(s['losses']) - 1})",
         f"  init checksum  {s['initial_checksum']}",
+        f"  data           {s['data_reader']}; rows checksum {s['data_checksum']}",
         f"  run dir        {run_dir}",
     ]
     if tracker.run_id:

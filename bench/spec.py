@@ -204,12 +204,14 @@ class ModelSpec:
 class DataSpec:
     """Token source and batch geometry (sequence length and batch sizes live here, not in model)."""
 
-    source: typing.Literal["synthetic", "text"] = "synthetic"
-    path: str | None = None  # text source: a local UTF-8/bytes file, tokenized byte-level
+    source: typing.Literal["synthetic", "text", "indexed"] = "synthetic"
+    path: str | None = None  # text: a local file; indexed: the .bin/.idx prefix (Megatron's --data-path)
     seq_len: int = 256
     global_batch_size: int = 4  # sequences per optimizer step, all data-parallel ranks together
     micro_batch_size: int = 2  # sequences per forward/backward on one rank
-    seed: int = 1234
+    seed: int = 1234  # synthetic and text sources (the indexed source reads its samples in file order)
+    tokenizer: str | None = None  # text: a local Hugging Face tokenizer.json; None = bytes (token id = byte)
+    reader: typing.Literal["auto", "megatron", "numpy"] = "auto"  # indexed: auto = megatron-core's IndexedDataset where installed, else NumPy
 
 
 @dataclass(frozen=True)
@@ -357,18 +359,7 @@ def validate_common(model: ModelSpec, data: DataSpec, optim: OptimSpec, device: 
     if rs is not None and not (rs.factor > 0 and 0 < rs.low_freq_factor < rs.high_freq_factor and rs.original_max_position_embeddings > 0):
         raise SpecError("model.rope_scaling", f"needs factor > 0, 0 < low_freq_factor < high_freq_factor, "
                                               f"original_max_position_embeddings > 0; got {to_dict(rs)}")
-    if data.source == "text":
-        if not data.path:
-            raise SpecError("data.path", "the text source needs a local file: data.path=/path/to/file.txt")
-        p = Path(data.path)
-        if not p.is_file():
-            raise SpecError("data.path", f"no such file: {data.path}")
-        if p.stat().st_size < data.seq_len + 2:
-            raise SpecError("data.path", f"{data.path} holds {p.stat().st_size} bytes; need more than seq_len+1 = {data.seq_len + 1}")
-        if model.vocab_size < 256:
-            raise SpecError("model.vocab_size", "the byte-level tokenizer needs vocab_size >= 256")
-    elif data.path:
-        raise SpecError("data.path", "only the text source reads a file; set data=text or drop data.path")
+    _validate_data(data, model)
     if not (0.0 <= optim.betas[0] < 1.0 and 0.0 <= optim.betas[1] < 1.0):
         raise SpecError("optim.betas", f"each beta must be in [0, 1), got {list(optim.betas)}")
     if optim.weight_decay < 0:
@@ -387,6 +378,29 @@ def validate_common(model: ModelSpec, data: DataSpec, optim: OptimSpec, device: 
         raise SpecError("device.threads_per_rank", f"must be >= 0 (0 = automatic), got {device.threads_per_rank}")
     if device.peak_tflops is not None and device.peak_tflops <= 0:
         raise SpecError("device.peak_tflops", f"must be > 0 or null, got {device.peak_tflops}")
+
+
+def _validate_data(data: DataSpec, model: ModelSpec) -> None:
+    """Keys and files; the tokens themselves are checked by parabench.data.check_data before launch."""
+    if data.source == "synthetic" and data.path:
+        raise SpecError("data.path", "the synthetic source reads no file; set data=text or data=indexed, or drop data.path")
+    if data.tokenizer and data.source != "text":
+        raise SpecError("data.tokenizer", "only the text source uses a tokenizer: data=text data.tokenizer=/path/to/tokenizer.json")
+    if data.reader != "auto" and data.source != "indexed":
+        raise SpecError("data.reader", "only the indexed source has a reader to choose: data=indexed")
+    if data.source == "indexed" and not data.path:
+        raise SpecError("data.path", "the indexed source needs the .bin/.idx prefix: data.path=/path/to/corpus_text_document")
+    if data.source != "text":
+        return
+    if not data.path:
+        raise SpecError("data.path", "the text source needs a local file: data.path=/path/to/file.txt")
+    p = Path(data.path)
+    if not p.is_file():
+        raise SpecError("data.path", f"no such file: {data.path}")
+    if data.tokenizer is None and p.stat().st_size < data.seq_len + 2:
+        raise SpecError("data.path", f"{data.path} holds {p.stat().st_size} bytes; need more than seq_len+1 = {data.seq_len + 1}")
+    if data.tokenizer is None and model.vocab_size < 256:
+        raise SpecError("model.vocab_size", "the byte-level tokenizer needs vocab_size >= 256")
 
 
 def validate_parallel(parallel: ParallelDims, model: ModelSpec, data: DataSpec) -> None:
