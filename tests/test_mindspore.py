@@ -23,7 +23,7 @@ def rel(a: float, b: float) -> float:
 def test_adamw_matches_torch_adamw_on_a_tiny_tensor():
     import torch
 
-    from parabench.adapters.mindspore import _cells
+    from parabench.adapters import mindspore_cells as cells
     from parabench.spec import OptimSpec
 
     ms.set_context(mode=ms.GRAPH_MODE)
@@ -40,7 +40,6 @@ def test_adamw_matches_torch_adamw_on_a_tiny_tensor():
 
     topt = make_adamw([("w", tw), ("b", tb)], spec)
 
-    cells = _cells()
     mw, mb = ms.Parameter(ms.Tensor(w0), name="w"), ms.Parameter(ms.Tensor(b0), name="b")
     params = ms.ParameterTuple([mw, mb])
     opt = cells.AdamW(params, spec)
@@ -64,11 +63,11 @@ def test_adamw_matches_torch_adamw_on_a_tiny_tensor():
 
 
 def test_step_scalars_fold_the_bias_correction():
-    from parabench.adapters.mindspore import _cells
+    from parabench.adapters import mindspore_cells as cells
     from parabench.spec import OptimSpec
 
     spec = OptimSpec(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    opt = _cells().AdamW(ms.ParameterTuple([ms.Parameter(ms.Tensor(np.zeros((2, 2), np.float32)), name="p")]), spec)
+    opt = cells.AdamW(ms.ParameterTuple([ms.Parameter(ms.Tensor(np.zeros((2, 2), np.float32)), name="p")]), spec)
     lr, eps, wd = opt.step_scalars(3)
     bc1, bc2 = 1 - 0.9 ** 3, 1 - 0.95 ** 3
     assert math.isclose(lr, 1e-3 * math.sqrt(bc2) / bc1) and math.isclose(eps, 1e-8 * math.sqrt(bc2))
