@@ -62,10 +62,22 @@ from parabench.metrics import held_bytes, optimizer_state_tensors
 from parabench.redirect import install
 from parabench.spec import JobSpec, ModelSpec, ParallelDims
 
-# megatron-core releases this adapter was written against and tested with. Its private pieces
-# (schedule internals, optimizer groups, buffer layout) change between releases: refuse others.
-SUPPORTED_VERSIONS = ("0.16.1",)
+# megatron-core release series this adapter is written against and tested with (docs/megatron.md
+# lists the patch releases tested): 0.12 is MindSpeed's pin (core_r0.12.1), 0.16 the newest. What
+# differs between them is chosen in megatron_compat. Its private pieces (schedule internals,
+# optimizer groups, buffer layout) change between releases: other series are refused.
+SUPPORTED_SERIES = ("0.12", "0.16")
 INSTALL_HINT = "pip install 'parabench[megatron]'"
+
+
+def supported(version: str | None) -> bool:
+    """``version`` (a megatron-core release, e.g. 0.12.1 or 0.16.1) belongs to a supported series."""
+    return version is not None and ".".join(version.split(".")[:2]) in SUPPORTED_SERIES
+
+
+def unsupported_reason(version: str | None) -> str:
+    series = ", ".join(f"{s}.x" for s in SUPPORTED_SERIES)
+    return f"megatron-core {version} is not supported (supported: {series}; {INSTALL_HINT})"
 
 
 @dataclass(frozen=True)
@@ -127,9 +139,8 @@ class MegatronAdapter(Adapter):
         if version is None:
             return Availability(False, f"megatron-core not installed ({INSTALL_HINT})")
         versions = {"megatron-core": version, "torch": package_version("torch")}
-        if version not in SUPPORTED_VERSIONS:
-            return Availability(False, f"megatron-core {version} is not supported (supported: {', '.join(SUPPORTED_VERSIONS)}; "
-                                       f"{INSTALL_HINT})", versions)
+        if not supported(version):
+            return Availability(False, unsupported_reason(version), versions)
         return Availability(True, f"megatron-core {version}", versions)
 
     @classmethod
@@ -213,8 +224,8 @@ class MegatronAdapter(Adapter):
     @classmethod
     def create_engine(cls, ctx: WorkerContext) -> Engine:
         version = package_version("megatron-core")
-        if version not in SUPPORTED_VERSIONS:
-            raise RuntimeError(f"megatron-core {version} is not supported (supported: {', '.join(SUPPORTED_VERSIONS)})")
+        if not supported(version):
+            raise RuntimeError(unsupported_reason(version))
         return MegatronEngine(ctx)
 
 
@@ -292,6 +303,7 @@ class MegatronEngine(Engine):
         from megatron.core.models.gpt.gpt_model import GPTModel
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        from parabench.adapters.megatron_compat import adamw_options, build_chunk
         from parabench.adapters.megatron_mapping import canonical_names, to_megatron
         from parabench.model import initial_weights
 
@@ -310,12 +322,12 @@ class MegatronEngine(Engine):
         layout = _layout(job, te_names=use_te)
         self.layout, self.stage, self.tp_rank = layout, stage, tp_rank
         for c in range(o.vpp):
-            model = GPTModel(
-                config=config, transformer_layer_spec=layer_spec(c if o.vpp > 1 else None), vocab_size=spec.vocab_size,
+            vp_stage = c if o.vpp > 1 else None
+            model = build_chunk(
+                GPTModel, ps, vp_stage, config=config, transformer_layer_spec=layer_spec(vp_stage), vocab_size=spec.vocab_size,
                 max_sequence_length=job.data.seq_len, pre_process=layout.is_first(stage, c),
                 post_process=layout.is_last(stage, c), share_embeddings_and_output_weights=spec.tie_word_embeddings,
                 position_embedding_type="rope", rotary_percent=1.0, rotary_base=spec.rope_theta,
-                vp_stage=c if o.vpp > 1 else None,
             )
             canonical = initial_weights(spec, job.run.seed, canonical_names(spec, layout, stage, c))
             self._load(model, to_megatron(canonical, spec, layout, stage, c, tp_rank))
@@ -333,7 +345,7 @@ class MegatronEngine(Engine):
             OptimizerConfig(optimizer="adam", lr=opt.lr, min_lr=opt.lr, weight_decay=opt.weight_decay,
                             adam_beta1=opt.betas[0], adam_beta2=opt.betas[1], adam_eps=opt.eps,
                             clip_grad=opt.grad_clip, bf16=bf16, params_dtype=dtype,
-                            use_distributed_optimizer=o.distributed_optimizer, decoupled_weight_decay=True),
+                            use_distributed_optimizer=o.distributed_optimizer, **adamw_options(OptimizerConfig)),
             self.chunks,
         )
         for group in self.param_groups():
@@ -477,13 +489,15 @@ class MegatronEngine(Engine):
         # sequence_parallel is off: its weight lacks the ``sequence_parallel`` mark that makes
         # finalize_model_grads all-reduce norm gradients over the TP group (each rank saw only its
         # sequence slice). Same math, marked weight (as Megatron's FusedLayerNorm marks it).
-        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+        from parabench.adapters.megatron_compat import num_layers_to_build
 
         norm = _sequence_parallel_rmsnorm()
         layer = dataclasses.replace(spec, submodules=dataclasses.replace(
             spec.submodules, input_layernorm=norm, pre_mlp_layernorm=norm))
         return lambda vp_stage: TransformerBlockSubmodules(
-            layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage), layer_norm=norm)
+            layer_specs=[layer] * num_layers_to_build(config, vp_stage), layer_norm=norm)
 
     @staticmethod
     def _load(model, shard: dict) -> None:

@@ -42,10 +42,19 @@ def test_invalid_megatron_config_is_refused_before_launch(name, tmp_path, capsys
 
 
 def test_version_and_availability_are_stated():
-    from parabench.adapters.megatron import SUPPORTED_VERSIONS, MegatronAdapter
+    from parabench.adapters.megatron import MegatronAdapter, supported
 
     avail = MegatronAdapter.availability()
-    assert avail.available and avail.versions["megatron-core"] in SUPPORTED_VERSIONS, avail
+    assert avail.available and supported(avail.versions["megatron-core"]), avail
+
+
+def test_supported_series():
+    from parabench.adapters.megatron import supported
+    from parabench.adapters.mindspeed import KNOWN_GOOD
+
+    assert all(supported(v) for v in ("0.12.0", "0.12.1", "0.12.3", "0.16.0", "0.16.1"))
+    assert not any(supported(v) for v in (None, "0.9.0", "0.11.0", "0.13.1", "0.17.0", "1.12.1"))
+    assert all(supported(good["megatron-core"]) for good in KNOWN_GOOD)  # MindSpeed's pins run the Megatron engine
 
 
 def test_unsupported_version_is_refused(monkeypatch):
@@ -53,7 +62,7 @@ def test_unsupported_version_is_refused(monkeypatch):
 
     monkeypatch.setattr(mg, "package_version", lambda dist: "0.9.0" if dist == "megatron-core" else "2.13.0")
     avail = mg.MegatronAdapter.availability()
-    assert not avail.available and "0.9.0 is not supported" in avail.reason and "0.16.1" in avail.reason
+    assert not avail.available and "0.9.0 is not supported" in avail.reason and "0.12.x, 0.16.x" in avail.reason
     monkeypatch.setattr(mg, "package_version", lambda dist: None if dist == "megatron-core" else "2.13.0")
     assert "pip install 'parabench[megatron]'" in mg.MegatronAdapter.availability().reason
 
