@@ -22,6 +22,17 @@ from parabench.model import build_llama, set_activation_checkpointing
 from parabench.spec import MODEL_FEATURES, JobSpec
 
 
+# torch 2.6's FSDP2 calls Stream.record_event/wait_event, which torch.cpu.Stream lacks there, and
+# with those stubbed its reshard-after-forward overwrites tensors autograd saved; torch 2.7 runs it on
+# CPU (both found by benchmarks/compat_matrix.sh). Accelerators have real streams.
+CPU_FSDP2_TORCH = (2, 7)
+
+
+def torch_release() -> tuple[int, ...]:
+    """(major, minor) of the installed torch, local build tags (+cpu, +cu124) ignored."""
+    return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+
+
 @dataclass(frozen=True)
 class FSDPOptions:
     reshard_after_forward: bool = True  # free unsharded params after forward (ZeRO-3); false ~ ZeRO-2
@@ -57,6 +68,10 @@ class FSDPAdapter(Adapter):
     def validate(cls, job: JobSpec) -> None:
         if job.backend.options.cpu_offload and job.device.type == "cpu":
             raise SpecError("backend.cpu_offload", "offloading to the host needs an accelerator device (device=cuda or npu)")
+        if job.device.type == "cpu" and torch_release() < CPU_FSDP2_TORCH:
+            raise SpecError("backend", f"fsdp on device=cpu needs torch>={'.'.join(map(str, CPU_FSDP2_TORCH))}: torch "
+                                       f"{torch.__version__}'s FSDP2 has no CPU stream events (torch.cpu.Stream.record_event); "
+                                       "use backend=ddp or an accelerator device, or upgrade torch")
 
     @classmethod
     def expected_model_state(cls, job: JobSpec) -> StateFormula:

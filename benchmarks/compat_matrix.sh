@@ -5,7 +5,10 @@
 #                                           from PyPI, runs on CPU) + megatron-core 0.12.1 (MindSpeed's
 #                                           pin) + deepspeed 0.16.9 + the hf extra's lower bounds; installs
 #                                           parabench there (torch must stay untouched) and runs the
-#                                           ddp/fsdp, deepspeed and megatron parity tests.  ~3 GB, 20-40 min
+#                                           deepspeed and megatron parity tests (fsdp on CPU: refused,
+#                                           needs torch 2.7).  ~3 GB, 15-30 min
+#   benchmarks/compat_matrix.sh known-good  the same with torch 2.7.1 (MindSpeed's known-good torch next
+#                                           to megatron-core 0.12.1): ddp/fsdp and megatron parity tests
 #   benchmarks/compat_matrix.sh keep-torch  Python 3.11 + torch 2.14.1 (newest supported, CUDA build):
 #                                           `pip install .` must leave that torch in place; then
 #                                           `bench run +model=llama` and 2-rank ddp and fsdp runs.  ~10 min
@@ -64,9 +67,11 @@ assert_torch_kept() {
   echo "[compat] torch untouched: $after"
 }
 
-oldest() {
-  local venv="$ROOT/compat" before
-  venv_with_torch "$venv" "$(interp 3.10)" "torch==2.6.0"
+# $1 venv, $2 python version, $3 torch version: torch first, then deepspeed, megatron-core and
+# parabench's extras around it; parabench's install must leave that torch untouched.
+matrix_env() {
+  local venv="$1" before
+  venv_with_torch "$venv" "$(interp "$2")" "torch==$3"
   before="$(fingerprint "$venv")"
   # deepspeed ships a source archive whose build imports torch: build it against this torch.
   pipq "$venv" --no-build-isolation "deepspeed==0.16.9" "safetensors==0.4.3" "tokenizers==0.21.4" einops
@@ -75,17 +80,31 @@ oldest() {
   pipq "$venv" --no-deps "megatron-core==0.12.1"
   pipq "$venv" --no-build-isolation "$REPO[test,hf,deepspeed]"
   assert_torch_kept "$venv" "$before"
-  "$venv/bin/python" -m pip check | grep -v "^WARNING" || true
   "$venv/bin/bench" env
+}
+
+matrix_tests() {  # $1 venv, then pytest node ids (run from the repository, against the installed copy)
   cd "$REPO"
-  flock "$LOCK" timeout 3600 "$venv/bin/python" -m pytest -q -p no:cacheprovider \
+  flock "$LOCK" timeout 3600 "$1/bin/python" -m pytest -q -p no:cacheprovider "${@:2}"
+}
+
+# torch 2.6.0: deepspeed and megatron parity with ddp; fsdp on CPU is refused there (needs torch 2.7).
+oldest() {
+  matrix_env "$ROOT/compat" 3.10 2.6.0
+  matrix_tests "$ROOT/compat" tests/test_versions.py \
+    "tests/test_deepspeed.py::test_fp32_loss_parity_with_ddp" \
+    "tests/test_deepspeed.py::test_optimizer_state_bytes_equal_the_zero_formula_on_two_ranks" \
+    "tests/test_megatron.py::test_megatron_matches_ddp" "tests/test_megatron.py::test_megatron_metrics"
+}
+
+# torch 2.7.1 + megatron-core 0.12.1: MindSpeed's known-good pair (no NPU here); ddp/fsdp parity.
+known_good() {
+  matrix_env "$ROOT/torch27" 3.10 2.7.1
+  matrix_tests "$ROOT/torch27" tests/test_versions.py \
     "tests/test_e2e.py::test_identical_initial_weights_for_every_backend_and_world_size" \
     "tests/test_e2e.py::test_ddp_fsdp_loss_parity" "tests/test_e2e.py::test_world_size_does_not_change_the_math" \
     "tests/test_e2e.py::test_exact_model_state_accounting" \
-    "tests/test_deepspeed.py::test_fp32_loss_parity_with_ddp" \
-    "tests/test_deepspeed.py::test_optimizer_state_bytes_equal_the_zero_formula_on_two_ranks" \
-    "tests/test_megatron.py::test_megatron_matches_ddp" "tests/test_megatron.py::test_megatron_metrics" \
-    tests/test_versions.py
+    "tests/test_megatron.py::test_megatron_matches_ddp" "tests/test_megatron.py::test_megatron_metrics"
 }
 
 keep_torch() {
@@ -107,8 +126,9 @@ static() {
   local v py
   for v in 3.10 3.12; do
     py="$(interp "$v")"
-    "$py" -m compileall -q -f -x '/tests/golden/|/migrate/data/' "$REPO/bench" "$REPO/adapters" "$REPO/migrate" \
-      "$REPO/tests" "$REPO/benchmarks" >/dev/null
+    # (the migrate fixtures hold deliberately unparseable Python 2 files)
+    "$py" -m compileall -q -f -x '/tests/migrate/(fixtures|golden)/' "$REPO/bench" "$REPO/adapters" "$REPO/migrate" \
+      "$REPO/tests" "$REPO/benchmarks"
     # metadata only (no dependencies): pip refuses the package when requires-python excludes $v
     "$py" -m pip install -q --disable-pip-version-check --dry-run --no-deps --ignore-installed "$REPO" \
       2> >(grep -v "^WARNING: Location" >&2)
@@ -118,8 +138,9 @@ static() {
 
 case "${1:-}" in
   oldest) oldest ;;
+  known-good) known_good ;;
   keep-torch) keep_torch ;;
   static) static ;;
-  all) static; keep_torch; oldest ;;
-  *) sed -n '2,19p' "$0"; exit 2 ;;
+  all) static; keep_torch; oldest; known_good ;;
+  *) sed -n '2,21p' "$0"; exit 2 ;;
 esac

@@ -99,3 +99,22 @@ def test_bench_env_prints_ranges_outside_backends_and_the_mindspeed_set(capsys):
     rep = report()
     assert set(rep["outside"]) <= set(rep["backends"])
     assert ("outside the supported ranges" in out) == bool(rep["outside"])
+
+
+def test_fsdp_on_cpu_with_an_old_torch_is_refused_before_launch(tmp_path, capsys, monkeypatch):
+    """On torch < 2.7 (the compat matrix's torch 2.6) fsdp on CPU is refused with the version it needs;
+    on newer torch the same command passes validation (the e2e parity tests then run it)."""
+    from conftest import assert_refused_before_launch
+
+    from parabench.adapters.fsdp import CPU_FSDP2_TORCH, torch_release
+
+    monkeypatch.chdir(tmp_path)
+    args = ["+model=llama", "backend=fsdp", "device=cpu"]
+    if torch_release() < CPU_FSDP2_TORCH:
+        assert_refused_before_launch(args, "needs torch>=2.7", tmp_path, capsys)
+    else:
+        from parabench.adapters.fsdp import FSDPAdapter
+        from parabench.confutil import compose, to_plain
+        from parabench.jobs import from_config
+
+        FSDPAdapter.validate(from_config(to_plain(compose(args))))  # no refusal
