@@ -46,9 +46,14 @@ def test_every_bound_says_why():
     text = (REPO / "pyproject.toml").read_text().splitlines()
     start = next(i for i, line in enumerate(text) if line.startswith("requires-python"))
     end = next(i for i, line in enumerate(text) if line.startswith("[project.scripts]"))
-    silent = [line.strip() for i, line in enumerate(text[start:end], start)
-              if re.search(r'"[\w-]+(\[[\w,]+\])?\s*[<>=~]', line) and "#" not in line and not text[i - 1].strip().startswith("#")
-              and not line.strip().startswith(("test =", "all ="))]
+    silent = [
+        line.strip()
+        for i, line in enumerate(text[start:end], start)
+        if re.search(r'"[\w-]+(\[[\w,]+\])?\s*[<>=~]', line)
+        and "#" not in line
+        and not text[i - 1].strip().startswith("#")
+        and not line.strip().startswith(("test =", "all ="))
+    ]
     assert not silent, silent
 
 
@@ -91,7 +96,7 @@ def test_bench_env_prints_ranges_outside_backends_and_the_mindspeed_set(capsys):
 
     assert main([]) == 0
     out = capsys.readouterr().out
-    versions = out[out.index("\nversions (supported range"):]
+    versions = out[out.index("\nversions (supported range") :]
     torch_line = next(line for line in versions.splitlines() if line.split()[:1] == ["torch"])
     assert package_version("torch") in torch_line and ">=2.6,<2.15" in torch_line
     assert torch_line.split()[-1] in ("ok", "OUTSIDE")
@@ -105,7 +110,6 @@ def test_fsdp_on_cpu_with_an_old_torch_is_refused_before_launch(tmp_path, capsys
     """On torch < 2.7 (the compat matrix's torch 2.6) fsdp on CPU is refused with the version it needs;
     on newer torch the same command passes validation (the e2e parity tests then run it)."""
     from conftest import assert_refused_before_launch
-
     from parabench.adapters.fsdp import CPU_FSDP2_TORCH, torch_release
 
     monkeypatch.chdir(tmp_path)
