@@ -21,7 +21,6 @@ from parabench.errors import SpecError
 from parabench.model import build_llama, set_activation_checkpointing
 from parabench.spec import MODEL_FEATURES, JobSpec
 
-
 # torch 2.6's FSDP2 calls Stream.record_event/wait_event, which torch.cpu.Stream lacks there, and
 # with those stubbed its reshard-after-forward overwrites tensors autograd saved; torch 2.7 runs it on
 # CPU (both found by benchmarks/compat_matrix.sh). Accelerators have real streams.
