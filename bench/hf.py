@@ -9,10 +9,7 @@ checked against the spec before a process starts (one line, exit 2).
 Accepted: the Llama family, as far as the canonical model (bench/model.py) computes the same
 function. Each config field that changes the math is either mapped or refused by name; fields that
 do not (token ids, ``torch_dtype``, ``use_cache``, ``pretraining_tp``, which only slices the same
-matmuls) are not read. Sources for the field names and their defaults: transformers'
-``models/llama/configuration_llama.py``, ``models/qwen2/configuration_qwen2.py``,
-``models/mistral/configuration_mistral.py``; the file format: the safetensors README
-(huggingface/safetensors) and transformers' sharded-checkpoint index (``weight_map``).
+matmuls) are not read. Field names, defaults and the file format: docs/sources.md#hugging-face-checkpoints.
 """
 
 from __future__ import annotations

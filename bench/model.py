@@ -107,7 +107,7 @@ def llama3_inv_freq(inv_freq: torch.Tensor, rs) -> torch.Tensor:
     """Llama 3.1's frequency scaling (``rope_type: llama3``; Meta's llama-models reference, as in
     transformers' ``modeling_rope_utils._compute_llama3_parameters``): wavelengths shorter than
     original_max_position_embeddings / high_freq_factor are kept, longer than .../low_freq_factor are
-    divided by ``factor``, and those between are interpolated smoothly."""
+    divided by ``factor``, and those between are interpolated smoothly (docs/sources.md#hugging-face-checkpoints)."""
     wavelen = 2 * math.pi / inv_freq
     low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
     high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
