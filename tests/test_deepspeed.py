@@ -120,13 +120,16 @@ def test_zero_formula_per_stage():
 
 
 def test_stage_presets_and_the_experiment_expand_and_validate(tmp_path, monkeypatch):
+    from hydra._internal.utils import get_args_parser
+
     from parabench.cli import _preflight
     from parabench.confutil import compose, to_plain
 
     for s in range(4):
         assert to_plain(compose(["+model=llama", f"backend=deepspeed/zero{s}", "backend.overlap_comm=true"]))["backend"]["zero_stage"] == s
     monkeypatch.chdir(tmp_path)
-    prepared = _preflight(["-m", "+model=llama", "+experiment=zero_stages", f"run.results_dir={tmp_path / 'r'}"])
+    args = get_args_parser().parse_args(["-m", "+model=llama", "+experiment=zero_stages", f"run.results_dir={tmp_path / 'r'}"])
+    prepared = _preflight(args)
     stages = sorted(job.backend.options.zero_stage for job in prepared.jobs.values() if job.backend.name == "deepspeed")
     assert len(prepared.jobs) == 7 and stages == [0, 1, 2, 2, 3]  # ddp, fsdp, zero0-3, zero2_offload
     assert not (tmp_path / "r").exists()
