@@ -47,6 +47,9 @@ PEAKS: dict[str, dict[str, Peak]] = {
                   "fp32": Peak(51, "NVIDIA H100 datasheet (PCIe)")},
     "H100": {"bf16": Peak(989, "NVIDIA H100 datasheet (SXM)"), "fp16": Peak(989, "NVIDIA H100 datasheet (SXM)"),
              "fp32": Peak(67, "NVIDIA H100 datasheet (SXM)")},
+    # The NVL card runs at its own (lower) clocks and power: no figure of it is carried here, so it
+    # gets no MFU rather than the SXM peak that its "H100" name would otherwise match.
+    "H100 NVL": {},
     "H200": {"bf16": Peak(989, "NVIDIA H200 datasheet"), "fp16": Peak(989, "NVIDIA H200 datasheet"),
              "fp32": Peak(67, "NVIDIA H200 datasheet")},
     "910B": {"bf16": Peak(363.7, "MindSpeed auto-tuning default for 910B", True),

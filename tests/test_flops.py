@@ -70,6 +70,7 @@ def test_ascend_910b_peak_is_marked_uncertain(tmp_path):
 @pytest.mark.parametrize(("device_name", "precision"), [
     ("NVIDIA GeForce RTX 4090", "bf16"),  # not in the table
     ("NVIDIA A10", "bf16"),  # a prefix of "A100" must not match it
+    ("NVIDIA H100 NVL", "bf16"),  # an H100 variant without a figure here must not take the SXM peak
     ("Ascend910B3", "fp32"),  # known device, no published fp32 figure
 ])
 def test_unknown_peak_gives_no_mfu(device_name, precision, tmp_path):
