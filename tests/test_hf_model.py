@@ -224,13 +224,15 @@ BACKENDS_FROM_FILE = {
     "fsdp x2": (None, ["backend=fsdp", "launcher.nproc_per_node=2"]),
     "megatron tp2": ("megatron.core", ["backend=megatron", "backend.tp=2", "launcher.nproc_per_node=2"]),
     "mindspore": ("mindspore", ["backend=mindspore", "backend.mode=graph"]),
+    # bf16: DeepSpeed derives fp32 masters from its bf16 copies; initial_weights puts the file's back
+    "deepspeed zero3 bf16": ("deepspeed", ["backend=deepspeed/zero3", "run.precision=bf16"]),
 }
 
 
 @pytest.mark.parametrize("case", BACKENDS_FROM_FILE)
 def test_sharded_and_other_framework_backends_start_from_the_checkpoint(tmp_path, results, case):
-    """initial_weights feeds FSDP's shards, Megatron's tensor-parallel shards and MindSpore's cells:
-    the gathered initial weights are the file's tensors on each."""
+    """initial_weights feeds FSDP's shards, Megatron's tensor-parallel shards, MindSpore's cells and
+    DeepSpeed's fp32 masters: the gathered initial weights are the file's tensors on each."""
     module, overrides = BACKENDS_FROM_FILE[case]
     if module:
         pytest.importorskip(module)
