@@ -56,6 +56,7 @@ from parabench.adapters.base import (
     StateFormula,
     WorkerContext,
 )
+from parabench.adapters.megatron_compat import adamw_options, build_chunk, num_layers_to_build
 from parabench.devices import package_version
 from parabench.errors import SpecError
 from parabench.metrics import held_bytes, optimizer_state_tensors
@@ -303,7 +304,6 @@ class MegatronEngine(Engine):
         from megatron.core.models.gpt.gpt_model import GPTModel
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        from parabench.adapters.megatron_compat import adamw_options, build_chunk
         from parabench.adapters.megatron_mapping import canonical_names, to_megatron
         from parabench.model import initial_weights
 
@@ -490,8 +490,6 @@ class MegatronEngine(Engine):
         # finalize_model_grads all-reduce norm gradients over the TP group (each rank saw only its
         # sequence slice). Same math, marked weight (as Megatron's FusedLayerNorm marks it).
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-
-        from parabench.adapters.megatron_compat import num_layers_to_build
 
         norm = _sequence_parallel_rmsnorm()
         layer = dataclasses.replace(spec, submodules=dataclasses.replace(
