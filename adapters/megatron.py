@@ -356,6 +356,10 @@ class MegatronEngine(Engine):
         self.forward_backward = self._wire_schedules(config)
         self.counters.tp_group = ps.get_tensor_model_parallel_group()
         self._instrument()
+        if o.distributed_optimizer:
+            from parabench.adapters.megatron_compat import patch_fp8_fallback
+
+            patch_fp8_fallback(self.counters.patch)  # 0.12 without Transformer Engine
         self.steps = 0
         self.schedule_s = 0.0
 

@@ -5,10 +5,11 @@ torch 2.7.1) and 0.16.x. Every difference the adapter hits is chosen here by a f
 installed megatron-core (a keyword in a signature, a field of a config dataclass), never by
 comparing version strings, so the engine code reads the same on every release:
 
-* **Which virtual pipeline stage a model chunk is.** 0.13 added ``vp_stage`` to ``GPTModel`` and
-  ``get_num_layers_to_build``; 0.12 reads the virtual rank from ``parallel_state`` instead
-  (Megatron-LM 0.12 ``training.get_model`` calls ``set_virtual_pipeline_model_parallel_rank(i)``
-  before building chunk ``i``). :func:`build_chunk` and :func:`num_layers_to_build` do either.
+* **Which virtual pipeline stage a model chunk is.** 0.16 takes ``vp_stage`` in ``GPTModel`` and
+  ``get_num_layers_to_build``; 0.12 has no such argument and reads ``parallel_state``'s virtual
+  pipeline rank while building (``get_transformer_layer_offset`` in
+  ``megatron/core/transformer/transformer_layer.py`` numbers the chunk's layers from it), so it is
+  set around the construction. :func:`build_chunk` and :func:`num_layers_to_build` do either.
 * **AdamW.** 0.16's ``OptimizerConfig`` has ``decoupled_weight_decay`` (False would be L2-coupled
   Adam); 0.12 has no such field and its adam is always decoupled (``torch.optim.AdamW`` without TE
   or Apex; their FusedAdam defaults to ``adam_w_mode=True``). :func:`adamw_options` sets the field
@@ -16,8 +17,9 @@ comparing version strings, so the engine code reads the same on every release:
 
 The rest of what the adapter calls (``initialize_model_parallel``, DDP and its config, the
 distributed optimizer, the schedules and ``finalize_model_grads``, the tensor-parallel mappings)
-has the same signature on both for the arguments used: the process-group collection
-(``pg_collection``, 0.14+) is optional there and left to ``parallel_state``'s global groups.
+has the same signature on both for the arguments used: 0.16's process-group collection
+(``pg_collection``) is optional there and left to ``parallel_state``'s global groups, which both
+releases build in ``initialize_model_parallel``.
 """
 
 from __future__ import annotations
@@ -71,3 +73,31 @@ def adamw_options(optimizer_config: type) -> dict[str, Any]:
     """OptimizerConfig keywords that make ``optimizer='adam'`` decoupled AdamW on this release."""
     fields = {f.name for f in dataclasses.fields(optimizer_config)}
     return {"decoupled_weight_decay": True} if "decoupled_weight_decay" in fields else {}
+
+
+def patch_fp8_fallback(patch: Any) -> None:
+    """Let the distributed optimizer step without Transformer Engine (host, NPU) on 0.12.
+
+    Its step always calls ``fp8_utils.quantize_param_shard`` with this rank's fp8 params; 0.12's
+    fallback for a missing TE raises "Invalid Transformer Engine version for FP8 distributed
+    optimizer" even when there are none, 0.16's returns (every TE implementation returns early on an
+    empty list too). Where the empty call raises, the optimizer's binding gets that early return
+    through ``patch(obj, name, make)`` (scoped: the engine undoes it in close()).
+    """
+    from megatron.core import fp8_utils
+    from megatron.core.optimizer import distrib_optimizer
+
+    try:
+        fp8_utils.quantize_param_shard([], [], [], None)
+        return
+    except RuntimeError:
+        pass
+
+    def make(original):
+        def quantize_param_shard(model_params, *args, **kwargs):
+            if len(model_params):
+                original(model_params, *args, **kwargs)
+
+        return quantize_param_shard
+
+    patch(distrib_optimizer, "quantize_param_shard", make)

@@ -67,6 +67,29 @@ def test_unsupported_version_is_refused(monkeypatch):
     assert "pip install 'parabench[megatron]'" in mg.MegatronAdapter.availability().reason
 
 
+def test_distributed_optimizer_steps_without_transformer_engine():
+    """On any supported release, after the engine's compat patch the distributed optimizer's fp8 cast
+    of a rank holding no fp8 parameter is a no-op (0.12's TE-less fallback raised), and it is undone."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    from parabench.adapters.megatron_compat import patch_fp8_fallback
+
+    before, undo = distrib_optimizer.quantize_param_shard, []
+
+    def patch(obj, name, make):
+        old = getattr(obj, name)
+        setattr(obj, name, make(old))
+        undo.append(lambda: setattr(obj, name, old))
+
+    patch_fp8_fallback(patch)
+    try:
+        assert distrib_optimizer.quantize_param_shard([], [], [], None) is None
+    finally:
+        for u in undo:
+            u()
+    assert distrib_optimizer.quantize_param_shard is before
+
+
 def test_engine_in_process_matches_the_canonical_model(tmp_path):
     """World of 1 (TP=PP=DP=1): the engine's checksum is the canonical one, 3 AdamW steps follow the
     canonical torch model + torch.optim.AdamW, and close() undoes every patch."""
