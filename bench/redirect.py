@@ -22,6 +22,7 @@ What one redirection ``source -> target`` patches (``S`` = ``torch.<source>``):
   ``torch.cuda.memory``; for ``npu`` without torch_npu a stand-in ``torch.npu`` module is
   created): is_available, device_count, current_device, set_device, device, device_of,
   synchronize, Stream, Event, stream, current_stream, default_stream, set_stream,
+  is_current_stream_capturing (cpu target: False),
   manual_seed(_all), seed(_all), initial_seed, get/set_rng_state(_all), default_generators,
   is_initialized, init, _lazy_init, memory_* / max_memory_* / reset_* / memory_stats /
   memory_summary / mem_get_info / empty_cache / ipc_collect, get_device_properties,
@@ -357,6 +358,10 @@ class _CpuState:
             "current_stream": lambda device=None: _DEFAULT_STREAM,
             "default_stream": lambda device=None: _DEFAULT_STREAM,
             "set_stream": _none,
+            # No CUDA graph is ever captured on the host. A CUDA build of torch (2.6/2.7) calls this
+            # from every optimizer step (Optimizer._cuda_graph_capture_health_check) once
+            # is_available() says True, and the real one fails without a driver.
+            "is_current_stream_capturing": lambda: False,
         }
 
     def _rng_api(self) -> dict[str, Any]:
