@@ -56,7 +56,7 @@ from parabench.adapters.base import (
     StateFormula,
     WorkerContext,
 )
-from parabench.adapters.megatron_compat import adamw_options, build_chunk, num_layers_to_build
+from parabench.adapters.megatron_compat import adamw_options, build_chunk, num_layers_to_build, patch_fp8_fallback
 from parabench.devices import package_version
 from parabench.errors import SpecError
 from parabench.metrics import held_bytes, optimizer_state_tensors
@@ -357,8 +357,6 @@ class MegatronEngine(Engine):
         self.counters.tp_group = ps.get_tensor_model_parallel_group()
         self._instrument()
         if o.distributed_optimizer:
-            from parabench.adapters.megatron_compat import patch_fp8_fallback
-
             patch_fp8_fallback(self.counters.patch)  # 0.12 without Transformer Engine
         self.steps = 0
         self.schedule_s = 0.0
