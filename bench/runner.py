@@ -27,9 +27,9 @@ from parabench.adapters.registry import get_adapter
 from parabench.devices import AUTOLOAD_ENV, DEVICES, cpu_threads
 from parabench.errors import RunFailed, SpecError
 from parabench.flops import FORMULA, Peak, flops_per_token
+from parabench.jobs import from_config
 from parabench.launchers import get_launcher, slurm_placement
 from parabench.metrics import summarize
-from parabench.jobs import from_config
 from parabench.spec import JobSpec, resolve_device, to_dict
 from parabench.tracking import JobRun, flatten, git_sha, is_secret, store_uri
 

@@ -427,7 +427,6 @@ def resolve_device(job: JobSpec, device_type: typing.Literal["cpu", "cuda", "npu
 
 __all__ = [
     "BackendSpec", "DataSpec", "DeviceSpec", "JobSpec", "LaunchSpec", "ModelSpec", "OptimSpec",
-    "MODEL_FEATURES", "ParallelDims", "RopeScaling", "RunSpec", "TrackingSpec", "build", "validate_common", "validate_parallel",
-    "resolve_device", "to_dict",
+    "MODEL_FEATURES", "ParallelDims", "RopeScaling", "RunSpec", "TrackingSpec", "build", "validate_common", "validate_parallel", "resolve_device", "to_dict",
     "tracking_from_config",
 ]
