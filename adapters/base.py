@@ -63,8 +63,11 @@ class StateFormula:
     @classmethod
     def replicated_fp32_adam(cls, psi: int) -> StateFormula:
         """Plain data parallel, fp32, (Adam)W: every rank holds params, grads and both moments."""
-        return cls(16.0 * psi, "(4 + 4 + 8) * Psi: fp32 params, grads, AdamW moments, replicated",
-                   "Rajbhandari et al. 2019 (ZeRO, arXiv 1910.02054) sec. 3.1, K=8 for fp32 Adam")
+        return cls(
+            16.0 * psi,
+            "(4 + 4 + 8) * Psi: fp32 params, grads, AdamW moments, replicated",
+            "Rajbhandari et al. 2019 (ZeRO, arXiv 1910.02054) sec. 3.1, K=8 for fp32 Adam",
+        )
 
 
 class Comm(ABC):
@@ -91,8 +94,9 @@ class TorchComm(Comm):
 
         self.dist = dist
         self.tensor_device = device.torch_device
-        dist.init_process_group(backend=device.dist_backend,
-                                timeout=datetime.timedelta(seconds=job.launch.collective_timeout_s))
+        dist.init_process_group(
+            backend=device.dist_backend, timeout=datetime.timedelta(seconds=job.launch.collective_timeout_s)
+        )
 
     def reduce_stats(self, loss: float, seconds: float) -> tuple[float, float]:
         import torch
@@ -242,13 +246,22 @@ def check_capabilities(adapter: type[Adapter], job: JobSpec) -> None:
     """Refuse a job the backend declares it cannot run (before any process starts)."""
     caps = adapter.capabilities
     if job.device.type != "auto" and job.device.type not in caps.devices:
-        raise SpecError("device", f"backend {adapter.name} does not run on {job.device.type} (supported: {', '.join(sorted(caps.devices))}; "
-                                  "launcher.dry_run=true writes the launch bundle for a machine that has one)")
+        raise SpecError(
+            "device",
+            f"backend {adapter.name} does not run on {job.device.type} (supported: {', '.join(sorted(caps.devices))}; "
+            "launcher.dry_run=true writes the launch bundle for a machine that has one)",
+        )
     if job.run.precision not in caps.precisions:
-        raise SpecError("run.precision", f"backend {adapter.name} does not support {job.run.precision} (supported: {', '.join(sorted(caps.precisions))})")
+        raise SpecError(
+            "run.precision",
+            f"backend {adapter.name} does not support {job.run.precision} (supported: {', '.join(sorted(caps.precisions))})",
+        )
     if job.launch.nnodes > 1 and not caps.multi_node:
         raise SpecError("launcher.nnodes", f"backend {adapter.name} runs on a single node only")
     missing = sorted(job.model.features() - caps.model_features)
     if missing:
-        raise SpecError(f"model.{missing[0]}", f"backend {adapter.name} does not implement {missing[0]} (used by model "
-                                               f"{job.model.name}); the PyTorch backends (ddp, fsdp, deepspeed) do")
+        raise SpecError(
+            f"model.{missing[0]}",
+            f"backend {adapter.name} does not implement {missing[0]} (used by model "
+            f"{job.model.name}); the PyTorch backends (ddp, fsdp, deepspeed) do",
+        )

@@ -37,8 +37,9 @@ class DDPEngine(TorchEngine):
 
 class DDPAdapter(Adapter):
     name = "ddp"
-    capabilities = Capabilities(devices=frozenset({"cpu", "cuda", "npu"}), precisions=frozenset({"fp32", "bf16"}),
-                                model_features=MODEL_FEATURES)
+    capabilities = Capabilities(
+        devices=frozenset({"cpu", "cuda", "npu"}), precisions=frozenset({"fp32", "bf16"}), model_features=MODEL_FEATURES
+    )
     Options = DDPOptions
 
     @classmethod
@@ -61,9 +62,12 @@ class DDPAdapter(Adapter):
         job, opts = ctx.job, ctx.job.backend.options
         model = build_llama(job.model, seed=job.run.seed).to(ctx.device.torch_device)
         set_activation_checkpointing(model, opts.activation_checkpointing)
-        ddp = DistributedDataParallel(model, bucket_cap_mb=opts.bucket_cap_mb,
-                                      gradient_as_bucket_view=opts.gradient_as_bucket_view,
-                                      static_graph=opts.static_graph)
+        ddp = DistributedDataParallel(
+            model,
+            bucket_cap_mb=opts.bucket_cap_mb,
+            gradient_as_bucket_view=opts.gradient_as_bucket_view,
+            static_graph=opts.static_graph,
+        )
 
         def sync(last: bool):
             return ddp.no_sync() if not last else contextlib.nullcontext()

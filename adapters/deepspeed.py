@@ -56,7 +56,9 @@ SOURCE = "Rajbhandari et al. 2019 (ZeRO, arXiv 1910.02054) sec. 5; offload: Ren 
 @dataclass(frozen=True)
 class DeepSpeedOptions:
     zero_stage: Literal[0, 1, 2, 3] = 2
-    offload_optimizer: Literal["none", "cpu"] = "none"  # ZeRO-Offload: fp32 master + Adam states (and their step) on the host
+    offload_optimizer: Literal["none", "cpu"] = (
+        "none"  # ZeRO-Offload: fp32 master + Adam states (and their step) on the host
+    )
     offload_param: Literal["none", "cpu"] = "none"  # ZeRO-3 only: partitioned parameters on the host
     offload_pin_memory: bool = False
     offload_adam: Literal["cpu_adam", "torch"] = "cpu_adam"  # optimizer under offload_optimizer (see module doc)
@@ -71,7 +73,9 @@ class DeepSpeedOptions:
     stage3_max_live_parameters: int | None = None  # [1e9]
     stage3_max_reuse_distance: int | None = None  # [1e9]
     config_file: str | None = None  # a user's ds_config.json, merged (conflicts are errors)
-    extensions_dir: str | None = None  # TORCH_EXTENSIONS_DIR for the JIT ops; null = ~/.cache/parabench/torch_extensions
+    extensions_dir: str | None = (
+        None  # TORCH_EXTENSIONS_DIR for the JIT ops; null = ~/.cache/parabench/torch_extensions
+    )
 
 
 KNOBS = {  # option -> path in the DeepSpeed config
@@ -104,12 +108,18 @@ def harness_config(job: JobSpec) -> tuple[dict[str, Any], dict[tuple[str, ...], 
     }
     if o.offload_optimizer != "none":
         owned[("zero_optimization", "offload_optimizer", "device")] = (o.offload_optimizer, "backend.offload_optimizer")
-        owned[("zero_optimization", "offload_optimizer", "pin_memory")] = (o.offload_pin_memory, "backend.offload_pin_memory")
+        owned[("zero_optimization", "offload_optimizer", "pin_memory")] = (
+            o.offload_pin_memory,
+            "backend.offload_pin_memory",
+        )
         if o.offload_adam == "torch":
             owned[("zero_force_ds_cpu_optimizer",)] = (False, "backend.offload_adam=torch")
     if o.offload_param != "none":
         owned[("zero_optimization", "offload_param", "device")] = (o.offload_param, "backend.offload_param")
-        owned[("zero_optimization", "offload_param", "pin_memory")] = (o.offload_pin_memory, "backend.offload_pin_memory")
+        owned[("zero_optimization", "offload_param", "pin_memory")] = (
+            o.offload_pin_memory,
+            "backend.offload_pin_memory",
+        )
     for name, path in KNOBS.items():
         value = getattr(o, name)
         if value is not None:
@@ -135,16 +145,24 @@ def deepspeed_config(job: JobSpec) -> dict[str, Any]:
         raise SpecError("backend.config_file", f"{path} turns on both fp16 and bf16; choose one with run.precision")
     for block in ("optimizer", "scheduler"):
         if block in user:
-            raise SpecError("backend.config_file", f"{path} has an '{block}' block: every backend uses the harness's AdamW "
-                                                   "with a constant rate (optim.*); remove the block")
+            raise SpecError(
+                "backend.config_file",
+                f"{path} has an '{block}' block: every backend uses the harness's AdamW "
+                "with a constant rate (optim.*); remove the block",
+            )
     for path_, (value, key) in owned.items():
         theirs = _get(user, path_)
         if theirs is None or theirs == "auto":
             continue
-        if theirs != value and not (isinstance(value, float) and isinstance(theirs, (int, float)) and float(theirs) == value):
+        if theirs != value and not (
+            isinstance(value, float) and isinstance(theirs, (int, float)) and float(theirs) == value
+        ):
             dotted = ".".join(path_)
-            raise SpecError("backend.config_file", f"{path} sets {dotted}={json.dumps(theirs)} but {key} gives "
-                                                   f"{json.dumps(value)}; change it on the command line, not in the file")
+            raise SpecError(
+                "backend.config_file",
+                f"{path} sets {dotted}={json.dumps(theirs)} but {key} gives "
+                f"{json.dumps(value)}; change it on the command line, not in the file",
+            )
     merged = _merge(user, cfg)
     return merged
 
@@ -194,7 +212,11 @@ def _master_and_moment_bytes(job: JobSpec) -> int:
 
 
 def extensions_dir(job: JobSpec) -> str:
-    return str(Path(job.backend.options.extensions_dir or Path.home() / ".cache" / "parabench" / "torch_extensions").expanduser())
+    return str(
+        Path(
+            job.backend.options.extensions_dir or Path.home() / ".cache" / "parabench" / "torch_extensions"
+        ).expanduser()
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,40 +265,64 @@ def _probe(accelerator: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 class DeepSpeedAdapter(Adapter):
     name = "deepspeed"
-    capabilities = Capabilities(devices=frozenset({"cpu", "cuda", "npu"}), precisions=frozenset({"fp32", "bf16", "fp16"}),
-                                shards_model_states=True, model_features=MODEL_FEATURES)
+    capabilities = Capabilities(
+        devices=frozenset({"cpu", "cuda", "npu"}),
+        precisions=frozenset({"fp32", "bf16", "fp16"}),
+        shards_model_states=True,
+        model_features=MODEL_FEATURES,
+    )
     Options = DeepSpeedOptions
 
     @classmethod
     def availability(cls) -> Availability:
         if importlib.util.find_spec("deepspeed") is None:
-            return Availability(False, f"deepspeed is not installed: pip install --no-build-isolation deepspeed=={DS_VERSION} "
-                                       "(with your torch pinned in the same command)")
+            return Availability(
+                False,
+                f"deepspeed is not installed: pip install --no-build-isolation deepspeed=={DS_VERSION} "
+                "(with your torch pinned in the same command)",
+            )
         accelerator = resolve("auto")
         probe = _probe(accelerator)
         versions = {"deepspeed": importlib.metadata.version("deepspeed")}
         if "error" in probe:
             return Availability(False, probe["error"], versions)
-        versions.update({"accelerator": f"{probe['accelerator']} ({probe['comm']}; DS_ACCELERATOR={accelerator} set for workers)",
-                         "ops_buildable": ", ".join(probe["buildable"]) or "none",
-                         "ops_not_buildable": ", ".join(probe["not_buildable"]) or "none",
-                         "ops_prebuilt": ", ".join(probe["installed"]) or "none (JIT-built on first use)"})
+        versions.update(
+            {
+                "accelerator": f"{probe['accelerator']} ({probe['comm']}; DS_ACCELERATOR={accelerator} set for workers)",
+                "ops_buildable": ", ".join(probe["buildable"]) or "none",
+                "ops_not_buildable": ", ".join(probe["not_buildable"]) or "none",
+                "ops_prebuilt": ", ".join(probe["installed"]) or "none (JIT-built on first use)",
+            }
+        )
         return Availability(True, f"deepspeed {probe['version']}, accelerator {probe['accelerator']}", versions)
 
     @classmethod
     def validate(cls, job: JobSpec) -> None:
         o = job.backend.options
         if o.offload_optimizer != "none" and o.zero_stage == 0:
-            raise SpecError("backend.offload_optimizer", "offloading optimizer states needs ZeRO stage 1, 2 or 3 (backend.zero_stage=0)")
+            raise SpecError(
+                "backend.offload_optimizer",
+                "offloading optimizer states needs ZeRO stage 1, 2 or 3 (backend.zero_stage=0)",
+            )
         if o.offload_param != "none" and o.zero_stage != 3:
-            raise SpecError("backend.offload_param", f"offloading parameters needs ZeRO stage 3 (backend.zero_stage={o.zero_stage})")
+            raise SpecError(
+                "backend.offload_param", f"offloading parameters needs ZeRO stage 3 (backend.zero_stage={o.zero_stage})"
+            )
         for name in KNOBS:
             value = getattr(o, name)
-            if isinstance(value, int) and not isinstance(value, bool) and value < (1 if name == "reduce_bucket_size" else 0):
-                raise SpecError(f"backend.{name}", f"must be {'> 0' if name == 'reduce_bucket_size' else '>= 0'}, got {value}")
+            if (
+                isinstance(value, int)
+                and not isinstance(value, bool)
+                and value < (1 if name == "reduce_bucket_size" else 0)
+            ):
+                raise SpecError(
+                    f"backend.{name}", f"must be {'> 0' if name == 'reduce_bucket_size' else '>= 0'}, got {value}"
+                )
         if job.run.precision == "fp16" and job.device.type == "cpu" and not _cpu_fp16_supported():
-            raise SpecError("run.precision", "DeepSpeed runs fp16 on a CPU only with AVX512-FP16/AMX-FP16 (this one has "
-                                             "neither); use bf16 or fp32")
+            raise SpecError(
+                "run.precision",
+                "DeepSpeed runs fp16 on a CPU only with AVX512-FP16/AMX-FP16 (this one has neither); use bf16 or fp32",
+            )
         deepspeed_config(job)  # config-file conflicts, before launch
 
     @classmethod
@@ -311,11 +357,17 @@ def zero_formula(job: JobSpec) -> StateFormula:
     per = {0: (2 * b + k, 0), 1: (2 * b, k), 2: (b, b + k), 3: (0, 2 * b + k)}[stage]
     replicated, sharded = per
     where = " (optimizer states in host memory)" if job.backend.options.offload_optimizer != "none" else ""
-    text = {0: f"({b} + {b} + {k}) * Psi", 1: f"({b} + {b}) * Psi + {k} * Psi / {nd}", 2: f"{b} * Psi + ({b} + {k}) * Psi / {nd}",
-            3: f"({b} + {b} + {k}) * Psi / {nd}"}[stage]
-    return StateFormula(replicated * psi + sharded * psi / nd,
-                        f"ZeRO stage {stage}, {job.run.precision}: {text}; b={b} params/grads, K={k} fp32 master+Adam{where}",
-                        SOURCE)
+    text = {
+        0: f"({b} + {b} + {k}) * Psi",
+        1: f"({b} + {b}) * Psi + {k} * Psi / {nd}",
+        2: f"{b} * Psi + ({b} + {k}) * Psi / {nd}",
+        3: f"({b} + {b} + {k}) * Psi / {nd}",
+    }[stage]
+    return StateFormula(
+        replicated * psi + sharded * psi / nd,
+        f"ZeRO stage {stage}, {job.run.precision}: {text}; b={b} params/grads, K={k} fp32 master+Adam{where}",
+        SOURCE,
+    )
 
 
 def optimizer_formula(job: JobSpec) -> float:
@@ -337,7 +389,9 @@ class DeepSpeedEngine(Engine):
 
         self.ctx = ctx
         job, o = ctx.job, ctx.job.backend.options
-        _clear_stale_build_locks(Path(os.environ.get("TORCH_EXTENSIONS_DIR", extensions_dir(job))), job.launch.hang_timeout_s)
+        _clear_stale_build_locks(
+            Path(os.environ.get("TORCH_EXTENSIONS_DIR", extensions_dir(job))), job.launch.hang_timeout_s
+        )
         self.config = deepspeed_config(job)
         model = build_llama(job.model, seed=job.run.seed).to(ctx.device.torch_device)
         set_activation_checkpointing(model, o.activation_checkpointing)
@@ -346,8 +400,9 @@ class DeepSpeedEngine(Engine):
             from deepspeed.ops.adam import DeepSpeedCPUAdam  # JIT-builds cpu_adam once (cached)
 
             spec = job.optim
-            optimizer = DeepSpeedCPUAdam(adamw_param_groups(named, spec), lr=spec.lr, betas=spec.betas, eps=spec.eps,
-                                         adamw_mode=True)
+            optimizer = DeepSpeedCPUAdam(
+                adamw_param_groups(named, spec), lr=spec.lr, betas=spec.betas, eps=spec.eps, adamw_mode=True
+            )
         else:
             optimizer = make_adamw(named, job.optim)
         self.client_optimizer = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
@@ -470,7 +525,8 @@ class DeepSpeedEngine(Engine):
         psi, nd = job.model.num_params(), job.parallel.dp
         snap = self._grad_snapshot or self._grad_bytes()
         detail = {
-            "fp32_master_bytes": master_bytes, "adam_moment_bytes": moment_bytes,
+            "fp32_master_bytes": master_bytes,
+            "adam_moment_bytes": moment_bytes,
             "fp32_master_elements": master_elements,
             "optimizer_formula_bytes": int(optimizer_formula(job)),
             "comm_bucket_bytes": snap["comm_buckets"],
@@ -488,12 +544,21 @@ class DeepSpeedEngine(Engine):
             host += master_bytes + moment_bytes
         if o.offload_param != "none":
             host += held_bytes(getattr(p, "ds_tensor", None) for p in self.params)
-        return ModelStateBytes(params=params, grads=snap["grads"], optimizer=master_bytes + moment_bytes,
-                               optimizer_other=held_bytes(other), host=host, detail=detail)
+        return ModelStateBytes(
+            params=params,
+            grads=snap["grads"],
+            optimizer=master_bytes + moment_bytes,
+            optimizer_other=held_bytes(other),
+            host=host,
+            detail=detail,
+        )
 
     def extra_metrics(self) -> dict[str, float]:
         ms = self.model_state_bytes()
-        out = {f"zero.rank{self.ctx.rank}.optimizer_minus_formula_bytes": ms.optimizer - ms.detail["optimizer_formula_bytes"]}
+        out = {
+            f"zero.rank{self.ctx.rank}.optimizer_minus_formula_bytes": ms.optimizer
+            - ms.detail["optimizer_formula_bytes"]
+        }
         if "padding_elements" in ms.detail:
             out["zero.padding_elements"] = ms.detail["padding_elements"]
         return out

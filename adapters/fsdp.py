@@ -50,8 +50,12 @@ class FSDPEngine(TorchEngine):
 
 class FSDPAdapter(Adapter):
     name = "fsdp"
-    capabilities = Capabilities(devices=frozenset({"cpu", "cuda", "npu"}), precisions=frozenset({"fp32", "bf16"}),
-                                shards_model_states=True, model_features=MODEL_FEATURES)
+    capabilities = Capabilities(
+        devices=frozenset({"cpu", "cuda", "npu"}),
+        precisions=frozenset({"fp32", "bf16"}),
+        shards_model_states=True,
+        model_features=MODEL_FEATURES,
+    )
     Options = FSDPOptions
 
     @classmethod
@@ -59,24 +63,35 @@ class FSDPAdapter(Adapter):
         try:
             from torch.distributed.fsdp import fully_shard  # noqa: F401
         except ImportError as exc:  # torch < 2.6 had FSDP2 only under torch.distributed._composable.fsdp
-            return Availability(False, f"FSDP2 needs torch>=2.6 (public torch.distributed.fsdp.fully_shard); torch "
-                                       f"{importlib.metadata.version('torch')} lacks it: {exc}")
+            return Availability(
+                False,
+                f"FSDP2 needs torch>=2.6 (public torch.distributed.fsdp.fully_shard); torch "
+                f"{importlib.metadata.version('torch')} lacks it: {exc}",
+            )
         return Availability(True, "FSDP2 fully_shard in torch", {"torch": importlib.metadata.version("torch")})
 
     @classmethod
     def validate(cls, job: JobSpec) -> None:
         if job.backend.options.cpu_offload and job.device.type == "cpu":
-            raise SpecError("backend.cpu_offload", "offloading to the host needs an accelerator device (device=cuda or npu)")
+            raise SpecError(
+                "backend.cpu_offload", "offloading to the host needs an accelerator device (device=cuda or npu)"
+            )
         if job.device.type == "cpu" and torch_release() < CPU_FSDP2_TORCH:
-            raise SpecError("backend", f"fsdp on device=cpu needs torch>={'.'.join(map(str, CPU_FSDP2_TORCH))}: torch "
-                                       f"{torch.__version__}'s FSDP2 has no CPU stream events (torch.cpu.Stream.record_event); "
-                                       "use backend=ddp or an accelerator device, or upgrade torch")
+            raise SpecError(
+                "backend",
+                f"fsdp on device=cpu needs torch>={'.'.join(map(str, CPU_FSDP2_TORCH))}: torch "
+                f"{torch.__version__}'s FSDP2 has no CPU stream events (torch.cpu.Stream.record_event); "
+                "use backend=ddp or an accelerator device, or upgrade torch",
+            )
 
     @classmethod
     def expected_model_state(cls, job: JobSpec) -> StateFormula:
         psi, n = job.model.num_params(), job.parallel.world_size
-        return StateFormula(16.0 * psi / n, f"(4 + 4 + 8) * Psi / {n}: fp32 params, grads, Adam moments, fully sharded (+ padding)",
-                            "Rajbhandari et al. 2019 (ZeRO, arXiv 1910.02054) stage 3, K=8 for fp32 Adam")
+        return StateFormula(
+            16.0 * psi / n,
+            f"(4 + 4 + 8) * Psi / {n}: fp32 params, grads, Adam moments, fully sharded (+ padding)",
+            "Rajbhandari et al. 2019 (ZeRO, arXiv 1910.02054) stage 3, K=8 for fp32 Adam",
+        )
 
     @classmethod
     def create_engine(cls, ctx: WorkerContext) -> FSDPEngine:
@@ -88,8 +103,11 @@ class FSDPAdapter(Adapter):
         mesh = init_device_mesh(device_type, (ctx.world_size,))
         model = build_llama(job.model, seed=job.run.seed).to(ctx.device.torch_device)
         set_activation_checkpointing(model, opts.activation_checkpointing)
-        kwargs = dict(mesh=mesh, reshard_after_forward=opts.reshard_after_forward,
-                      offload_policy=CPUOffloadPolicy() if opts.cpu_offload else OffloadPolicy())
+        kwargs = dict(
+            mesh=mesh,
+            reshard_after_forward=opts.reshard_after_forward,
+            offload_policy=CPUOffloadPolicy() if opts.cpu_offload else OffloadPolicy(),
+        )
         if job.run.precision == "bf16":
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in model.model.layers:

@@ -123,15 +123,18 @@ def rank_param_counts(job: JobSpec) -> dict[tuple[int, int], int]:
     out = {}
     for s in range(o.pp):
         for r in range(o.tp):
-            out[(s, r)] = sum(_shard_numel(m, o.tp, s == 0 and c == 0, s == o.pp - 1 and c == o.vpp - 1, per_chunk)
-                              for c in range(o.vpp))
+            out[(s, r)] = sum(
+                _shard_numel(m, o.tp, s == 0 and c == 0, s == o.pp - 1 and c == o.vpp - 1, per_chunk)
+                for c in range(o.vpp)
+            )
     return out
 
 
 class MegatronAdapter(Adapter):
     name = "megatron"
-    capabilities = Capabilities(devices=frozenset({"cpu", "cuda", "npu"}), precisions=frozenset({"fp32", "bf16"}),
-                                shards_model_states=True)
+    capabilities = Capabilities(
+        devices=frozenset({"cpu", "cuda", "npu"}), precisions=frozenset({"fp32", "bf16"}), shards_model_states=True
+    )
     Options = MegatronOptions
 
     @classmethod
@@ -151,21 +154,34 @@ class MegatronAdapter(Adapter):
                 raise SpecError(f"backend.{key}", f"must be >= 1, got {getattr(options, key)}")
         mp = options.tp * options.pp * options.cp
         if world_size % mp:
-            raise SpecError("backend.tp", f"world size {world_size} is not divisible by tp x pp x cp = "
-                                          f"{options.tp} x {options.pp} x {options.cp} = {mp}")
+            raise SpecError(
+                "backend.tp",
+                f"world size {world_size} is not divisible by tp x pp x cp = "
+                f"{options.tp} x {options.pp} x {options.cp} = {mp}",
+            )
         dp = world_size // mp
-        return ParallelDims(world_size=world_size, dp=dp, tp=options.tp, pp=options.pp, cp=options.cp,
-                            dp_shard=dp if options.distributed_optimizer else 1)
+        return ParallelDims(
+            world_size=world_size,
+            dp=dp,
+            tp=options.tp,
+            pp=options.pp,
+            cp=options.cp,
+            dp_shard=dp if options.distributed_optimizer else 1,
+        )
 
     @classmethod
     def validate(cls, job: JobSpec) -> None:
         o, m = job.backend.options, job.model
         if m.num_attention_heads % o.tp:
-            raise SpecError("backend.tp", f"model.num_attention_heads={m.num_attention_heads} is not divisible by tp={o.tp}")
+            raise SpecError(
+                "backend.tp", f"model.num_attention_heads={m.num_attention_heads} is not divisible by tp={o.tp}"
+            )
         qkv_rows = (m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim
         if qkv_rows % o.tp or (o.tp % m.num_key_value_heads and m.num_key_value_heads % o.tp):
-            raise SpecError("backend.tp", f"{m.num_key_value_heads} key/value heads cannot be split over tp={o.tp} "
-                                          "(one must divide the other)")
+            raise SpecError(
+                "backend.tp",
+                f"{m.num_key_value_heads} key/value heads cannot be split over tp={o.tp} (one must divide the other)",
+            )
         for key, value in (("intermediate_size", m.intermediate_size), ("vocab_size", m.vocab_size)):
             if value % o.tp:
                 raise SpecError("backend.tp", f"model.{key}={value} is not divisible by tp={o.tp}")
@@ -173,37 +189,62 @@ class MegatronAdapter(Adapter):
             raise SpecError("backend.vpp", f"interleaving (vpp={o.vpp}) needs pipeline parallelism (pp >= 2)")
         if m.num_hidden_layers % (o.pp * o.vpp):
             key = "backend.vpp" if o.vpp > 1 else "backend.pp"
-            raise SpecError(key, f"model.num_hidden_layers={m.num_hidden_layers} is not divisible by pp x vpp = "
-                                 f"{o.pp} x {o.vpp} (every virtual stage needs the same number of layers)")
+            raise SpecError(
+                key,
+                f"model.num_hidden_layers={m.num_hidden_layers} is not divisible by pp x vpp = "
+                f"{o.pp} x {o.vpp} (every virtual stage needs the same number of layers)",
+            )
         if o.sequence_parallel and o.tp == 1:
-            raise SpecError("backend.sequence_parallel", "sequence parallelism shards along the tensor-parallel group: needs tp > 1")
+            raise SpecError(
+                "backend.sequence_parallel", "sequence parallelism shards along the tensor-parallel group: needs tp > 1"
+            )
         if o.sequence_parallel and job.data.seq_len % o.tp:
-            raise SpecError("backend.sequence_parallel", f"data.seq_len={job.data.seq_len} is not divisible by tp={o.tp}")
+            raise SpecError(
+                "backend.sequence_parallel", f"data.seq_len={job.data.seq_len} is not divisible by tp={o.tp}"
+            )
         if o.cp > 1:
             if job.device.type != "cuda":
-                raise SpecError("backend.cp", f"context parallelism needs Transformer Engine attention (CUDA); megatron-core's "
-                                              f"local attention asserts context_parallel_size == 1 (device={job.device.type})")
+                raise SpecError(
+                    "backend.cp",
+                    f"context parallelism needs Transformer Engine attention (CUDA); megatron-core's "
+                    f"local attention asserts context_parallel_size == 1 (device={job.device.type})",
+                )
             if o.transformer_impl == "local":
                 raise SpecError("backend.cp", "context parallelism needs transformer_impl=transformer_engine or auto")
             if job.data.seq_len % (2 * o.cp):
-                raise SpecError("backend.cp", f"data.seq_len={job.data.seq_len} is not divisible by 2 x cp = {2 * o.cp}")
+                raise SpecError(
+                    "backend.cp", f"data.seq_len={job.data.seq_len} is not divisible by 2 x cp = {2 * o.cp}"
+                )
         if o.transformer_impl == "transformer_engine" and job.device.type != "cuda":
-            raise SpecError("backend.transformer_impl", f"Transformer Engine runs on CUDA only (device={job.device.type})")
+            raise SpecError(
+                "backend.transformer_impl", f"Transformer Engine runs on CUDA only (device={job.device.type})"
+            )
         if o.overlap_param_gather and not o.distributed_optimizer:
-            raise SpecError("backend.overlap_param_gather", "overlapping the param all-gather needs backend.distributed_optimizer=true")
+            raise SpecError(
+                "backend.overlap_param_gather",
+                "overlapping the param all-gather needs backend.distributed_optimizer=true",
+            )
         if m.tie_word_embeddings and o.pp > 1:
-            raise SpecError("model.tie_word_embeddings", "tied embeddings across pipeline stages are not mapped; use pp=1 or untied")
+            raise SpecError(
+                "model.tie_word_embeddings", "tied embeddings across pipeline stages are not mapped; use pp=1 or untied"
+            )
         if o.bucket_size < 0:
             raise SpecError("backend.bucket_size", f"must be >= 0 (0 = default), got {o.bucket_size}")
         m_batches = job.grad_accum
         if o.num_microbatches and o.num_microbatches != m_batches:
             need = o.num_microbatches * job.data.micro_batch_size * job.parallel.dp
-            raise SpecError("backend.num_microbatches", f"{o.num_microbatches} micro-batches per step need data.global_batch_size="
-                                                        f"{need} (= num_microbatches x micro_batch_size x dp = {o.num_microbatches} x "
-                                                        f"{job.data.micro_batch_size} x {job.parallel.dp}); it gives {m_batches}")
+            raise SpecError(
+                "backend.num_microbatches",
+                f"{o.num_microbatches} micro-batches per step need data.global_batch_size="
+                f"{need} (= num_microbatches x micro_batch_size x dp = {o.num_microbatches} x "
+                f"{job.data.micro_batch_size} x {job.parallel.dp}); it gives {m_batches}",
+            )
         if o.vpp > 1 and m_batches % o.pp:
-            raise SpecError("backend.vpp", f"the interleaved schedule needs micro-batches per step ({m_batches}) to be a multiple "
-                                           f"of pp={o.pp}: raise data.global_batch_size")
+            raise SpecError(
+                "backend.vpp",
+                f"the interleaved schedule needs micro-batches per step ({m_batches}) to be a multiple "
+                f"of pp={o.pp}: raise data.global_batch_size",
+            )
 
     @classmethod
     def launch_env(cls, job: JobSpec) -> dict[str, str]:
@@ -219,8 +260,11 @@ class MegatronAdapter(Adapter):
         else:
             per, text = (8 + 8 / dp, f"(4 + 4 + 8/{dp})") if o.distributed_optimizer else (16.0, "(4 + 4 + 8)")
         what = "distributed optimizer" if o.distributed_optimizer else "replicated optimizer"
-        return StateFormula(per * psi, f"{text} * Psi_rank, Psi_rank = {psi} (largest TP/PP shard), {job.run.precision}, {what} (+ buffer padding)",
-                            "Megatron-LM distributed optimizer docs (6 + 12/d bytes/param for bf16); Rajbhandari et al. 2019 (arXiv 1910.02054)")
+        return StateFormula(
+            per * psi,
+            f"{text} * Psi_rank, Psi_rank = {psi} (largest TP/PP shard), {job.run.precision}, {what} (+ buffer padding)",
+            "Megatron-LM distributed optimizer docs (6 + 12/d bytes/param for bf16); Rajbhandari et al. 2019 (arXiv 1910.02054)",
+        )
 
     @classmethod
     def create_engine(cls, ctx: WorkerContext) -> Engine:
@@ -253,11 +297,15 @@ class _Counters:
         def counted(tensor, *args, **kwargs):
             group = kwargs.get("group")
             if group is None:
-                group = next((a for a in args if a is not None and hasattr(a, "size") and not hasattr(a, "dtype")), None)
+                group = next(
+                    (a for a in args if a is not None and hasattr(a, "size") and not hasattr(a, "dtype")), None
+                )
             if self.active and group is self.tp_group:
                 self.tp_calls += 1
                 t = tensor[0] if isinstance(tensor, (list, tuple)) else tensor
-                self.tp_bytes += t.numel() * t.element_size() * (len(tensor) if isinstance(tensor, (list, tuple)) else 1)
+                self.tp_bytes += (
+                    t.numel() * t.element_size() * (len(tensor) if isinstance(tensor, (list, tuple)) else 1)
+                )
             return fn(tensor, *args, **kwargs)
 
         return counted
@@ -324,10 +372,19 @@ class MegatronEngine(Engine):
         for c in range(o.vpp):
             vp_stage = c if o.vpp > 1 else None
             model = build_chunk(
-                GPTModel, ps, vp_stage, config=config, transformer_layer_spec=layer_spec(vp_stage), vocab_size=spec.vocab_size,
-                max_sequence_length=job.data.seq_len, pre_process=layout.is_first(stage, c),
-                post_process=layout.is_last(stage, c), share_embeddings_and_output_weights=spec.tie_word_embeddings,
-                position_embedding_type="rope", rotary_percent=1.0, rotary_base=spec.rope_theta,
+                GPTModel,
+                ps,
+                vp_stage,
+                config=config,
+                transformer_layer_spec=layer_spec(vp_stage),
+                vocab_size=spec.vocab_size,
+                max_sequence_length=job.data.seq_len,
+                pre_process=layout.is_first(stage, c),
+                post_process=layout.is_last(stage, c),
+                share_embeddings_and_output_weights=spec.tie_word_embeddings,
+                position_embedding_type="rope",
+                rotary_percent=1.0,
+                rotary_base=spec.rope_theta,
             )
             canonical = initial_weights(spec, job.run.seed, canonical_names(spec, layout, stage, c))
             self._load(model, to_megatron(canonical, spec, layout, stage, c, tp_rank))
@@ -342,10 +399,20 @@ class MegatronEngine(Engine):
 
         opt = job.optim
         self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=opt.lr, min_lr=opt.lr, weight_decay=opt.weight_decay,
-                            adam_beta1=opt.betas[0], adam_beta2=opt.betas[1], adam_eps=opt.eps,
-                            clip_grad=opt.grad_clip, bf16=bf16, params_dtype=dtype,
-                            use_distributed_optimizer=o.distributed_optimizer, **adamw_options(OptimizerConfig)),
+            OptimizerConfig(
+                optimizer="adam",
+                lr=opt.lr,
+                min_lr=opt.lr,
+                weight_decay=opt.weight_decay,
+                adam_beta1=opt.betas[0],
+                adam_beta2=opt.betas[1],
+                adam_eps=opt.eps,
+                clip_grad=opt.grad_clip,
+                bf16=bf16,
+                params_dtype=dtype,
+                use_distributed_optimizer=o.distributed_optimizer,
+                **adamw_options(OptimizerConfig),
+            ),
             self.chunks,
         )
         for group in self.param_groups():
@@ -368,8 +435,10 @@ class MegatronEngine(Engine):
         o = self.opts
         torch.cuda.set_device(self.ctx.local_rank)
         ps.initialize_model_parallel(
-            tensor_model_parallel_size=o.tp, pipeline_model_parallel_size=o.pp,
-            virtual_pipeline_model_parallel_size=o.vpp if o.vpp > 1 else None, context_parallel_size=o.cp,
+            tensor_model_parallel_size=o.tp,
+            pipeline_model_parallel_size=o.pp,
+            virtual_pipeline_model_parallel_size=o.vpp if o.vpp > 1 else None,
+            context_parallel_size=o.cp,
         )
         self.ps = ps
         model_parallel_cuda_manual_seed(self.ctx.job.run.seed)  # dropout is 0; the RNG tracker must exist anyway
@@ -382,23 +451,42 @@ class MegatronEngine(Engine):
 
         o, spec = self.opts, self.ctx.job.model
         return TransformerConfig(
-            num_layers=spec.num_hidden_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.intermediate_size,
-            num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_key_value_heads,
-            kv_channels=spec.head_dim, layernorm_epsilon=spec.rms_norm_eps, normalization="RMSNorm",
-            gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False,
-            hidden_dropout=0.0, attention_dropout=0.0,
-            tensor_model_parallel_size=o.tp, pipeline_model_parallel_size=o.pp,
+            num_layers=spec.num_hidden_layers,
+            hidden_size=spec.hidden_size,
+            ffn_hidden_size=spec.intermediate_size,
+            num_attention_heads=spec.num_attention_heads,
+            num_query_groups=spec.num_key_value_heads,
+            kv_channels=spec.head_dim,
+            layernorm_epsilon=spec.rms_norm_eps,
+            normalization="RMSNorm",
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            add_qkv_bias=False,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            tensor_model_parallel_size=o.tp,
+            pipeline_model_parallel_size=o.pp,
             virtual_pipeline_model_parallel_size=o.vpp if o.vpp > 1 else None,
-            context_parallel_size=o.cp, sequence_parallel=o.sequence_parallel,
-            params_dtype=dtype, pipeline_dtype=dtype, bf16=self.ctx.job.run.precision == "bf16",
+            context_parallel_size=o.cp,
+            sequence_parallel=o.sequence_parallel,
+            params_dtype=dtype,
+            pipeline_dtype=dtype,
+            bf16=self.ctx.job.run.precision == "bf16",
             # Weights come from the canonical mapping: skip Megatron's own (full-matrix) init.
-            perform_initialization=False, use_cpu_initialization=True,
+            perform_initialization=False,
+            use_cpu_initialization=True,
             # Fused CUDA kernels are not available on the host / through the redirection.
-            bias_activation_fusion=use_te, apply_rope_fusion=False, masked_softmax_fusion=use_te,
-            persist_layer_norm=False, gradient_accumulation_fusion=False, bias_dropout_fusion=False,
+            bias_activation_fusion=use_te,
+            apply_rope_fusion=False,
+            masked_softmax_fusion=use_te,
+            persist_layer_norm=False,
+            gradient_accumulation_fusion=False,
+            bias_dropout_fusion=False,
             # Megatron-LM's training defaults: the interleaved schedule overlaps p2p with compute
             # (individual isend/irecv), 1F1B batches its p2p ops.
-            overlap_p2p_comm=o.vpp > 1, batch_p2p_comm=o.vpp == 1,
+            overlap_p2p_comm=o.vpp > 1,
+            batch_p2p_comm=o.vpp == 1,
             # Megatron frees a stage's output right after posting its send. On CUDA the caching
             # allocator keeps the memory until the send's stream is done; on the host a gloo isend
             # still in flight (overlapped p2p) then reads reused memory and the next stage gets
@@ -412,12 +500,17 @@ class MegatronEngine(Engine):
 
         o = self.opts
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=o.overlap_grad_reduce, overlap_param_gather=o.overlap_param_gather,
-            use_distributed_optimizer=o.distributed_optimizer, bucket_size=o.bucket_size or None,
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=o.overlap_grad_reduce,
+            overlap_param_gather=o.overlap_param_gather,
+            use_distributed_optimizer=o.distributed_optimizer,
+            bucket_size=o.bucket_size or None,
             average_in_collective=False,
         )
-        wrapped = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=m, disable_bucketing=(i > 0))
-                   for i, m in enumerate(chunks)]
+        wrapped = [
+            DistributedDataParallel(config=config, ddp_config=ddp_config, module=m, disable_bucketing=(i > 0))
+            for i, m in enumerate(chunks)
+        ]
         for m in wrapped:  # DDP copied the weights into its buffers; broadcast keeps replicas identical
             m.broadcast_params()
         return wrapped
@@ -472,7 +565,9 @@ class MegatronEngine(Engine):
             import transformer_engine  # noqa: F401
         except ImportError:
             if impl == "transformer_engine":
-                raise RuntimeError("backend.transformer_impl=transformer_engine but transformer_engine is not importable") from None
+                raise RuntimeError(
+                    "backend.transformer_impl=transformer_engine but transformer_engine is not importable"
+                ) from None
             return False
         return True
 
@@ -494,10 +589,12 @@ class MegatronEngine(Engine):
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
         norm = _sequence_parallel_rmsnorm()
-        layer = dataclasses.replace(spec, submodules=dataclasses.replace(
-            spec.submodules, input_layernorm=norm, pre_mlp_layernorm=norm))
+        layer = dataclasses.replace(
+            spec, submodules=dataclasses.replace(spec.submodules, input_layernorm=norm, pre_mlp_layernorm=norm)
+        )
         return lambda vp_stage: TransformerBlockSubmodules(
-            layer_specs=[layer] * num_layers_to_build(config, vp_stage), layer_norm=norm)
+            layer_specs=[layer] * num_layers_to_build(config, vp_stage), layer_norm=norm
+        )
 
     @staticmethod
     def _load(model, shard: dict) -> None:
@@ -520,8 +617,14 @@ class MegatronEngine(Engine):
         from megatron.core.tensor_parallel import mappings
 
         c = self.counters
-        for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-                     "_all_gather_base", "_reduce_scatter_base"):
+        for name in (
+            "all_reduce",
+            "all_gather",
+            "all_gather_into_tensor",
+            "reduce_scatter_tensor",
+            "_all_gather_base",
+            "_reduce_scatter_base",
+        ):
             if hasattr(dist, name):
                 c.patch(dist, name, c.collective)
         for name in ("dist_all_gather_func", "dist_reduce_scatter_func"):  # bound at megatron import
@@ -565,8 +668,12 @@ class MegatronEngine(Engine):
         self.counters.active = True
         t0 = time.perf_counter()
         losses = self.forward_backward(
-            forward_step_func=forward_step, data_iterator=data, model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
-            num_microbatches=len(micro_batches), seq_length=seq, micro_batch_size=job.data.micro_batch_size,
+            forward_step_func=forward_step,
+            data_iterator=data,
+            model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+            num_microbatches=len(micro_batches),
+            seq_length=seq,
+            micro_batch_size=job.data.micro_batch_size,
             forward_only=False,
         )
         self.schedule_s += time.perf_counter() - t0
@@ -580,8 +687,11 @@ class MegatronEngine(Engine):
         if self.ps.is_pipeline_last_stage(ignore_virtual=True):
             loss = torch.stack([d["loss"] for d in losses]).float().mean()
         if o.pp > 1:
-            dist.broadcast(loss, src=self.ps.get_pipeline_model_parallel_last_rank(),
-                           group=self.ps.get_pipeline_model_parallel_group())
+            dist.broadcast(
+                loss,
+                src=self.ps.get_pipeline_model_parallel_last_rank(),
+                group=self.ps.get_pipeline_model_parallel_group(),
+            )
         return loss
 
     def full_state_dict(self):
@@ -627,7 +737,9 @@ class MegatronEngine(Engine):
         param_bytes = held_bytes(params)
         main_bytes = held_bytes(main)
         return ModelStateBytes(
-            params=param_bytes, grads=held_bytes(grads), optimizer=held_bytes(moments) + main_bytes,
+            params=param_bytes,
+            grads=held_bytes(grads),
+            optimizer=held_bytes(moments) + main_bytes,
             optimizer_other=held_bytes(other),
             detail={"fp32_main_params": main_bytes, "param_count": sum(p.numel() for p in params)},
         )
@@ -649,9 +761,15 @@ class MegatronEngine(Engine):
         return out
 
     def artifacts(self) -> dict[str, Any]:
-        return {"megatron": {"version": package_version("megatron-core"), "layout": dataclasses.asdict(self.layout),
-                             "transformer_config": {k: str(v) for k, v in sorted(vars(self.config).items())
-                                                    if not k.startswith("_") and not callable(v)}}}
+        return {
+            "megatron": {
+                "version": package_version("megatron-core"),
+                "layout": dataclasses.asdict(self.layout),
+                "transformer_config": {
+                    k: str(v) for k, v in sorted(vars(self.config).items()) if not k.startswith("_") and not callable(v)
+                },
+            }
+        }
 
     def close(self) -> None:
         ps = getattr(self, "ps", None)
@@ -686,4 +804,3 @@ def _unwrap(module):
     while hasattr(module, "module"):
         module = module.module
     return module
-

@@ -56,7 +56,10 @@ class Layout:
             (spec.intermediate_size % self.tp, f"intermediate_size {spec.intermediate_size} % tp={self.tp}"),
             (spec.vocab_size % self.tp, f"vocab_size {spec.vocab_size} % tp={self.tp}"),
             (self._qkv_rows(spec) % self.tp, f"fused QKV rows {self._qkv_rows(spec)} % tp={self.tp}"),
-            (spec.num_hidden_layers % (self.pp * self.vpp), f"{spec.num_hidden_layers} layers % (pp x vpp)={self.pp * self.vpp}"),
+            (
+                spec.num_hidden_layers % (self.pp * self.vpp),
+                f"{spec.num_hidden_layers} layers % (pp x vpp)={self.pp * self.vpp}",
+            ),
         ]
         for bad, what in problems:
             if bad:
@@ -88,10 +91,20 @@ def canonical_names(spec: ModelSpec, layout: Layout, stage: int, chunk: int = 0)
         names.append("model.embed_tokens.weight")
     for g in layout.chunk_layers(spec, stage, chunk):
         p = f"model.layers.{g}."
-        names += [p + n for n in (
-            "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-            "self_attn.o_proj.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
-            "mlp.up_proj.weight", "mlp.down_proj.weight")]
+        names += [
+            p + n
+            for n in (
+                "input_layernorm.weight",
+                "self_attn.q_proj.weight",
+                "self_attn.k_proj.weight",
+                "self_attn.v_proj.weight",
+                "self_attn.o_proj.weight",
+                "post_attention_layernorm.weight",
+                "mlp.gate_proj.weight",
+                "mlp.up_proj.weight",
+                "mlp.down_proj.weight",
+            )
+        ]
     if layout.is_last(stage, chunk):
         names.append("model.norm.weight")
         names.append("model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight")
@@ -116,23 +129,24 @@ def split_qkv(qkv: np.ndarray, spec: ModelSpec) -> tuple[np.ndarray, np.ndarray,
     per = spec.num_attention_heads // g
     grouped = qkv.reshape(g, (per + 2) * d, h)
     q = grouped[:, : per * d].reshape(-1, h)
-    k = grouped[:, per * d: (per + 1) * d].reshape(-1, h)
-    v = grouped[:, (per + 1) * d:].reshape(-1, h)
+    k = grouped[:, per * d : (per + 1) * d].reshape(-1, h)
+    v = grouped[:, (per + 1) * d :].reshape(-1, h)
     return np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v)
 
 
 def _rows(x: np.ndarray, r: int, t: int) -> np.ndarray:
     n = x.shape[0] // t
-    return np.ascontiguousarray(x[r * n:(r + 1) * n])
+    return np.ascontiguousarray(x[r * n : (r + 1) * n])
 
 
 def _cols(x: np.ndarray, r: int, t: int) -> np.ndarray:
     n = x.shape[1] // t
-    return np.ascontiguousarray(x[:, r * n:(r + 1) * n])
+    return np.ascontiguousarray(x[:, r * n : (r + 1) * n])
 
 
-def to_megatron(canonical: Mapping[str, np.ndarray], spec: ModelSpec, layout: Layout,
-                stage: int, chunk: int, rank: int) -> dict[str, np.ndarray]:
+def to_megatron(
+    canonical: Mapping[str, np.ndarray], spec: ModelSpec, layout: Layout, stage: int, chunk: int, rank: int
+) -> dict[str, np.ndarray]:
     """Megatron parameter name -> this (stage, chunk, tensor rank)'s shard.
 
     ``canonical`` needs at least ``canonical_names(spec, layout, stage, chunk)``."""
@@ -143,14 +157,19 @@ def to_megatron(canonical: Mapping[str, np.ndarray], spec: ModelSpec, layout: La
         out["embedding.word_embeddings.weight"] = _rows(canonical["model.embed_tokens.weight"], rank, t)
     for i, g in enumerate(layout.chunk_layers(spec, stage, chunk)):
         c, m = f"model.layers.{g}.", f"decoder.layers.{i}."
-        qkv = fuse_qkv(canonical[c + "self_attn.q_proj.weight"], canonical[c + "self_attn.k_proj.weight"],
-                       canonical[c + "self_attn.v_proj.weight"], spec)
+        qkv = fuse_qkv(
+            canonical[c + "self_attn.q_proj.weight"],
+            canonical[c + "self_attn.k_proj.weight"],
+            canonical[c + "self_attn.v_proj.weight"],
+            spec,
+        )
         out[m + ln1] = canonical[c + "input_layernorm.weight"].copy()
         out[m + "self_attention.linear_qkv.weight"] = _rows(qkv, rank, t)
         out[m + "self_attention.linear_proj.weight"] = _cols(canonical[c + "self_attn.o_proj.weight"], rank, t)
         out[m + ln2] = canonical[c + "post_attention_layernorm.weight"].copy()
         out[m + "mlp.linear_fc1.weight"] = np.concatenate(
-            [_rows(canonical[c + "mlp.gate_proj.weight"], rank, t), _rows(canonical[c + "mlp.up_proj.weight"], rank, t)])
+            [_rows(canonical[c + "mlp.gate_proj.weight"], rank, t), _rows(canonical[c + "mlp.up_proj.weight"], rank, t)]
+        )
         out[m + "mlp.linear_fc2.weight"] = _cols(canonical[c + "mlp.down_proj.weight"], rank, t)
     if layout.is_last(stage, chunk):
         out["decoder.final_layernorm.weight"] = canonical["model.norm.weight"].copy()
@@ -159,8 +178,9 @@ def to_megatron(canonical: Mapping[str, np.ndarray], spec: ModelSpec, layout: La
     return out
 
 
-def from_megatron(tp_shards: list[Mapping[str, np.ndarray]], spec: ModelSpec, layout: Layout,
-                  stage: int, chunk: int) -> dict[str, np.ndarray]:
+def from_megatron(
+    tp_shards: list[Mapping[str, np.ndarray]], spec: ModelSpec, layout: Layout, stage: int, chunk: int
+) -> dict[str, np.ndarray]:
     """Canonical weights of one (stage, chunk) from its ``layout.tp`` tensor-rank shards (in rank order)."""
     if len(tp_shards) != layout.tp:
         raise ValueError(f"need {layout.tp} tensor-parallel shards, got {len(tp_shards)}")
@@ -176,7 +196,11 @@ def from_megatron(tp_shards: list[Mapping[str, np.ndarray]], spec: ModelSpec, la
         c, m = f"model.layers.{g}.", f"decoder.layers.{i}."
         q, k, v = split_qkv(cat(m + "self_attention.linear_qkv.weight", 0), spec)
         out[c + "input_layernorm.weight"] = np.array(tp_shards[0][m + ln1])
-        out[c + "self_attn.q_proj.weight"], out[c + "self_attn.k_proj.weight"], out[c + "self_attn.v_proj.weight"] = q, k, v
+        out[c + "self_attn.q_proj.weight"], out[c + "self_attn.k_proj.weight"], out[c + "self_attn.v_proj.weight"] = (
+            q,
+            k,
+            v,
+        )
         out[c + "self_attn.o_proj.weight"] = cat(m + "self_attention.linear_proj.weight", 1)
         out[c + "post_attention_layernorm.weight"] = np.array(tp_shards[0][m + ln2])
         halves = [np.split(s[m + "mlp.linear_fc1.weight"], 2, axis=0) for s in tp_shards]
@@ -196,7 +220,9 @@ def shard_all(canonical: Mapping[str, np.ndarray], spec: ModelSpec, layout: Layo
     return {(s, c, r): to_megatron(canonical, spec, layout, s, c, r) for s, c, r in layout.keys()}
 
 
-def unshard_all(shards: Mapping[Key, Mapping[str, np.ndarray]], spec: ModelSpec, layout: Layout) -> dict[str, np.ndarray]:
+def unshard_all(
+    shards: Mapping[Key, Mapping[str, np.ndarray]], spec: ModelSpec, layout: Layout
+) -> dict[str, np.ndarray]:
     """The full canonical state from every shard (inverse of :func:`shard_all`)."""
     out: dict[str, np.ndarray] = {}
     for s in range(layout.pp):
@@ -209,4 +235,13 @@ def shard_param_count(shards: Iterable[Mapping[str, np.ndarray]]) -> int:
     return sum(int(a.size) for shard in shards for a in shard.values())
 
 
-__all__ = ["Layout", "canonical_names", "from_megatron", "fuse_qkv", "shard_all", "split_qkv", "to_megatron", "unshard_all"]
+__all__ = [
+    "Layout",
+    "canonical_names",
+    "from_megatron",
+    "fuse_qkv",
+    "shard_all",
+    "split_qkv",
+    "to_megatron",
+    "unshard_all",
+]

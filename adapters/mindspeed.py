@@ -32,11 +32,19 @@ from parabench.spec import JobSpec
 # Version sets known to work together, with where that is stated. Anything else is refused with
 # the set found, since mismatches fail late with undefined symbols (docs/sources.md#mindspeed-versions).
 KNOWN_GOOD = [
-    {"source": "Ascend/MindSpeed-LLM README (2026): MindSpeed 26.0.0_core_r0.12.1 release",
-     "torch": "2.7.1", "torch-npu": "2.7.1.post4", "cann": "9.0.0", "mindspeed": "26.0.0", "megatron-core": "0.12.1"},
+    {
+        "source": "Ascend/MindSpeed-LLM README (2026): MindSpeed 26.0.0_core_r0.12.1 release",
+        "torch": "2.7.1",
+        "torch-npu": "2.7.1.post4",
+        "cann": "9.0.0",
+        "mindspeed": "26.0.0",
+        "megatron-core": "0.12.1",
+    },
 ]
-MINDSPEED_INSTALL = ("mindspeed is not installed: install Ascend's MindSpeed matching your torch_npu/CANN "
-                     "(e.g. pip install -e MindSpeed from its core_r0.12.1 branch) - see docs/ascend.md")
+MINDSPEED_INSTALL = (
+    "mindspeed is not installed: install Ascend's MindSpeed matching your torch_npu/CANN "
+    "(e.g. pip install -e MindSpeed from its core_r0.12.1 branch) - see docs/ascend.md"
+)
 
 # Ascend environment the runner sets for every worker (docs/sources.md#mindspeed-launch-env, MindSpeed-LLM launch
 # scripts); logged with the run and written into the launch bundle.
@@ -56,7 +64,9 @@ class MindSpeedOptions(MegatronOptions):
     use_fused_swiglu: bool = True  # --use-fused-swiglu
     use_fused_rotary_pos_emb: bool = True  # --use-fused-rotary-pos-emb
     use_flash_attn: bool = True  # --use-flash-attn: torch_npu.npu_fusion_attention
-    context_parallel_algo: Literal["ulysses_cp_algo", "megatron_cp_algo", "hybrid_cp_algo", "adaptive_cp_algo"] = "megatron_cp_algo"
+    context_parallel_algo: Literal["ulysses_cp_algo", "megatron_cp_algo", "hybrid_cp_algo", "adaptive_cp_algo"] = (
+        "megatron_cp_algo"
+    )
     reuse_fp32_param: bool = False  # --reuse-fp32-param: bf16 params share the fp32 main copy's memory
     recompute_activation_function: bool = False  # --recompute-activation-function
     swap_attention: bool = False  # --swap-attention
@@ -68,14 +78,25 @@ def mindspeed_argv(job: JobSpec) -> list[str]:
     """The flags MindSpeed's argument parser reads for this job (Megatron's + MindSpeed's own)."""
     o = job.backend.options
     args = [
-        f"--tensor-model-parallel-size={o.tp}", f"--pipeline-model-parallel-size={o.pp}",
-        f"--context-parallel-size={o.cp}", f"--micro-batch-size={job.data.micro_batch_size}",
-        f"--global-batch-size={job.data.global_batch_size}", f"--seq-length={job.data.seq_len}",
-        f"--num-layers={job.model.num_hidden_layers}", f"--hidden-size={job.model.hidden_size}",
-        f"--ffn-hidden-size={job.model.intermediate_size}", f"--num-attention-heads={job.model.num_attention_heads}",
-        "--group-query-attention", f"--num-query-groups={job.model.num_key_value_heads}",
-        "--normalization=RMSNorm", "--swiglu", "--position-embedding-type=rope", "--disable-bias-linear",
-        "--untie-embeddings-and-output-weights", "--transformer-impl=local", "--distributed-backend=nccl",
+        f"--tensor-model-parallel-size={o.tp}",
+        f"--pipeline-model-parallel-size={o.pp}",
+        f"--context-parallel-size={o.cp}",
+        f"--micro-batch-size={job.data.micro_batch_size}",
+        f"--global-batch-size={job.data.global_batch_size}",
+        f"--seq-length={job.data.seq_len}",
+        f"--num-layers={job.model.num_hidden_layers}",
+        f"--hidden-size={job.model.hidden_size}",
+        f"--ffn-hidden-size={job.model.intermediate_size}",
+        f"--num-attention-heads={job.model.num_attention_heads}",
+        "--group-query-attention",
+        f"--num-query-groups={job.model.num_key_value_heads}",
+        "--normalization=RMSNorm",
+        "--swiglu",
+        "--position-embedding-type=rope",
+        "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights",
+        "--transformer-impl=local",
+        "--distributed-backend=nccl",
         f"--optimization-level={o.optimization_level}",
     ]
     if o.vpp > 1:
@@ -84,22 +105,32 @@ def mindspeed_argv(job: JobSpec) -> list[str]:
         args.append("--bf16")
     if o.cp > 1:
         args.append(f"--context-parallel-algo={o.context_parallel_algo}")
-    for flag, on in (("--sequence-parallel", o.sequence_parallel), ("--use-distributed-optimizer", o.distributed_optimizer),
-                     ("--overlap-grad-reduce", o.overlap_grad_reduce), ("--overlap-param-gather", o.overlap_param_gather),
-                     ("--use-fused-rmsnorm", o.use_fused_rmsnorm), ("--use-fused-swiglu", o.use_fused_swiglu),
-                     ("--use-fused-rotary-pos-emb", o.use_fused_rotary_pos_emb), ("--use-flash-attn", o.use_flash_attn),
-                     ("--reuse-fp32-param", o.reuse_fp32_param),
-                     ("--recompute-activation-function", o.recompute_activation_function),
-                     ("--swap-attention", o.swap_attention)):
+    for flag, on in (
+        ("--sequence-parallel", o.sequence_parallel),
+        ("--use-distributed-optimizer", o.distributed_optimizer),
+        ("--overlap-grad-reduce", o.overlap_grad_reduce),
+        ("--overlap-param-gather", o.overlap_param_gather),
+        ("--use-fused-rmsnorm", o.use_fused_rmsnorm),
+        ("--use-fused-swiglu", o.use_fused_swiglu),
+        ("--use-fused-rotary-pos-emb", o.use_fused_rotary_pos_emb),
+        ("--use-flash-attn", o.use_flash_attn),
+        ("--reuse-fp32-param", o.reuse_fp32_param),
+        ("--recompute-activation-function", o.recompute_activation_function),
+        ("--swap-attention", o.swap_attention),
+    ):
         if on:
             args.append(flag)
     return args
 
 
-
 def version_set() -> dict[str, str | None]:
-    return {"torch": package_version("torch"), "torch-npu": package_version("torch-npu"), "cann": cann_version(),
-            "mindspeed": package_version("mindspeed"), "megatron-core": package_version("megatron-core")}
+    return {
+        "torch": package_version("torch"),
+        "torch-npu": package_version("torch-npu"),
+        "cann": cann_version(),
+        "mindspeed": package_version("mindspeed"),
+        "megatron-core": package_version("megatron-core"),
+    }
 
 
 def check_matrix(found: dict[str, str | None]) -> str | None:
@@ -108,13 +139,17 @@ def check_matrix(found: dict[str, str | None]) -> str | None:
         if all((found.get(k) or "").split("+")[0].startswith(v) for k, v in good.items() if k != "source"):
             return None
     have = ", ".join(f"{k} {v or 'missing'}" for k, v in found.items())
-    want = "; ".join(", ".join(f"{k} {v}" for k, v in g.items() if k != "source") + f" ({g['source']})" for g in KNOWN_GOOD)
+    want = "; ".join(
+        ", ".join(f"{k} {v}" for k, v in g.items() if k != "source") + f" ({g['source']})" for g in KNOWN_GOOD
+    )
     return f"version set not known to work together: {have}. Known good: {want}"
 
 
 class MindSpeedAdapter(MegatronAdapter):
     name = "mindspeed"
-    capabilities = Capabilities(devices=frozenset({"npu"}), precisions=frozenset({"fp32", "bf16"}), shards_model_states=True)
+    capabilities = Capabilities(
+        devices=frozenset({"npu"}), precisions=frozenset({"fp32", "bf16"}), shards_model_states=True
+    )
     Options = MindSpeedOptions
 
     @classmethod
@@ -122,15 +157,25 @@ class MindSpeedAdapter(MegatronAdapter):
         found = version_set()
         versions = {k: v for k, v in found.items() if v}
         if not found["torch-npu"] or importlib.util.find_spec("torch_npu") is None:
-            return Availability(False, "torch_npu is not installed (pip install torch-npu on a machine with the CANN toolkit)", versions)
+            return Availability(
+                False, "torch_npu is not installed (pip install torch-npu on a machine with the CANN toolkit)", versions
+            )
         if cann_library() is None:
-            return Availability(False, f"torch_npu {found['torch-npu']} is installed but the CANN runtime (libhccl.so) is not found: "
-                                       "install CANN and source set_env.sh (until then `import torch` needs "
-                                       f"{AUTOLOAD_TEXT}, which parabench sets)", versions)
+            return Availability(
+                False,
+                f"torch_npu {found['torch-npu']} is installed but the CANN runtime (libhccl.so) is not found: "
+                "install CANN and source set_env.sh (until then `import torch` needs "
+                f"{AUTOLOAD_TEXT}, which parabench sets)",
+                versions,
+            )
         if not found["mindspeed"] or importlib.util.find_spec("mindspeed") is None:
             return Availability(False, MINDSPEED_INSTALL, versions)
         if not found["megatron-core"]:
-            return Availability(False, "megatron-core is not installed (MindSpeed patches it: pip install 'parabench[megatron]')", versions)
+            return Availability(
+                False,
+                "megatron-core is not installed (MindSpeed patches it: pip install 'parabench[megatron]')",
+                versions,
+            )
         presence = NPUDevice.presence()
         if not presence.available:
             return Availability(False, presence.reason, versions)
@@ -144,7 +189,9 @@ class MindSpeedAdapter(MegatronAdapter):
         o = job.backend.options
         # Megatron's checks, except context parallelism: megatron-core's local attention cannot do
         # it, but MindSpeed provides it on the NPU (context_parallel_algo).
-        super().validate(dataclasses.replace(job, backend=dataclasses.replace(job.backend, options=dataclasses.replace(o, cp=1))))
+        super().validate(
+            dataclasses.replace(job, backend=dataclasses.replace(job.backend, options=dataclasses.replace(o, cp=1)))
+        )
         if o.optimization_level not in (0, 1, 2):
             raise SpecError("backend.optimization_level", f"must be 0, 1 or 2, got {o.optimization_level}")
         if o.reuse_fp32_param and job.run.precision != "bf16":
@@ -152,8 +199,10 @@ class MindSpeedAdapter(MegatronAdapter):
         if o.cp > 1 and job.data.seq_len % (2 * o.cp):
             raise SpecError("backend.cp", f"data.seq_len={job.data.seq_len} is not divisible by 2 x cp = {2 * o.cp}")
         if o.visible_devices and len(o.visible_devices.split(",")) < job.launch.nproc_per_node:
-            raise SpecError("backend.visible_devices", f"{o.visible_devices!r} lists fewer NPUs than launcher.nproc_per_node="
-                                                       f"{job.launch.nproc_per_node}")
+            raise SpecError(
+                "backend.visible_devices",
+                f"{o.visible_devices!r} lists fewer NPUs than launcher.nproc_per_node={job.launch.nproc_per_node}",
+            )
 
     @classmethod
     def launch_env(cls, job: JobSpec) -> dict[str, str]:
@@ -176,8 +225,10 @@ class MindSpeedAdapter(MegatronAdapter):
         # launcher put them on this worker's command line (worker_args).
         missing = [a for a in mindspeed_argv(ctx.job) if a not in sys.argv]
         if missing:
-            raise RuntimeError(f"MindSpeed reads its switches from sys.argv, which lacks {missing[:3]}: start the "
-                               "worker through the launcher (python -m parabench.worker RUN_DIR <mindspeed_args.txt>)")
+            raise RuntimeError(
+                f"MindSpeed reads its switches from sys.argv, which lacks {missing[:3]}: start the "
+                "worker through the launcher (python -m parabench.worker RUN_DIR <mindspeed_args.txt>)"
+            )
         import mindspeed.megatron_adaptor  # noqa: F401  (worker only: patches megatron-core, applies transfer_to_npu)
 
         return MegatronEngine(ctx, redirect_cuda=False)  # transfer_to_npu already maps CUDA onto the NPU

@@ -104,32 +104,49 @@ class MindSporeAdapter(Adapter):
         if kind != "npu":
             return DEVICES[kind].presence()
         if cann_library() is None:
-            return Presence(False, "MindSpore's Ascend target needs the CANN runtime (libhccl.so), which is not found: "
-                                   "install CANN and source set_env.sh")
+            return Presence(
+                False,
+                "MindSpore's Ascend target needs the CANN runtime (libhccl.so), which is not found: "
+                "install CANN and source set_env.sh",
+            )
         probe = "import mindspore as ms; print(ms.hal.device_count('Ascend'))"
         try:
             out = run_probe(probe, 120)
         except ProbeFailed as exc:
             return Presence(False, f"MindSpore could not open Ascend: {exc}")
         count = int((out.strip().splitlines() or ["0"])[-1] or 0)
-        return Presence(count > 0, f"{count} x Ascend NPU (MindSpore)" if count else "MindSpore sees no Ascend NPU", count)
+        return Presence(
+            count > 0, f"{count} x Ascend NPU (MindSpore)" if count else "MindSpore sees no Ascend NPU", count
+        )
 
     @classmethod
     def validate(cls, job: JobSpec) -> None:
         opts = job.backend.options
         if opts.parallel_mode != "data_parallel":
             if job.device.type == "cpu":
-                raise SpecError("backend.parallel_mode", (
-                    f"{opts.parallel_mode} is not supported on CPU: MindSpore's operator-level parallelism "
-                    "(mindspore.parallel.auto_parallel.AutoParallel) supports Ascend only, and the CPU collective "
-                    "backend mccl implements AllReduce(sum) alone; use backend.parallel_mode=data_parallel"))
-            raise SpecError("backend.parallel_mode", (
-                f"{opts.parallel_mode} is supported by MindSpore on Ascend, but parabench does not build its sharded "
-                "train network yet; use backend.parallel_mode=data_parallel"))
+                raise SpecError(
+                    "backend.parallel_mode",
+                    (
+                        f"{opts.parallel_mode} is not supported on CPU: MindSpore's operator-level parallelism "
+                        "(mindspore.parallel.auto_parallel.AutoParallel) supports Ascend only, and the CPU collective "
+                        "backend mccl implements AllReduce(sum) alone; use backend.parallel_mode=data_parallel"
+                    ),
+                )
+            raise SpecError(
+                "backend.parallel_mode",
+                (
+                    f"{opts.parallel_mode} is supported by MindSpore on Ascend, but parabench does not build its sharded "
+                    "train network yet; use backend.parallel_mode=data_parallel"
+                ),
+            )
         if opts.mode == "pynative" and _major(package_version("numpy")) >= 2:
-            raise SpecError("backend.mode", (
-                f"PyNative mode of mindspore {package_version('mindspore')} fails under numpy {package_version('numpy')} (its "
-                "kernels are built against NumPy 1.x): pip install 'numpy<2', or use backend.mode=graph"))
+            raise SpecError(
+                "backend.mode",
+                (
+                    f"PyNative mode of mindspore {package_version('mindspore')} fails under numpy {package_version('numpy')} (its "
+                    "kernels are built against NumPy 1.x): pip install 'numpy<2', or use backend.mode=graph"
+                ),
+            )
         if opts.jit_level != "O0" and opts.mode == "pynative":
             raise SpecError("backend.jit_level", "applies to graph mode only (backend.mode=graph)")
 
@@ -163,7 +180,9 @@ class MindSporeAdapter(Adapter):
         if kind == "cpu":
             # MindSpore's CPU kernels default to 25 threads; use the same per-rank count as torch
             # backends and the MFU peak measurement.
-            ms.device_context.cpu.op_tuning.threads_num(cpu_threads(ctx.job.launch.nproc_per_node, ctx.job.device.threads_per_rank))
+            ms.device_context.cpu.op_tuning.threads_num(
+                cpu_threads(ctx.job.launch.nproc_per_node, ctx.job.device.threads_per_rank)
+            )
         else:
             ctx.device = _ascend_device(ctx.local_rank)
         return MindSporeComm(COLLECTIVE_BACKENDS[kind])
@@ -223,7 +242,9 @@ class MindSporeEngine(Engine):
         self.net = cells.Llama(job.model, weights, job.data.seq_len)
         self.named_params = cells.name_parameters(self.net)
         if sorted(self.named_params) != sorted(weights):
-            raise RuntimeError(f"MindSpore cell and canonical names differ: {sorted(set(self.named_params) ^ set(weights))[:5]}")
+            raise RuntimeError(
+                f"MindSpore cell and canonical names differ: {sorted(set(self.named_params) ^ set(weights))[:5]}"
+            )
         self.params = [self.named_params[n] for n in weights]  # canonical order
         self.names = list(weights)
         self.grads = cells.zeros_like_params(self.params, "grad")
@@ -257,13 +278,17 @@ class MindSporeEngine(Engine):
 
     def model_state_bytes(self) -> ModelStateBytes:
         nbytes = lambda ps: sum(int(p.nbytes) for p in ps)  # noqa: E731
-        return ModelStateBytes(params=nbytes(self.params), grads=nbytes(self.grads),
-                               optimizer=nbytes(self.optimizer.exp_avg) + nbytes(self.optimizer.exp_avg_sq),
-                               optimizer_other=0)
+        return ModelStateBytes(
+            params=nbytes(self.params),
+            grads=nbytes(self.grads),
+            optimizer=nbytes(self.optimizer.exp_avg) + nbytes(self.optimizer.exp_avg_sq),
+            optimizer_other=0,
+        )
 
 
 def _ascend_device(local_rank: int):
     """The npu Device seen through MindSpore's runtime (no torch_npu in a MindSpore worker)."""
+
     class MindSporeAscend(NPUDevice):
         def setup(self) -> None:
             pass

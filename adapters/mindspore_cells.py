@@ -69,10 +69,12 @@ class Attention(nn.Cell):
         q, k = self.rope(q), self.rope(k)
         if self.n_kv != self.n_heads:  # GQA: query head h reads key/value head h // rep
             rep = self.n_heads // self.n_kv
-            k = ops.broadcast_to(k.reshape(b, self.n_kv, 1, s, self.head_dim),
-                                 (b, self.n_kv, rep, s, self.head_dim)).reshape(b, self.n_heads, s, self.head_dim)
-            v = ops.broadcast_to(v.reshape(b, self.n_kv, 1, s, self.head_dim),
-                                 (b, self.n_kv, rep, s, self.head_dim)).reshape(b, self.n_heads, s, self.head_dim)
+            k = ops.broadcast_to(
+                k.reshape(b, self.n_kv, 1, s, self.head_dim), (b, self.n_kv, rep, s, self.head_dim)
+            ).reshape(b, self.n_heads, s, self.head_dim)
+            v = ops.broadcast_to(
+                v.reshape(b, self.n_kv, 1, s, self.head_dim), (b, self.n_kv, rep, s, self.head_dim)
+            ).reshape(b, self.n_heads, s, self.head_dim)
         scores = self.qk(q, k) * self.scale + self.mask  # causal: -inf above the diagonal
         out = self.pv(ops.softmax(scores, -1), v)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, s, self.n_heads * self.head_dim))
@@ -159,8 +161,10 @@ def name_parameters(net) -> dict:
 
 
 def zeros_like_params(params, prefix: str):
-    return ms.ParameterTuple(Parameter(Tensor(np.zeros(p.shape, dtype=np.float32)), name=f"{prefix}.{p.name}",
-                                       requires_grad=False) for p in params)
+    return ms.ParameterTuple(
+        Parameter(Tensor(np.zeros(p.shape, dtype=np.float32)), name=f"{prefix}.{p.name}", requires_grad=False)
+        for p in params
+    )
 
 
 class MicroStep(nn.Cell):
@@ -200,7 +204,7 @@ class AdamW(nn.Cell):
 
     def step_scalars(self, step: int) -> tuple[float, float, float]:
         """(lr', eps', wd') for step ``step`` (1-based), in double precision as torch computes them."""
-        bc1, bc2_sqrt = 1.0 - self.b1 ** step, math.sqrt(1.0 - self.b2 ** step)
+        bc1, bc2_sqrt = 1.0 - self.b1**step, math.sqrt(1.0 - self.b2**step)
         s = self.spec
         return s.lr * bc2_sqrt / bc1, s.eps * bc2_sqrt, s.weight_decay * bc1 / bc2_sqrt
 

@@ -17,11 +17,26 @@ if TYPE_CHECKING:  # pragma: no cover
 # name -> ("module:Class", one-line description)
 _BUILTIN: dict[str, tuple[str, str]] = {
     "ddp": ("parabench.adapters.ddp:DDPAdapter", "PyTorch DistributedDataParallel (replicated model states)"),
-    "fsdp": ("parabench.adapters.fsdp:FSDPAdapter", "PyTorch FSDP2 fully_shard (sharded params, grads, optimizer states)"),
-    "deepspeed": ("parabench.adapters.deepspeed:DeepSpeedAdapter", "DeepSpeed ZeRO stage 0-3 with optional CPU offload of optimizer states / parameters"),
-    "megatron": ("parabench.adapters.megatron:MegatronAdapter", "Megatron-Core GPTModel: tensor/sequence/pipeline/data parallel, distributed optimizer"),
-    "mindspeed": ("parabench.adapters.mindspeed:MindSpeedAdapter", "Megatron-Core + MindSpeed on Ascend NPUs (torch_npu, HCCL)"),
-    "mindspore": ("parabench.adapters.mindspore:MindSporeAdapter", "Native MindSpore nn.Cell, data parallel over msrun (mccl on CPU, hccl on Ascend)"),
+    "fsdp": (
+        "parabench.adapters.fsdp:FSDPAdapter",
+        "PyTorch FSDP2 fully_shard (sharded params, grads, optimizer states)",
+    ),
+    "deepspeed": (
+        "parabench.adapters.deepspeed:DeepSpeedAdapter",
+        "DeepSpeed ZeRO stage 0-3 with optional CPU offload of optimizer states / parameters",
+    ),
+    "megatron": (
+        "parabench.adapters.megatron:MegatronAdapter",
+        "Megatron-Core GPTModel: tensor/sequence/pipeline/data parallel, distributed optimizer",
+    ),
+    "mindspeed": (
+        "parabench.adapters.mindspeed:MindSpeedAdapter",
+        "Megatron-Core + MindSpeed on Ascend NPUs (torch_npu, HCCL)",
+    ),
+    "mindspore": (
+        "parabench.adapters.mindspore:MindSporeAdapter",
+        "Native MindSpore nn.Cell, data parallel over msrun (mccl on CPU, hccl on Ascend)",
+    ),
 }
 _REGISTRY: dict[str, tuple[str, str]] = dict(_BUILTIN)
 

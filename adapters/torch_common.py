@@ -32,8 +32,14 @@ class TorchEngine(Engine):
     skip gradient communication on all but the last micro-batch (DDP no_sync, FSDP2 requires_grad_sync).
     """
 
-    def __init__(self, ctx: WorkerContext, model: torch.nn.Module, named_params: Sequence[tuple[str, torch.nn.Parameter]],
-                 sync_context: Callable[[bool], contextlib.AbstractContextManager], autocast_dtype: torch.dtype | None):
+    def __init__(
+        self,
+        ctx: WorkerContext,
+        model: torch.nn.Module,
+        named_params: Sequence[tuple[str, torch.nn.Parameter]],
+        sync_context: Callable[[bool], contextlib.AbstractContextManager],
+        autocast_dtype: torch.dtype | None,
+    ):
         self.ctx = ctx
         self.model = model
         self.named_params = list(named_params)
@@ -41,7 +47,9 @@ class TorchEngine(Engine):
         self.optimizer = make_adamw(self.named_params, ctx.job.optim)
         self.sync_context = sync_context
         device_type = torch.device(ctx.device.torch_device).type
-        self.autocast = (lambda: torch.autocast(device_type, dtype=autocast_dtype)) if autocast_dtype else contextlib.nullcontext
+        self.autocast = (
+            (lambda: torch.autocast(device_type, dtype=autocast_dtype)) if autocast_dtype else contextlib.nullcontext
+        )
 
     def train_step(self, micro_batches):
         n = len(micro_batches)

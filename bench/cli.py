@@ -33,6 +33,7 @@ Results: run directories under results/runs/, MLflow store sqlite:///results/mlf
 (view with: mlflow ui --backend-store-uri sqlite:///results/mlflow.db).
 """
 
+
 def _quiet_environment() -> None:
     # torch_npu installed without CANN makes `import torch` fail unless autoload is off
     # (docs/sources.md#device-backend-autoload); NPU workers import torch_npu explicitly.
@@ -102,7 +103,10 @@ def _job(cfg, prepared: _PreparedJobs):
     plain = to_plain(cfg)
     job = prepared.job(plain)
     out = Path(hc.runtime.output_dir)
-    tags = {"backend_config": hc.runtime.choices.get("backend"), "job_num": hc.job.num if hc.mode == RunMode.MULTIRUN else None}
+    tags = {
+        "backend_config": hc.runtime.choices.get("backend"),
+        "job_num": hc.job.num if hc.mode == RunMode.MULTIRUN else None,
+    }
     try:
         summaries = []
         for rep in range(job.run.repeats):
@@ -139,8 +143,13 @@ def cmd_run(argv: list[str]) -> int:
     # What @hydra.main does, with our parsed arguments instead of sys.argv.
     setbase("1.3")
     try:
-        _run_hydra(args=args, args_parser=get_args_parser(), task_function=task,
-                   config_path="pkg://parabench.conf", config_name="config")
+        _run_hydra(
+            args=args,
+            args_parser=get_args_parser(),
+            task_function=task,
+            config_path="pkg://parabench.conf",
+            config_name="config",
+        )
     except ValueError as exc:  # Hydra's own argument checks (e.g. -m together with --cfg)
         print(f"bench: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
@@ -178,7 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         from parabench.migrate.smoke import main as smoke_main
 
         return smoke_main(rest)
-    print(f"bench: error: unknown command {command!r} (choose from run, compare, env, migrate, smoke; see bench --help)", file=sys.stderr)
+    print(
+        f"bench: error: unknown command {command!r} (choose from run, compare, env, migrate, smoke; see bench --help)",
+        file=sys.stderr,
+    )
     return 2
 
 

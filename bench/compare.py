@@ -98,17 +98,31 @@ class Row:
     def as_dict(self) -> dict[str, Any]:
         first = self.runs[0]
         return {
-            "variant": self.variant, "backend": first.backend, "world_size": self.world_size,
-            "global_batch": self.global_batch, "repeats": len(self.runs), "run_ids": [r.run_id for r in self.runs],
-            "tokens_per_s": self.tokens_per_s, "tokens_per_s_min": self.tokens_min, "tokens_per_s_max": self.tokens_max,
+            "variant": self.variant,
+            "backend": first.backend,
+            "world_size": self.world_size,
+            "global_batch": self.global_batch,
+            "repeats": len(self.runs),
+            "run_ids": [r.run_id for r in self.runs],
+            "tokens_per_s": self.tokens_per_s,
+            "tokens_per_s_min": self.tokens_min,
+            "tokens_per_s_max": self.tokens_max,
             "tokens_per_s_per_device": self.tokens_per_s / self.world_size,
-            "mfu": self.med("mfu"), "peak_tflops": first.peak_tflops, "peak_source": first.peak_source,
-            "step_time_median_s": self.med("step_time_median_s"), "rank_spread_s": self.med("rank_spread_s"),
-            "peak_memory_bytes": self.med("peak_memory_bytes"), "model_state_bytes": self.med("model_state_bytes"),
-            "loss_final": self.med("loss_final"), "ratio": self.ratio,
-            "ratio_band": list(self.ratio_band) if self.ratio_band else None, "ratio_note": self.ratio_note,
-            "efficiency": self.efficiency, "efficiency_band": list(self.efficiency_band) if self.efficiency_band else None,
-            "efficiency_kind": self.efficiency_kind, "efficiency_note": self.efficiency_note,
+            "mfu": self.med("mfu"),
+            "peak_tflops": first.peak_tflops,
+            "peak_source": first.peak_source,
+            "step_time_median_s": self.med("step_time_median_s"),
+            "rank_spread_s": self.med("rank_spread_s"),
+            "peak_memory_bytes": self.med("peak_memory_bytes"),
+            "model_state_bytes": self.med("model_state_bytes"),
+            "loss_final": self.med("loss_final"),
+            "ratio": self.ratio,
+            "ratio_band": list(self.ratio_band) if self.ratio_band else None,
+            "ratio_note": self.ratio_note,
+            "efficiency": self.efficiency,
+            "efficiency_band": list(self.efficiency_band) if self.efficiency_band else None,
+            "efficiency_kind": self.efficiency_kind,
+            "efficiency_note": self.efficiency_note,
         }
 
 
@@ -127,21 +141,26 @@ def _f(metrics: dict, key: str) -> float | None:
     return float(v) if v is not None else None
 
 
-def load_runs(client, run_ids: Iterable[str] | None = None, experiment: str | None = None,
-              filter_string: str = "") -> list[RunRecord]:
+def load_runs(
+    client, run_ids: Iterable[str] | None = None, experiment: str | None = None, filter_string: str = ""
+) -> list[RunRecord]:
     if run_ids:
         runs = []
         for rid in run_ids:
             try:
                 runs.append(client.get_run(rid))
             except Exception as exc:  # MlflowException: unknown id
-                raise UserError(f"--runs: no run {rid!r} in {client.tracking_uri} ({str(exc).splitlines()[0]})") from None
+                raise UserError(
+                    f"--runs: no run {rid!r} in {client.tracking_uri} ({str(exc).splitlines()[0]})"
+                ) from None
     else:
         if experiment:
             exp = client.get_experiment_by_name(experiment)
             if exp is None:
                 names = ", ".join(e.name for e in client.search_experiments())
-                raise UserError(f"--experiment: no experiment {experiment!r} in {client.tracking_uri} (have: {names or 'none'})")
+                raise UserError(
+                    f"--experiment: no experiment {experiment!r} in {client.tracking_uri} (have: {names or 'none'})"
+                )
             exp_ids = [exp.experiment_id]
         else:
             exp_ids = [e.experiment_id for e in client.search_experiments()]
@@ -152,7 +171,9 @@ def load_runs(client, run_ids: Iterable[str] | None = None, experiment: str | No
             runs = client.search_runs(exp_ids, filter_string=flt, max_results=5000)
         except Exception as exc:
             raise UserError(f"--filter: {str(exc).splitlines()[0]}") from None
-    records = [_record(client, r) for r in runs if r.data.tags.get("parabench.kind") == "job" and r.info.status == "FINISHED"]
+    records = [
+        _record(client, r) for r in runs if r.data.tags.get("parabench.kind") == "job" and r.info.status == "FINISHED"
+    ]
     return _label_variants(records, runs)
 
 
@@ -165,15 +186,28 @@ def _record(client, run) -> RunRecord:
         if f"rank{r}.total" in m:
             state.append({k: m.get(f"rank{r}.{k}", 0.0) for k in ("params", "grads", "optimizer", "optimizer_other")})
     return RunRecord(
-        run_id=run.info.run_id, backend=t.get("backend", p.get("backend.name", "?")), variant=t.get("backend", "?"),
-        world_size=world, model=t.get("model", p.get("model.name", "?")), device=t.get("device", "?"),
-        device_name=t.get("device_name", ""), precision=t.get("precision", p.get("run.precision", "?")),
-        global_batch=int(p.get("data.global_batch_size", 0)), seq_len=int(p.get("data.seq_len", 0)),
-        tokens_per_s=m.get("tokens_per_s", 0.0), tokens_per_s_per_device=m.get("tokens_per_s_per_device", 0.0),
-        mfu=_f(m, "mfu"), peak_tflops=_f(m, "peak_tflops_per_device"), peak_source=t.get("peak_source", ""),
-        step_time_median_s=m.get("step_time_median_s", 0.0), rank_spread_s=m.get("rank_step_time_spread_s", 0.0),
-        peak_memory_bytes=m.get("peak_memory_bytes_max", 0.0), model_state_bytes=m.get("model_state_bytes_max", 0.0),
-        loss_final=m.get("loss_final", float("nan")), losses=losses, state_per_rank=state,
+        run_id=run.info.run_id,
+        backend=t.get("backend", p.get("backend.name", "?")),
+        variant=t.get("backend", "?"),
+        world_size=world,
+        model=t.get("model", p.get("model.name", "?")),
+        device=t.get("device", "?"),
+        device_name=t.get("device_name", ""),
+        precision=t.get("precision", p.get("run.precision", "?")),
+        global_batch=int(p.get("data.global_batch_size", 0)),
+        seq_len=int(p.get("data.seq_len", 0)),
+        tokens_per_s=m.get("tokens_per_s", 0.0),
+        tokens_per_s_per_device=m.get("tokens_per_s_per_device", 0.0),
+        mfu=_f(m, "mfu"),
+        peak_tflops=_f(m, "peak_tflops_per_device"),
+        peak_source=t.get("peak_source", ""),
+        step_time_median_s=m.get("step_time_median_s", 0.0),
+        rank_spread_s=m.get("rank_step_time_spread_s", 0.0),
+        peak_memory_bytes=m.get("peak_memory_bytes_max", 0.0),
+        model_state_bytes=m.get("model_state_bytes_max", 0.0),
+        loss_final=m.get("loss_final", float("nan")),
+        losses=losses,
+        state_per_rank=state,
     )
 
 
@@ -181,7 +215,10 @@ def _label_variants(records: list[RunRecord], runs) -> list[RunRecord]:
     """The row label: the backend config chosen (``backend=deepspeed_z3`` -> deepspeed_z3), plus the
     backend.* options that differ between runs of that config at the same world size (so an option
     that follows the world size, like tp=N in a scaling series, does not split the series)."""
-    info = {r.info.run_id: (r.data.params, r.data.tags.get("backend_config") or r.data.tags.get("backend", "?")) for r in runs}
+    info = {
+        r.info.run_id: (r.data.params, r.data.tags.get("backend_config") or r.data.tags.get("backend", "?"))
+        for r in runs
+    }
     groups: dict[tuple[str, int], list[RunRecord]] = {}
     for rec in records:
         groups.setdefault((info[rec.run_id][1], rec.world_size), []).append(rec)
@@ -190,7 +227,7 @@ def _label_variants(records: list[RunRecord], runs) -> list[RunRecord]:
         keys = sorted({k for p in params for k in p if k.startswith("backend.") and k != "backend.name"})
         varying = [k for k in keys if len({p.get(k) for p in params}) > 1]
         for rec, p in zip(recs, params):
-            opts = ",".join(f"{k[len('backend.'):]}={p.get(k)}" for k in varying)
+            opts = ",".join(f"{k[len('backend.') :]}={p.get(k)}" for k in varying)
             rec.variant = f"{config}({opts})" if opts else config
     return records
 
@@ -222,7 +259,8 @@ def build_sections(records: list[RunRecord], baseline: tuple[str, str] | None, s
         for s in sections[1:]:
             first = sections[0].key
             s.note = "not comparable with the first section: " + "; ".join(
-                f"{k} differs ({first[k]} vs {s.key[k]})" for k in SECTION_KEYS if first[k] != s.key[k])
+                f"{k} differs ({first[k]} vs {s.key[k]})" for k in SECTION_KEYS if first[k] != s.key[k]
+            )
     return sections
 
 
@@ -242,9 +280,15 @@ def _ratios(rows: list[Row], baseline: tuple[str, str] | None) -> None:
     if not baseline:
         return
     for row in rows:
-        bases = [b for b in rows if _matches(b, baseline) and b.world_size == row.world_size and b.global_batch == row.global_batch]
+        bases = [
+            b
+            for b in rows
+            if _matches(b, baseline) and b.world_size == row.world_size and b.global_batch == row.global_batch
+        ]
         if not bases:
-            row.ratio_note = f"no {baseline[0]}={baseline[1]} run at world size {row.world_size}, global batch {row.global_batch}"
+            row.ratio_note = (
+                f"no {baseline[0]}={baseline[1]} run at world size {row.world_size}, global batch {row.global_batch}"
+            )
             continue
         base = bases[0]
         row.ratio = row.tokens_per_s / base.tokens_per_s
@@ -282,8 +326,14 @@ def _efficiencies(rows: list[Row]) -> None:
         notes = []
         if lo <= 1.0 <= hi and len(row.runs) > 1:
             notes.append("band overlaps 1.0")
-        others = [o for o in rows if o is not row and o.world_size == row.world_size and o.efficiency_band
-                  and o.efficiency_kind == row.efficiency_kind]
+        others = [
+            o
+            for o in rows
+            if o is not row
+            and o.world_size == row.world_size
+            and o.efficiency_band
+            and o.efficiency_kind == row.efficiency_kind
+        ]
         overl = [o.variant for o in others if o.efficiency_band[0] <= hi and lo <= o.efficiency_band[1]]
         if overl and (len(row.runs) > 1):
             notes.append("band overlaps " + ", ".join(overl))
@@ -316,10 +366,20 @@ def scaling_metrics(sections: list[Section]) -> tuple[dict[str, float], list[str
 # Rendering.
 # --------------------------------------------------------------------------------------------
 COLUMNS = [
-    ("variant", "backend"), ("world_size", "N"), ("global_batch", "batch"), ("repeats", "reps"),
-    ("tokens_per_s", "tokens/s"), ("tokens_per_s_per_device", "tok/s/dev"), ("mfu", "MFU"),
-    ("step_time_median_s", "step s"), ("rank_spread_s", "spread s"), ("peak_memory_bytes", "peak mem"),
-    ("model_state_bytes", "states/rank"), ("loss_final", "final loss"), ("efficiency", "eff."), ("ratio", "ratio"),
+    ("variant", "backend"),
+    ("world_size", "N"),
+    ("global_batch", "batch"),
+    ("repeats", "reps"),
+    ("tokens_per_s", "tokens/s"),
+    ("tokens_per_s_per_device", "tok/s/dev"),
+    ("mfu", "MFU"),
+    ("step_time_median_s", "step s"),
+    ("rank_spread_s", "spread s"),
+    ("peak_memory_bytes", "peak mem"),
+    ("model_state_bytes", "states/rank"),
+    ("loss_final", "final loss"),
+    ("efficiency", "eff."),
+    ("ratio", "ratio"),
 ]
 
 
@@ -346,17 +406,28 @@ def _fmt(key: str, value: Any, row: dict) -> str:
 
 
 def report_dict(sections: list[Section], meta: dict[str, Any]) -> dict[str, Any]:
-    return {"meta": meta, "sections": [{"key": s.key, "note": s.note, "rows": [r.as_dict() for r in s.rows],
-                                        "loss_curves": {f"{r.variant} x{r.world_size}": r.runs[0].losses for r in s.rows},
-                                        "state_per_rank": {f"{r.variant} x{r.world_size}": r.runs[0].state_per_rank for r in s.rows}}
-                                       for s in sections]}
+    return {
+        "meta": meta,
+        "sections": [
+            {
+                "key": s.key,
+                "note": s.note,
+                "rows": [r.as_dict() for r in s.rows],
+                "loss_curves": {f"{r.variant} x{r.world_size}": r.runs[0].losses for r in s.rows},
+                "state_per_rank": {f"{r.variant} x{r.world_size}": r.runs[0].state_per_rank for r in s.rows},
+            }
+            for s in sections
+        ],
+    }
 
 
 def _legend(meta: dict[str, Any]) -> list[str]:
     return [
-        "tokens/s: median over repeats [min-max]; MFU against each run's recorded peak (" + meta.get("peak_sources", "") + ")",
-        "eff.: E(N) = tokens/s(N) / (N x tokens/s(1)); weak = same per-device batch, strong = same global batch; * = " +
-        "band overlaps 1.0 or another backend's band (within noise)",
+        "tokens/s: median over repeats [min-max]; MFU against each run's recorded peak ("
+        + meta.get("peak_sources", "")
+        + ")",
+        "eff.: E(N) = tokens/s(N) / (N x tokens/s(1)); weak = same per-device batch, strong = same global batch; * = "
+        + "band overlaps 1.0 or another backend's band (within noise)",
         f"ratio: tokens/s / baseline ({meta.get('baseline') or 'none'}) at the same N and global batch; ~ = within noise",
     ]
 
@@ -379,8 +450,12 @@ def render_text(report: dict[str, Any], markdown: bool = False) -> str:
             out.write("  ".join(h.ljust(w) for h, w in zip(heads, widths)) + "\n")
             for c in cells:
                 out.write("  ".join(v.ljust(w) for v, w in zip(c, widths)) + "\n")
-        notes = [f"{r['variant']} x{r['world_size']}: {n}" for r in sec["rows"]
-                 for n in (r["ratio_note"], r["efficiency_note"]) if n]
+        notes = [
+            f"{r['variant']} x{r['world_size']}: {n}"
+            for r in sec["rows"]
+            for n in (r["ratio_note"], r["efficiency_note"])
+            if n
+        ]
         for n in notes:
             out.write(("- " if markdown else "  note: ") + n + "\n")
         out.write("\n")
@@ -396,13 +471,20 @@ def render_csv(report: dict[str, Any]) -> str:
     w.writerow([*SECTION_KEYS, *keys])
     for sec in report["sections"]:
         for r in sec["rows"]:
-            w.writerow([*(sec["key"][k] for k in SECTION_KEYS), *(json.dumps(r[k]) if isinstance(r[k], list) else r[k] for k in keys)])
+            w.writerow(
+                [
+                    *(sec["key"][k] for k in SECTION_KEYS),
+                    *(json.dumps(r[k]) if isinstance(r[k], list) else r[k] for k in keys),
+                ]
+            )
     return out.getvalue()
 
 
 def render_html(report: dict[str, Any]) -> str:
-    parts = [f"<h1>parabench comparison</h1><p class='meta'>{html.escape(report['meta']['created'])} &middot; "
-             f"{html.escape(report['meta']['tracking_uri'])} &middot; {len(report['meta']['run_ids'])} runs</p>"]
+    parts = [
+        f"<h1>parabench comparison</h1><p class='meta'>{html.escape(report['meta']['created'])} &middot; "
+        f"{html.escape(report['meta']['tracking_uri'])} &middot; {len(report['meta']['run_ids'])} runs</p>"
+    ]
     for i, sec in enumerate(report["sections"]):
         title = ", ".join(f"{k}={v}" for k, v in sec["key"].items())
         parts.append(f"<h2>{html.escape(title)}</h2>")
@@ -411,8 +493,10 @@ def render_html(report: dict[str, Any]) -> str:
         heads = "".join(f"<th>{html.escape(h)}</th>" for _, h in COLUMNS)
         body = ""
         for r in sec["rows"]:
-            tds = "".join(f"<td data-key='{k}'>{html.escape(_fmt(k, r.get(k) if k != 'repeats' else r['repeats'], r))}</td>"
-                          for k, _ in COLUMNS)
+            tds = "".join(
+                f"<td data-key='{k}'>{html.escape(_fmt(k, r.get(k) if k != 'repeats' else r['repeats'], r))}</td>"
+                for k, _ in COLUMNS
+            )
             body += f"<tr data-variant='{html.escape(r['variant'])}' data-world='{r['world_size']}'>{tds}</tr>"
         parts.append(f"<table id='table-{i}'><tr>{heads}</tr>{body}</table>")
         series_tp: dict[str, list[tuple[float, float]]] = {}
@@ -424,9 +508,18 @@ def render_html(report: dict[str, Any]) -> str:
             elif r["world_size"] == 1:
                 series_eff.setdefault(r["variant"], []).append((1, 100.0))
         parts.append("<div class='plots'>")
-        parts.append(line_svg("Throughput vs devices", "devices (world size)", "tokens/s", series_tp, plot_id=f"throughput-{i}"))
-        parts.append(line_svg("Scaling efficiency vs devices", "devices (world size)", "efficiency %", series_eff,
-                              plot_id=f"efficiency-{i}"))
+        parts.append(
+            line_svg("Throughput vs devices", "devices (world size)", "tokens/s", series_tp, plot_id=f"throughput-{i}")
+        )
+        parts.append(
+            line_svg(
+                "Scaling efficiency vs devices",
+                "devices (world size)",
+                "efficiency %",
+                series_eff,
+                plot_id=f"efficiency-{i}",
+            )
+        )
         bars = {}
         for label, ranks in sec["state_per_rank"].items():
             for rank, st in enumerate(ranks):
@@ -437,12 +530,16 @@ def render_html(report: dict[str, Any]) -> str:
         parts.append("</div>")
     legend = "".join(f"<li>{html.escape(line)}</li>" for line in _legend(report["meta"]))
     data = html.escape(json.dumps(report), quote=False)
-    style = ("body{font-family:sans-serif;margin:24px;color:#222}table{border-collapse:collapse;margin:8px 0 16px}"
-             "td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px;text-align:right}th{background:#f3f3f3}"
-             ".plots{display:flex;flex-wrap:wrap;gap:12px}.note{color:#a40}.meta{color:#666}")
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>parabench comparison</title><style>{style}</style>"
-            f"</head><body>{''.join(parts)}<ul>{legend}</ul>"
-            f"<script type='application/json' id='report-data'>{data}</script></body></html>")
+    style = (
+        "body{font-family:sans-serif;margin:24px;color:#222}table{border-collapse:collapse;margin:8px 0 16px}"
+        "td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px;text-align:right}th{background:#f3f3f3}"
+        ".plots{display:flex;flex-wrap:wrap;gap:12px}.note{color:#a40}.meta{color:#666}"
+    )
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>parabench comparison</title><style>{style}</style>"
+        f"</head><body>{''.join(parts)}<ul>{legend}</ul>"
+        f"<script type='application/json' id='report-data'>{data}</script></body></html>"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -453,7 +550,9 @@ def _parse_baseline(text: str | None) -> tuple[str, str] | None:
         return None
     key, sep, value = text.partition("=")
     if not sep or key not in ("backend", "variant", "device", "precision"):
-        raise UserError(f"--baseline: expected KEY=VALUE with KEY one of backend, variant, device, precision (got {text!r})")
+        raise UserError(
+            f"--baseline: expected KEY=VALUE with KEY one of backend, variant, device, precision (got {text!r})"
+        )
     return key, value
 
 
@@ -479,21 +578,32 @@ def _run(args) -> int:
     from mlflow.tracking import MlflowClient
 
     uri = args.tracking_uri or default_store_uri("results")
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).exists():
         raise UserError(f"--tracking-uri: no MLflow store at {uri} (run `bench run` first or pass --tracking-uri)")
     client = MlflowClient(tracking_uri=uri)
     baseline = _parse_baseline(args.baseline)
     records = load_runs(client, args.runs, args.experiment, args.filter)
     sections = build_sections(records, baseline, strict=bool(args.runs))
     created = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-    meta = {"created": created, "tracking_uri": uri, "experiment": args.experiment, "filter": args.filter,
-            "baseline": args.baseline, "run_ids": [r.run_id for r in records],
-            "peak_sources": "; ".join(sorted({r.peak_source for r in records if r.peak_source}))}
+    meta = {
+        "created": created,
+        "tracking_uri": uri,
+        "experiment": args.experiment,
+        "filter": args.filter,
+        "baseline": args.baseline,
+        "run_ids": [r.run_id for r in records],
+        "peak_sources": "; ".join(sorted({r.peak_source for r in records if r.peak_source})),
+    }
     report = report_dict(sections, meta)
     out = Path(args.out) if args.out else Path("results/reports") / f"compare-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     out.mkdir(parents=True, exist_ok=True)
-    rendered = {"table": render_text(report), "md": render_text(report, markdown=True), "csv": render_csv(report),
-                "json": json.dumps(report, indent=2), "html": render_html(report)}
+    rendered = {
+        "table": render_text(report),
+        "md": render_text(report, markdown=True),
+        "csv": render_csv(report),
+        "json": json.dumps(report, indent=2),
+        "html": render_html(report),
+    }
     files = {}
     for fmt, ext in (("md", "md"), ("csv", "csv"), ("json", "json"), ("html", "html")):
         files[fmt] = out / f"report.{ext}"
@@ -509,8 +619,9 @@ def _log_comparison(client, args, records: list[RunRecord], out: Path) -> None:
     exp_name = args.experiment or "parabench"
     exp = client.get_experiment_by_name(exp_name)
     exp_id = exp.experiment_id if exp else client.create_experiment(exp_name)
-    run = client.create_run(exp_id, run_name=f"compare {exp_name}", tags={"parabench.kind": "compare",
-                                                                          "baseline": args.baseline or ""})
+    run = client.create_run(
+        exp_id, run_name=f"compare {exp_name}", tags={"parabench.kind": "compare", "baseline": args.baseline or ""}
+    )
     client.log_param(run.info.run_id, "compared_runs", ",".join(r.run_id for r in records)[:6000])
     for f in sorted(out.glob("report.*")):
         client.log_artifact(run.info.run_id, str(f))

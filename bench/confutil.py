@@ -27,7 +27,9 @@ def available_options(group: str) -> list[str]:
 def _short(exc: Exception) -> str:
     text = str(exc).strip().splitlines()
     msg = text[0] if text else type(exc).__name__
-    if "Could not override 'model'" in str(exc) or ("model" in str(exc) and "No match in the defaults list" in str(exc)):
+    if "Could not override 'model'" in str(exc) or (
+        "model" in str(exc) and "No match in the defaults list" in str(exc)
+    ):
         return f"model is chosen with a plus sign: +model=NAME (available: {', '.join(available_options('model'))})"
     if "Could not find 'model/" in str(exc) or "In 'config': Could not find 'model" in str(exc):
         return f"{msg} (available models: {', '.join(available_options('model'))})"
@@ -89,8 +91,11 @@ def to_plain(cfg) -> dict[str, Any]:
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        return {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
-                for k in cfg if k != "hydra"}
+        return {
+            k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
+            for k in cfg
+            if k != "hydra"
+        }
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", "") or ""
         raise UserError(f"{key or 'config'}: {_short(exc)}") from None

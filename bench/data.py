@@ -81,8 +81,11 @@ class TokenSource:
             self._samples = indexed_samples(self._indexed.num_tokens, spec.seq_len)
             self.reader = self._indexed.name
         elif spec.source == "text" and spec.tokenizer:
-            self._stream = (np.load(run_dir / TOKENS_FILE, mmap_mode="r") if run_dir is not None
-                            else tokenize_text(spec.path, load_tokenizer(spec.tokenizer)))
+            self._stream = (
+                np.load(run_dir / TOKENS_FILE, mmap_mode="r")
+                if run_dir is not None
+                else tokenize_text(spec.path, load_tokenizer(spec.tokenizer))
+            )
             self.reader = f"tokenizer.json via tokenizers {_tokenizers_version()}"
         elif spec.source == "text":
             self._stream = np.frombuffer(Path(spec.path).read_bytes(), dtype=np.uint8)
@@ -116,7 +119,7 @@ class TokenSource:
     def _text_batch(self, step: int) -> np.ndarray:
         b, n = self.spec.global_batch_size, self.spec.seq_len + 1
         starts = _rng(self.spec.seed, self.spec.source, step).integers(0, len(self._stream) - n + 1, size=b)
-        return np.stack([self._stream[s:s + n] for s in starts]).astype(np.int64)
+        return np.stack([self._stream[s : s + n] for s in starts]).astype(np.int64)
 
     def _indexed_batch(self, step: int) -> np.ndarray:
         b, length = self.spec.global_batch_size, self.spec.seq_len
@@ -126,9 +129,9 @@ class TokenSource:
     def rank_micro_batches(self, step: int, dp_rank: int, dp_size: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """This data-parallel rank's slice of the step, as (inputs, targets) micro-batches."""
         rows = self.spec.global_batch_size // dp_size
-        mine = self.global_batch(step)[dp_rank * rows:(dp_rank + 1) * rows]
+        mine = self.global_batch(step)[dp_rank * rows : (dp_rank + 1) * rows]
         mb = self.spec.micro_batch_size
-        return [(mine[i:i + mb, :-1], mine[i:i + mb, 1:]) for i in range(0, rows, mb)]
+        return [(mine[i : i + mb, :-1], mine[i : i + mb, 1:]) for i in range(0, rows, mb)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -158,7 +161,12 @@ class DataLedger:
         self.checksum = (self.checksum + rows_checksum(step, self.first_row, rows)) % CHECKSUM_MOD
 
     def as_dict(self) -> dict:
-        return {"reader": self.reader, "dp_rank": self.dp_rank, "dp_size": self.dp_size, "checksum": f"{self.checksum:016x}"}
+        return {
+            "reader": self.reader,
+            "dp_rank": self.dp_rank,
+            "dp_size": self.dp_size,
+            "checksum": f"{self.checksum:016x}",
+        }
 
 
 def combined_checksum(ledgers: list[dict]) -> str:
@@ -205,14 +213,20 @@ def tokenize_text(path: str, tokenizer) -> np.ndarray:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
-        raise SpecError("data.path", f"{path} is not UTF-8 text (byte {exc.start}); a tokenizer needs text "
-                                     "(drop data.tokenizer to read it as bytes)") from None
+        raise SpecError(
+            "data.path",
+            f"{path} is not UTF-8 text (byte {exc.start}); a tokenizer needs text "
+            "(drop data.tokenizer to read it as bytes)",
+        ) from None
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
     lines = text.splitlines(keepends=True)
     parts = [np.zeros(0, dtype)]
     for i in range(0, len(lines), TOKENIZE_LINES):
-        parts += [np.asarray(e.ids, dtype) for e in tokenizer.encode_batch(lines[i:i + TOKENIZE_LINES], add_special_tokens=False)]
+        parts += [
+            np.asarray(e.ids, dtype)
+            for e in tokenizer.encode_batch(lines[i : i + TOKENIZE_LINES], add_special_tokens=False)
+        ]
     return np.concatenate(parts)
 
 
@@ -233,7 +247,10 @@ def _cached_tokens(spec: DataSpec, cache_dir: Path) -> Path:
         return out
     tokens = tokenize_text(spec.path, load_tokenizer(spec.tokenizer))
     if len(tokens) < spec.seq_len + 1:
-        raise SpecError("data.path", f"{spec.path} tokenizes to {len(tokens)} tokens; one sequence needs seq_len+1 = {spec.seq_len + 1}")
+        raise SpecError(
+            "data.path",
+            f"{spec.path} tokenizes to {len(tokens)} tokens; one sequence needs seq_len+1 = {spec.seq_len + 1}",
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".tmp{os.getpid()}.npy")
     np.save(tmp, tokens)
@@ -250,15 +267,24 @@ def check_data(job: JobSpec, cache_dir: Path) -> None:
     if data.source == "text" and data.tokenizer:
         vocab = load_tokenizer(data.tokenizer).get_vocab_size(with_added_tokens=True)
         if vocab > job.model.vocab_size:
-            raise SpecError("data.tokenizer", f"{data.tokenizer} has {vocab} tokens, more than model.vocab_size={job.model.vocab_size}")
+            raise SpecError(
+                "data.tokenizer",
+                f"{data.tokenizer} has {vocab} tokens, more than model.vocab_size={job.model.vocab_size}",
+            )
         _cached_tokens(data, cache_dir)
     elif data.source == "indexed":
         if data.reader == "megatron" and not megatron_available():
-            raise SpecError("data.reader", "megatron-core is not installed (pip install 'parabench[megatron]'); use data.reader=numpy or auto")
+            raise SpecError(
+                "data.reader",
+                "megatron-core is not installed (pip install 'parabench[megatron]'); use data.reader=numpy or auto",
+            )
         reader = NumpyIndexed(prefix_of(data.path))
         samples = indexed_samples(reader.num_tokens, data.seq_len)
         if samples < 1:
-            raise SpecError("data.path", f"{data.path} holds {reader.num_tokens} tokens; one sample needs seq_len+1 = {data.seq_len + 1}")
+            raise SpecError(
+                "data.path",
+                f"{data.path} holds {reader.num_tokens} tokens; one sample needs seq_len+1 = {data.seq_len + 1}",
+            )
         used = min((job.run.warmup_steps + job.run.steps) * data.global_batch_size, samples)
         check_token_ids(reader, used * data.seq_len + 1, job.model.vocab_size, data.path)
 

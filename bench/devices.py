@@ -43,8 +43,13 @@ def run_probe(code: str, timeout_s: float, env: dict[str, str] | None = None) ->
     off: imports that can abort the interpreter or take long (torch_npu, MindSpore, DeepSpeed) stay
     out of this process. Raises :class:`ProbeFailed`."""
     try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s,
-                             env={**os.environ, **AUTOLOAD_ENV, **(env or {})})
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env={**os.environ, **AUTOLOAD_ENV, **(env or {})},
+        )
     except subprocess.TimeoutExpired:
         raise ProbeFailed(f"timed out after {timeout_s:.0f} s") from None
     if out.returncode != 0:
@@ -54,7 +59,11 @@ def run_probe(code: str, timeout_s: float, env: dict[str, str] | None = None) ->
 
 def cann_version() -> str | None:
     """CANN toolkit version from its version.cfg / version.info, where installed."""
-    roots = [os.environ.get("ASCEND_TOOLKIT_HOME"), os.environ.get("ASCEND_HOME_PATH"), "/usr/local/Ascend/ascend-toolkit/latest"]
+    roots = [
+        os.environ.get("ASCEND_TOOLKIT_HOME"),
+        os.environ.get("ASCEND_HOME_PATH"),
+        "/usr/local/Ascend/ascend-toolkit/latest",
+    ]
     for root in filter(None, roots):
         for name in ("version.cfg", "version.info", "compiler/version.info"):
             p = Path(root) / name
@@ -211,7 +220,9 @@ class NPUDevice(Device):
     def presence(cls) -> Presence:
         version = package_version("torch-npu") or package_version("torch_npu")
         if version is None or importlib.util.find_spec("torch_npu") is None:
-            return Presence(False, "torch_npu is not installed (pip install torch-npu, on a machine with the CANN toolkit)")
+            return Presence(
+                False, "torch_npu is not installed (pip install torch-npu, on a machine with the CANN toolkit)"
+            )
         if cann_library() is None:
             return Presence(
                 False,
@@ -226,7 +237,9 @@ class NPUDevice(Device):
             return Presence(False, f"torch_npu {version} failed to import: {exc}")
         count, _, name = out.strip().partition(" ")
         if int(count or 0) == 0:
-            return Presence(False, f"torch_npu {version} with CANN sees no NPU (check ASCEND_RT_VISIBLE_DEVICES and npu-smi)")
+            return Presence(
+                False, f"torch_npu {version} with CANN sees no NPU (check ASCEND_RT_VISIBLE_DEVICES and npu-smi)"
+            )
         return Presence(True, f"{count} x {name or 'Ascend NPU'}", int(count))
 
     def setup(self) -> None:

@@ -13,12 +13,27 @@ from parabench.adapters.registry import describe, get_adapter
 from parabench.devices import AUTOLOAD_TEXT, DEVICES, cann_version, cpu_model, package_version
 
 # distribution names whose versions are recorded with every run
-VERSIONED = ["torch", "deepspeed", "megatron-core", "mindspore", "torch-npu", "mindspeed", "mlflow", "hydra-core", "numpy"]
+VERSIONED = [
+    "torch",
+    "deepspeed",
+    "megatron-core",
+    "mindspore",
+    "torch-npu",
+    "mindspeed",
+    "mlflow",
+    "hydra-core",
+    "numpy",
+]
 # The distributions each backend runs on. Their supported ranges are not written here: they are read
 # back from parabench's installed metadata, i.e. from pyproject.toml (one source of truth).
-BACKEND_DISTRIBUTIONS = {"ddp": ["torch"], "fsdp": ["torch"], "deepspeed": ["torch", "deepspeed"],
-                         "megatron": ["torch", "megatron-core"], "mindspeed": ["torch", "torch-npu", "megatron-core"],
-                         "mindspore": ["mindspore"]}
+BACKEND_DISTRIBUTIONS = {
+    "ddp": ["torch"],
+    "fsdp": ["torch"],
+    "deepspeed": ["torch", "deepspeed"],
+    "megatron": ["torch", "megatron-core"],
+    "mindspeed": ["torch", "torch-npu", "megatron-core"],
+    "mindspore": ["mindspore"],
+}
 
 
 def supported_ranges() -> dict[str, str]:
@@ -33,6 +48,7 @@ def supported_ranges() -> dict[str, str]:
     # directory (first on sys.path under `python -m`) does not, and may be stale.
     dists = list(importlib.metadata.distributions(name="parabench"))
     dist = next((d for d in dists if d.read_text("RECORD") is not None), dists[0])
+
     def lower_first(spec: SpecifierSet) -> str:
         return ",".join(sorted(map(str, spec), key=lambda s: s[0] != ">"))
 
@@ -65,8 +81,11 @@ def backends_outside(status: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
     """Backend -> '<dist> <version> (supported: <range>)' for each installed distribution outside its range."""
     out = {}
     for backend, dists in BACKEND_DISTRIBUTIONS.items():
-        bad = [f"{d} {status[d]['installed']} (supported: {status[d]['range']})" for d in dists
-               if d in status and status[d]["inside"] is False]
+        bad = [
+            f"{d} {status[d]['installed']} (supported: {status[d]['range']})"
+            for d in dists
+            if d in status and status[d]["inside"] is False
+        ]
         if bad:
             out[backend] = bad
     return out
@@ -80,7 +99,6 @@ def known_good_sets(found: dict[str, str | None]) -> list[dict[str, Any]]:
         differs = {k: found.get(k) for k, v in pins.items() if not (found.get(k) or "").split("+")[0].startswith(v)}
         sets.append({"source": good["source"], "versions": pins, "differs": differs})
     return sets
-
 
 
 def versions() -> dict[str, str | None]:
@@ -105,25 +123,47 @@ def report() -> dict[str, Any]:
         a = adapter.availability()
         usable = sorted(d for d in adapter.capabilities.devices if devices[d]["available"])
         backends[name] = {
-            "available": a.available and bool(usable), "description": desc,
-            "reason": a.reason if not a.available else (f"runs on {', '.join(usable)}" if usable else
-                                                         f"no supported device present (needs {', '.join(sorted(adapter.capabilities.devices))})"),
-            "devices": sorted(adapter.capabilities.devices), "precisions": sorted(adapter.capabilities.precisions),
-            "launcher": adapter.capabilities.launcher, "versions": dict(a.versions),
+            "available": a.available and bool(usable),
+            "description": desc,
+            "reason": a.reason
+            if not a.available
+            else (
+                f"runs on {', '.join(usable)}"
+                if usable
+                else f"no supported device present (needs {', '.join(sorted(adapter.capabilities.devices))})"
+            ),
+            "devices": sorted(adapter.capabilities.devices),
+            "precisions": sorted(adapter.capabilities.precisions),
+            "launcher": adapter.capabilities.launcher,
+            "versions": dict(a.versions),
         }
     found = versions()
     status = range_status(found, supported_ranges())
-    return {"python": sys.version.split()[0], "executable": sys.executable, "cpu": cpu_info(), "devices": devices,
-            "backends": backends, "versions": found, "supported": status, "outside": backends_outside(status),
-            "known_good": known_good_sets(found),
-            "notes": [f"{AUTOLOAD_TEXT} is set by parabench: with torch_npu installed but no CANN, "
-                      "`import torch` fails otherwise."] if package_version("torch-npu") else []}
+    return {
+        "python": sys.version.split()[0],
+        "executable": sys.executable,
+        "cpu": cpu_info(),
+        "devices": devices,
+        "backends": backends,
+        "versions": found,
+        "supported": status,
+        "outside": backends_outside(status),
+        "known_good": known_good_sets(found),
+        "notes": [
+            f"{AUTOLOAD_TEXT} is set by parabench: with torch_npu installed but no CANN, "
+            "`import torch` fails otherwise."
+        ]
+        if package_version("torch-npu")
+        else [],
+    }
 
 
 def main(argv: list[str]) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="bench env", description="List backends and devices, available or not, and why.")
+    parser = argparse.ArgumentParser(
+        prog="bench env", description="List backends and devices, available or not, and why."
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
     rep = report()
@@ -139,7 +179,9 @@ def main(argv: list[str]) -> int:
     for name, b in rep["backends"].items():
         mark = "available" if b["available"] else "unavailable"
         print(f"  {name:<10} {mark:<12} {b['reason']}")
-        print(f"  {'':<10} {'':<12} devices {', '.join(b['devices'])}; precisions {', '.join(b['precisions'])}; launcher {b['launcher']}")
+        print(
+            f"  {'':<10} {'':<12} devices {', '.join(b['devices'])}; precisions {', '.join(b['precisions'])}; launcher {b['launcher']}"
+        )
         for key, value in b["versions"].items():  # what the adapter's availability probe found
             print(f"  {'':<10} {'':<12} {key} {value}")
     print_versions(rep)
@@ -164,6 +206,9 @@ def print_versions(rep: dict[str, Any]) -> None:
     print("\nknown-good sets")
     for good in rep["known_good"]:
         pins = ", ".join(f"{k} {v}" for k, v in good["versions"].items())
-        verdict = "matches" if not good["differs"] else "differs: " + ", ".join(
-            f"{k} {v or 'missing'}" for k, v in good["differs"].items())
+        verdict = (
+            "matches"
+            if not good["differs"]
+            else "differs: " + ", ".join(f"{k} {v or 'missing'}" for k, v in good["differs"].items())
+        )
         print(f"  {pins}\n    ({good['source']}) - this environment {verdict}")

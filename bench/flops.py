@@ -20,7 +20,9 @@ from pathlib import Path
 
 from parabench.spec import ModelSpec
 
-FORMULA = "PaLM: 6N + 12*L*H*Q*T per token (N = matmul parameters: input embedding excluded, lm_head included; no recompute)"
+FORMULA = (
+    "PaLM: 6N + 12*L*H*Q*T per token (N = matmul parameters: input embedding excluded, lm_head included; no recompute)"
+)
 
 
 def flops_per_token(model: ModelSpec, seq_len: int) -> float:
@@ -41,19 +43,33 @@ class Peak:
 # datasheets (989 bf16 dense, 67 fp32); H100 PCIe 756 bf16, 51 fp32. Ascend 910B: MindSpeed's
 # auto-tuning defaults (363.7 fp16/bf16), marked uncertain (docs/sources.md#peak-flops).
 PEAKS: dict[str, dict[str, Peak]] = {
-    "A100": {"bf16": Peak(312, "NVIDIA A100 datasheet"), "fp16": Peak(312, "NVIDIA A100 datasheet"),
-             "fp32": Peak(19.5, "NVIDIA A100 datasheet (fp32 without TF32)")},
-    "H100 PCIe": {"bf16": Peak(756, "NVIDIA H100 datasheet (PCIe)"), "fp16": Peak(756, "NVIDIA H100 datasheet (PCIe)"),
-                  "fp32": Peak(51, "NVIDIA H100 datasheet (PCIe)")},
-    "H100": {"bf16": Peak(989, "NVIDIA H100 datasheet (SXM)"), "fp16": Peak(989, "NVIDIA H100 datasheet (SXM)"),
-             "fp32": Peak(67, "NVIDIA H100 datasheet (SXM)")},
+    "A100": {
+        "bf16": Peak(312, "NVIDIA A100 datasheet"),
+        "fp16": Peak(312, "NVIDIA A100 datasheet"),
+        "fp32": Peak(19.5, "NVIDIA A100 datasheet (fp32 without TF32)"),
+    },
+    "H100 PCIe": {
+        "bf16": Peak(756, "NVIDIA H100 datasheet (PCIe)"),
+        "fp16": Peak(756, "NVIDIA H100 datasheet (PCIe)"),
+        "fp32": Peak(51, "NVIDIA H100 datasheet (PCIe)"),
+    },
+    "H100": {
+        "bf16": Peak(989, "NVIDIA H100 datasheet (SXM)"),
+        "fp16": Peak(989, "NVIDIA H100 datasheet (SXM)"),
+        "fp32": Peak(67, "NVIDIA H100 datasheet (SXM)"),
+    },
     # The NVL card runs at its own (lower) clocks and power: no figure of it is carried here, so it
     # gets no MFU rather than the SXM peak that its "H100" name would otherwise match.
     "H100 NVL": {},
-    "H200": {"bf16": Peak(989, "NVIDIA H200 datasheet"), "fp16": Peak(989, "NVIDIA H200 datasheet"),
-             "fp32": Peak(67, "NVIDIA H200 datasheet")},
-    "910B": {"bf16": Peak(363.7, "MindSpeed auto-tuning default for 910B", True),
-             "fp16": Peak(363.7, "MindSpeed auto-tuning default for 910B", True)},
+    "H200": {
+        "bf16": Peak(989, "NVIDIA H200 datasheet"),
+        "fp16": Peak(989, "NVIDIA H200 datasheet"),
+        "fp32": Peak(67, "NVIDIA H200 datasheet"),
+    },
+    "910B": {
+        "bf16": Peak(363.7, "MindSpeed auto-tuning default for 910B", True),
+        "fp16": Peak(363.7, "MindSpeed auto-tuning default for 910B", True),
+    },
 }
 
 
@@ -102,4 +118,6 @@ def cpu_gemm_peak(threads: int, precision: str, cache_dir: Path, cpu_name: str) 
         known[key] = best / 1e12
         cache_dir.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(known, indent=2, sort_keys=True))
-    return Peak(known[key], f"measured: torch.mm 1024^3 {precision}, {threads} thread(s), best of 5 (cached in {cache})")
+    return Peak(
+        known[key], f"measured: torch.mm 1024^3 {precision}, {threads} thread(s), best of 5 (cached in {cache})"
+    )

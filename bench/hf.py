@@ -29,8 +29,14 @@ INDEX = "model.safetensors.index.json"
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # Widened to float32 exactly; anything else (F64, integer or 8-bit formats) is refused.
 DTYPES = ("F32", "F16", "BF16")
-REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
-            "max_position_embeddings")
+REQUIRED = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+    "max_position_embeddings",
+)
 # transformers' defaults for these three architectures (LlamaConfig, MistralConfig, Qwen2Config agree).
 DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "initializer_range": 0.02}
 HF_KEYS = ("name", "path", "load_weights")
@@ -47,8 +53,10 @@ def spec_fields(node: Mapping[str, Any]) -> dict[str, Any]:
     """The ModelSpec fields of a ``+model=hf`` node ({name, path, load_weights})."""
     extra = sorted(set(node) - set(HF_KEYS))
     if extra:
-        raise SpecError(f"model.{extra[0]}", f"not a key of +model=hf (keys: {', '.join(HF_KEYS)}); "
-                                             "the model's shape comes from its config.json")
+        raise SpecError(
+            f"model.{extra[0]}",
+            f"not a key of +model=hf (keys: {', '.join(HF_KEYS)}); the model's shape comes from its config.json",
+        )
     path = node.get("path")
     if not isinstance(path, str) or not path or path == "???":
         raise _refuse("required: +model=hf model.path=/path/to/model-dir (or its config.json)")
@@ -89,8 +97,10 @@ def architecture(cfg: Mapping[str, Any], path: Path) -> str:
     if not isinstance(archs, list) or len(archs) != 1:
         raise _refuse(f"{path}: expected one entry in 'architectures', got {archs!r}")
     if archs[0] not in ARCHITECTURES:
-        raise _refuse(f"architecture {archs[0]} ({path}) is not supported: parabench trains the Llama family "
-                      f"({', '.join(ARCHITECTURES)})")
+        raise _refuse(
+            f"architecture {archs[0]} ({path}) is not supported: parabench trains the Llama family "
+            f"({', '.join(ARCHITECTURES)})"
+        )
     return archs[0]
 
 
@@ -106,15 +116,22 @@ def _shape(cfg: Mapping[str, Any], arch: str, path: Path) -> dict[str, Any]:
         fields[key] = cfg[key] if cfg.get(key) is not None else default
     head_dim = cfg.get("head_dim")
     if head_dim is not None and head_dim * cfg["num_attention_heads"] != cfg["hidden_size"]:
-        raise _refuse(f"head_dim={head_dim} ({path}) is not hidden_size / num_attention_heads: the canonical model "
-                      "derives the head size from them")
+        raise _refuse(
+            f"head_dim={head_dim} ({path}) is not hidden_size / num_attention_heads: the canonical model "
+            "derives the head size from them"
+        )
     return fields
 
 
 def _math(cfg: Mapping[str, Any], arch: str, path: Path) -> dict[str, Any]:
     """Fields that change what the network computes: mapped, or refused by name."""
-    for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False), ("attention_dropout", 0.0),
-                    ("partial_rotary_factor", 1.0)):
+    for key, ok in (
+        ("hidden_act", "silu"),
+        ("attention_bias", False),
+        ("mlp_bias", False),
+        ("attention_dropout", 0.0),
+        ("partial_rotary_factor", 1.0),
+    ):
         if cfg.get(key) is not None and cfg[key] != ok:
             raise _refuse(f"{key}={cfg[key]!r} ({path}) is not in the canonical model (it needs {key}={ok!r})")
     if cfg.get("quantization_config") is not None:
@@ -174,8 +191,10 @@ def _safe_open(path: Path, framework: str):
     try:
         from safetensors import SafetensorError, safe_open
     except ImportError:
-        raise _refuse(f"reading {path.name} needs the safetensors package: pip install 'parabench[hf]' "
-                      "(or model.load_weights=false to generate the weights)") from None
+        raise _refuse(
+            f"reading {path.name} needs the safetensors package: pip install 'parabench[hf]' "
+            "(or model.load_weights=false to generate the weights)"
+        ) from None
     if not path.is_file():
         raise _refuse(f"no such weights file: {path}")
     try:

@@ -75,13 +75,16 @@ def read_index(prefix: str) -> IndexLayout:
     raw = np.memmap(idx, dtype=np.uint8, mode="r") if idx.stat().st_size else np.zeros(0, np.uint8)
     if len(raw) < HEADER.size:
         raise _corrupt(idx, f"{len(raw)} bytes, shorter than the {HEADER.size}-byte header")
-    magic, version, code, s, d = HEADER.unpack(bytes(raw[:HEADER.size]))
+    magic, version, code, s, d = HEADER.unpack(bytes(raw[: HEADER.size]))
     if magic != MAGIC:
         raise _corrupt(idx, f"header {magic!r}, expected {MAGIC!r}")
     if version != 1:
         raise _corrupt(idx, f"version {version}, only version 1 exists")
     if code not in DTYPES or DTYPES[code] in (np.float32, np.float64):
-        raise _corrupt(idx, f"dtype code {code} is not an integer token type (codes {sorted(k for k in DTYPES if k not in (6, 7))})")
+        raise _corrupt(
+            idx,
+            f"dtype code {code} is not an integer token type (codes {sorted(k for k in DTYPES if k not in (6, 7))})",
+        )
     body = 4 * s + 8 * s + 8 * d
     if len(raw) not in (HEADER.size + body, HEADER.size + body + s):  # + int8 modes when multimodal
         raise _corrupt(idx, f"{len(raw)} bytes, but {s} sequences and {d} documents need {HEADER.size + body}")
@@ -106,7 +109,10 @@ def _check_layout(layout: IndexLayout, idx: Path, bin_: Path) -> None:
         raise _corrupt(idx, f"document indices must rise from 0 to the sequence count {len(lengths)}")
     want = layout.num_tokens * itemsize
     if bin_.stat().st_size != want:
-        raise _corrupt(bin_, f"{bin_.stat().st_size} bytes, but the index describes {layout.num_tokens} tokens x {itemsize} bytes = {want}")
+        raise _corrupt(
+            bin_,
+            f"{bin_.stat().st_size} bytes, but the index describes {layout.num_tokens} tokens x {itemsize} bytes = {want}",
+        )
 
 
 class NumpyIndexed:
@@ -117,8 +123,11 @@ class NumpyIndexed:
     def __init__(self, prefix: str):
         self.layout = read_index(prefix)
         self.num_tokens = self.layout.num_tokens
-        self._tokens = (np.memmap(prefix + ".bin", dtype=self.layout.dtype, mode="r") if self.num_tokens
-                        else np.zeros(0, self.layout.dtype))
+        self._tokens = (
+            np.memmap(prefix + ".bin", dtype=self.layout.dtype, mode="r")
+            if self.num_tokens
+            else np.zeros(0, self.layout.dtype)
+        )
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens ``[start, stop)`` of the stream."""
@@ -164,5 +173,8 @@ def check_token_ids(reader: NumpyIndexed, stop: int, vocab_size: int, path: str)
         if lo < 0 or hi >= vocab_size:
             bad = lo if lo < 0 else hi
             pos = start + int(np.argmax(chunk == bad))
-            raise SpecError("data.path", f"{path}: token id {bad} at stream position {pos} is outside the model's "
-                                         f"vocabulary [0, model.vocab_size={vocab_size})")
+            raise SpecError(
+                "data.path",
+                f"{path}: token id {bad} at stream position {pos} is outside the model's "
+                f"vocabulary [0, model.vocab_size={vocab_size})",
+            )

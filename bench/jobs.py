@@ -43,7 +43,9 @@ def from_config(cfg: Mapping[str, Any]) -> JobSpec:
     runs the adapter's own checks)."""
     cfg = dict(cfg)
     if "model" not in cfg or cfg.get("model") is None:
-        raise SpecError("model", f"no model chosen: add +model=NAME (available: {', '.join(available_options('model'))})")
+        raise SpecError(
+            "model", f"no model chosen: add +model=NAME (available: {', '.join(available_options('model'))})"
+        )
     model = model_spec(cfg["model"])
     data = build(DataSpec, cfg.get("data"), "data")
     optim = build(OptimSpec, cfg.get("optim"), "optim")
@@ -66,8 +68,15 @@ def from_config(cfg: Mapping[str, Any]) -> JobSpec:
     parallel = adapter.parallel_dims(options, launch.world_size, model)
     validate_parallel(parallel, model, data)
     return JobSpec(
-        model=model, data=data, optim=optim, device=device, launch=launch, run=run,
-        tracking=tracking, backend=BackendSpec(name, options), parallel=parallel,
+        model=model,
+        data=data,
+        optim=optim,
+        device=device,
+        launch=launch,
+        run=run,
+        tracking=tracking,
+        backend=BackendSpec(name, options),
+        parallel=parallel,
         experiment=cfg.get("experiment") if isinstance(cfg.get("experiment"), str) else None,
     )
 

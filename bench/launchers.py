@@ -61,9 +61,21 @@ class Torchrun(Launcher):
     @classmethod
     def command(cls, job: JobSpec, port: int, run_dir: str, python: str = sys.executable) -> list[str]:
         la = job.launch
-        where = ([f"--rdzv-endpoint={la.master_addr}:{port}"] if la.rdzv_backend == "c10d"
-                 else [f"--node-rank={la.node_rank}", f"--master-addr={la.master_addr}"])
-        return [python, "-m", "torch.distributed.run", *cls._args(job, port), *where, *WORKER, run_dir, *_worker_args(job)]
+        where = (
+            [f"--rdzv-endpoint={la.master_addr}:{port}"]
+            if la.rdzv_backend == "c10d"
+            else [f"--node-rank={la.node_rank}", f"--master-addr={la.master_addr}"]
+        )
+        return [
+            python,
+            "-m",
+            "torch.distributed.run",
+            *cls._args(job, port),
+            *where,
+            *WORKER,
+            run_dir,
+            *_worker_args(job),
+        ]
 
     @classmethod
     def bundle_command(cls, job: JobSpec, port: int) -> str:
@@ -72,8 +84,9 @@ class Torchrun(Launcher):
             where = f' --rdzv-endpoint="${{MASTER_ADDR:-{la.master_addr}}}:{port}"'
         else:
             where = f' --node-rank="${{NODE_RANK:-{la.node_rank}}}" --master-addr="${{MASTER_ADDR:-{la.master_addr}}}"'
-        return "torchrun " + " ".join(cls._args(job, port)) + where + ' -m parabench.worker "$RUN_DIR"' + _bundle_args(job)
-
+        return (
+            "torchrun " + " ".join(cls._args(job, port)) + where + ' -m parabench.worker "$RUN_DIR"' + _bundle_args(job)
+        )
 
     @staticmethod
     def coords() -> tuple[int, int, int]:
@@ -100,8 +113,12 @@ class Msrun(Launcher):
     @staticmethod
     def _args(job: JobSpec, port: int) -> list[str]:
         la = job.launch
-        return [f"--worker_num={la.world_size}", f"--local_worker_num={la.nproc_per_node}", f"--master_port={port}",
-                "--join=True"]
+        return [
+            f"--worker_num={la.world_size}",
+            f"--local_worker_num={la.nproc_per_node}",
+            f"--master_port={port}",
+            "--join=True",
+        ]
 
     @classmethod
     def command(cls, job: JobSpec, port: int, run_dir: str, python: str = sys.executable) -> list[str]:
@@ -109,15 +126,28 @@ class Msrun(Launcher):
         msrun = os.path.join(os.path.dirname(python), "msrun")
         if not os.access(msrun, os.X_OK):
             msrun = which("msrun") or "msrun"
-        return [msrun, *cls._args(job, port), f"--node_rank={la.node_rank}", f"--master_addr={la.master_addr}",
-                f"--log_dir={os.path.join(run_dir, 'logs')}", "python", *cls.ENTRY, run_dir, *_worker_args(job)]
+        return [
+            msrun,
+            *cls._args(job, port),
+            f"--node_rank={la.node_rank}",
+            f"--master_addr={la.master_addr}",
+            f"--log_dir={os.path.join(run_dir, 'logs')}",
+            "python",
+            *cls.ENTRY,
+            run_dir,
+            *_worker_args(job),
+        ]
 
     @classmethod
     def bundle_command(cls, job: JobSpec, port: int) -> str:
         la = job.launch
-        return ("msrun " + " ".join(cls._args(job, port))
-                + f' --node_rank="${{NODE_RANK:-{la.node_rank}}}" --master_addr="${{MASTER_ADDR:-{la.master_addr}}}"'
-                + ' --log_dir="$RUN_DIR/logs" python -m parabench.worker "$RUN_DIR"' + _bundle_args(job))
+        return (
+            "msrun "
+            + " ".join(cls._args(job, port))
+            + f' --node_rank="${{NODE_RANK:-{la.node_rank}}}" --master_addr="${{MASTER_ADDR:-{la.master_addr}}}"'
+            + ' --log_dir="$RUN_DIR/logs" python -m parabench.worker "$RUN_DIR"'
+            + _bundle_args(job)
+        )
 
     @staticmethod
     def coords() -> tuple[int, int, int]:
@@ -153,8 +183,11 @@ def slurm_placement(env: dict[str, str]) -> dict[str, object]:
     missing = [k for k in ("SLURM_NNODES", "SLURM_NODEID", "SLURM_JOB_NODELIST") if k not in env]
     if missing:
         raise RuntimeError(f"launcher.slurm=true but this is not a Slurm job step ({', '.join(missing)} unset)")
-    return {"nnodes": int(env["SLURM_NNODES"]), "node_rank": int(env["SLURM_NODEID"]),
-            "master_addr": expand_nodelist(env["SLURM_JOB_NODELIST"])[0]}
+    return {
+        "nnodes": int(env["SLURM_NNODES"]),
+        "node_rank": int(env["SLURM_NODEID"]),
+        "master_addr": expand_nodelist(env["SLURM_JOB_NODELIST"])[0],
+    }
 
 
 def get_launcher(name: str) -> type[Launcher]:
@@ -165,4 +198,3 @@ def which(tool: str) -> str | None:
     """A launcher tool next to this interpreter first (a venv's bin need not be on PATH)."""
     beside = os.path.join(os.path.dirname(sys.executable), tool)
     return beside if os.access(beside, os.X_OK) else shutil.which(tool)
-

@@ -68,7 +68,9 @@ def initial_weights(spec: ModelSpec, seed: int, names: Iterable[str] | None = No
     for name in wanted:
         value = weights[name]
         if value.shape != shapes[name] or value.dtype != np.float32:
-            raise RuntimeError(f"{name}: got {value.dtype} {value.shape}, model {spec.name} needs float32 {shapes[name]}")
+            raise RuntimeError(
+                f"{name}: got {value.dtype} {value.shape}, model {spec.name} needs float32 {shapes[name]}"
+            )
     return weights
 
 
@@ -112,7 +114,9 @@ def llama3_inv_freq(inv_freq: torch.Tensor, rs) -> torch.Tensor:
     low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
     high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
     scaled = torch.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
-    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor
+    )
     smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(medium, smoothed, scaled)

@@ -263,7 +263,9 @@ class _CpuStream:
 class _CpuEvent:
     """Event that records host time, so ``elapsed_time`` gives wall milliseconds."""
 
-    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False, **_: Any) -> None:
+    def __init__(
+        self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False, **_: Any
+    ) -> None:
         self._t: float | None = None
 
     def record(self, stream: Any = None) -> None:
@@ -337,7 +339,13 @@ class _CpuState:
 
     def functions(self) -> dict[str, Any]:
         """The emulated ``torch.<source>`` runtime API by name."""
-        return {**self._device_api(), **self._rng_api(), **self._memory_api(), **self._properties_api(), "EMULATED": True}
+        return {
+            **self._device_api(),
+            **self._rng_api(),
+            **self._memory_api(),
+            **self._properties_api(),
+            "EMULATED": True,
+        }
 
     def _device_api(self) -> dict[str, Any]:
         state = self
@@ -411,8 +419,13 @@ class _CpuState:
 
         def get_device_properties(device: Any = None) -> Any:
             return types.SimpleNamespace(
-                name=f"cpu (emulated {source})", total_memory=_host_mem_info()[1], major=0, minor=0,
-                multi_processor_count=os.cpu_count() or 1, is_integrated=True, uuid="emulated",
+                name=f"cpu (emulated {source})",
+                total_memory=_host_mem_info()[1],
+                major=0,
+                minor=0,
+                multi_processor_count=os.cpu_count() or 1,
+                is_integrated=True,
+                uuid="emulated",
             )
 
         return {
@@ -728,9 +741,11 @@ class Redirection:
             p.set(torch, "device", factory, "torch.device")
             old_reducer = copyreg.dispatch_table.get(real_device)
             p.call(
-                lambda: copyreg.dispatch_table.pop(real_device, None)
-                if old_reducer is None
-                else copyreg.dispatch_table.__setitem__(real_device, old_reducer),
+                lambda: (
+                    copyreg.dispatch_table.pop(real_device, None)
+                    if old_reducer is None
+                    else copyreg.dispatch_table.__setitem__(real_device, old_reducer)
+                ),
                 "copyreg torch.device",
             )
             copyreg.pickle(real_device, lambda d: (_rebuild_device, (str(d),)))
@@ -775,7 +790,9 @@ class Redirection:
         ac_cls, gs_cls = torch.amp.autocast_mode.autocast, torch.amp.grad_scaler.GradScaler
         ac_init, gs_init = ac_cls.__init__, gs_cls.__init__
 
-        def autocast_init(ac: Any, device_type: str, dtype: Any = None, enabled: bool = True, cache_enabled: Any = None) -> None:
+        def autocast_init(
+            ac: Any, device_type: str, dtype: Any = None, enabled: bool = True, cache_enabled: Any = None
+        ) -> None:
             if device_type == src:
                 device_type = tgt
                 if tgt == "cpu" and dtype in (None, torch.float16):
@@ -829,10 +846,10 @@ class Redirection:
             if dtype is None and not kwargs:
                 name = orig(t)
                 if on_target(t) and name.startswith("torch.") and name.count(".") == 1:
-                    return prefix + name[len("torch."):]
+                    return prefix + name[len("torch.") :]
                 return name
             if isinstance(dtype, str) and dtype.startswith(prefix):
-                dtype = "torch." + dtype[len(prefix):]
+                dtype = "torch." + dtype[len(prefix) :]
             return orig(t, dtype, non_blocking, **kwargs)
 
         self._patches.set(torch.Tensor, "type", tensor_type, "torch.Tensor.type")

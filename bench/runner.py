@@ -57,17 +57,28 @@ def prepare(plain: dict[str, Any]) -> JobSpec:
         return job
     available = adapter.availability()
     if not available.available:
-        raise SpecError("backend", f"{adapter.name} cannot run here: {available.reason} "
-                                   "(launcher.dry_run=true writes the launch bundle without running)")
+        raise SpecError(
+            "backend",
+            f"{adapter.name} cannot run here: {available.reason} "
+            "(launcher.dry_run=true writes the launch bundle without running)",
+        )
     kind = job.device.type
     if kind == "auto":  # cuda > npu > cpu, among what this backend supports and sees
-        kind = next((k for k in ("cuda", "npu") if k in adapter.capabilities.devices and adapter.device_presence(k).available), "cpu")
+        kind = next(
+            (k for k in ("cuda", "npu") if k in adapter.capabilities.devices and adapter.device_presence(k).available),
+            "cpu",
+        )
     presence = adapter.device_presence(kind)
     if not presence.available:
-        raise SpecError("device", f"{kind} requested but not usable here: {presence.reason} "
-                                  "(launcher.dry_run=true writes the launch bundle for a machine that has it)")
+        raise SpecError(
+            "device",
+            f"{kind} requested but not usable here: {presence.reason} "
+            "(launcher.dry_run=true writes the launch bundle for a machine that has it)",
+        )
     if job.launch.nnodes == 1 and kind != "cpu" and job.launch.nproc_per_node > presence.count:
-        raise SpecError("launcher.nproc_per_node", f"{job.launch.nproc_per_node} ranks but only {presence.count} {kind} device(s)")
+        raise SpecError(
+            "launcher.nproc_per_node", f"{job.launch.nproc_per_node} ranks but only {presence.count} {kind} device(s)"
+        )
     job = resolve_device(job, kind)
     check_capabilities(adapter, job)
     adapter.validate(job)
@@ -187,8 +198,14 @@ def launch(job: JobSpec, run_dir: Path, env: dict[str, str], port: int) -> tuple
     total = job.run.warmup_steps + job.run.steps
     bar = _Progress(total, f"{job.backend.name} x{job.launch.world_size}")
     with open(run_dir / "logs" / "launcher.log", "w") as log:
-        proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            env={**os.environ, **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     last_change, last_step, reason = time.monotonic(), -1, ""
     try:
         while proc.poll() is None:
@@ -201,8 +218,11 @@ def launch(job: JobSpec, run_dir: Path, env: dict[str, str], port: int) -> tuple
                 last_step, last_change = info["step"], time.monotonic()
                 bar.update(info)
             # before the first step: setup (imports, JIT builds); afterwards: one step at a time
-            limit, key = ((job.launch.setup_timeout_s, "setup_timeout_s") if last_step < 1
-                          else (job.launch.hang_timeout_s, "hang_timeout_s"))
+            limit, key = (
+                (job.launch.setup_timeout_s, "setup_timeout_s")
+                if last_step < 1
+                else (job.launch.hang_timeout_s, "hang_timeout_s")
+            )
             if time.monotonic() - last_change > limit:
                 reason = f"no step finished for {limit:.0f} s (launcher.{key}): killed"
                 _kill(proc)
@@ -221,7 +241,49 @@ def launch(job: JobSpec, run_dir: Path, env: dict[str, str], port: int) -> tuple
 # --------------------------------------------------------------------------------------------
 # One job.
 # --------------------------------------------------------------------------------------------
-def execute(job: JobSpec, plain: dict[str, Any], run_dir: Path, extra_tags: dict[str, Any] | None = None) -> dict[str, Any] | None:
+def _run_metadata(
+    job: JobSpec,
+    plain: dict[str, Any],
+    env: dict[str, str],
+    versions: dict[str, Any],
+    run_dir: Path,
+    extra_tags: dict[str, Any] | None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The MLflow params (the composed config, the resolved model, derived sizes) and tags of a job."""
+    tags = {
+        "backend": job.backend.name,
+        "device": job.device.type,
+        "world_size": job.parallel.world_size,
+        "model": job.model.name,
+        "precision": job.run.precision,
+        "host": socket.gethostname(),
+        "git_sha": git_sha(),
+        "parabench_version": __version__,
+        "experiment": job.experiment,
+        "run_dir": str(run_dir),
+        "parabench.kind": "job",
+        **(extra_tags or {}),
+        **{f"version.{k}": v for k, v in versions.items() if v},
+    }
+    params = flatten(plain)
+    params.update(flatten({"model": to_dict(job.model)}))  # the resolved model (e.g. read from a config.json)
+    params.update(
+        {
+            "derived.grad_accum": str(job.grad_accum),
+            "derived.num_params": str(job.model.num_params()),
+            "derived.dp": str(job.parallel.dp),
+            "derived.tp": str(job.parallel.tp),
+            "derived.pp": str(job.parallel.pp),
+            "derived.cp": str(job.parallel.cp),
+            "derived.threads_per_rank": env.get("OMP_NUM_THREADS", ""),
+        }
+    )
+    return params, tags
+
+
+def execute(
+    job: JobSpec, plain: dict[str, Any], run_dir: Path, extra_tags: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
     import yaml
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -237,22 +299,16 @@ def execute(job: JobSpec, plain: dict[str, Any], run_dir: Path, extra_tags: dict
         return None
 
     versions = envreport.versions()
-    env_doc = {"versions": versions, "launch_env": {k: v for k, v in env.items() if not is_secret(k)},
-               "host": socket.gethostname(), "cpu": envreport.cpu_info(), "python": sys.version}
+    env_doc = {
+        "versions": versions,
+        "launch_env": {k: v for k, v in env.items() if not is_secret(k)},
+        "host": socket.gethostname(),
+        "cpu": envreport.cpu_info(),
+        "python": sys.version,
+    }
     (run_dir / "env.json").write_text(json.dumps(env_doc, indent=2))
     adapter = get_adapter(job.backend.name)
-    tags = {
-        "backend": job.backend.name, "device": job.device.type, "world_size": job.parallel.world_size,
-        "model": job.model.name, "precision": job.run.precision, "host": socket.gethostname(),
-        "git_sha": git_sha(), "parabench_version": __version__, "experiment": job.experiment,
-        "run_dir": str(run_dir), "parabench.kind": "job", **(extra_tags or {}),
-        **{f"version.{k}": v for k, v in versions.items() if v},
-    }
-    params = flatten(plain)
-    params.update(flatten({"model": to_dict(job.model)}))  # the resolved model (e.g. read from a config.json)
-    params.update({"derived.grad_accum": str(job.grad_accum), "derived.num_params": str(job.model.num_params()),
-                   "derived.dp": str(job.parallel.dp), "derived.tp": str(job.parallel.tp), "derived.pp": str(job.parallel.pp), "derived.cp": str(job.parallel.cp),
-                   "derived.threads_per_rank": env.get("OMP_NUM_THREADS", "")})
+    params, tags = _run_metadata(job, plain, env, versions, run_dir, extra_tags)
     # One MLflow run per job: on a multi-node job only node 0 records (the other nodes' workers
     # write their rank files into the same, shared run directory).
     tracking = job.tracking if job.launch.node_rank == 0 else dataclasses.replace(job.tracking, enabled=False)
@@ -282,7 +338,15 @@ def execute(job: JobSpec, plain: dict[str, Any], run_dir: Path, extra_tags: dict
 
 
 def _artifact_files(run_dir: Path) -> list[Path]:
-    names = ["config.resolved.yaml", "spec.json", "env.json", "summary.json", "launch.sh", "command.txt", "backend_artifacts.json"]
+    names = [
+        "config.resolved.yaml",
+        "spec.json",
+        "env.json",
+        "summary.json",
+        "launch.sh",
+        "command.txt",
+        "backend_artifacts.json",
+    ]
     files = [run_dir / n for n in names]
     files += sorted((run_dir / "ranks").glob("*.json")) if (run_dir / "ranks").exists() else []
     files += sorted((run_dir / "logs").glob("*.log"))
@@ -305,25 +369,35 @@ def build_summary(job: JobSpec, adapter, results: list[dict]) -> dict[str, Any]:
     expected = adapter.expected_model_state(job)
     state_per_rank = [r["model_state"] for r in results]
     core = [s["params"] + s["grads"] + s["optimizer"] for s in state_per_rank]
-    summary.update({
-        "backend": job.backend.name, "model": job.model.name, "device": job.device.type,
-        "device_name": results[0]["device_name"], "precision": job.run.precision,
-        "num_params": job.model.num_params(), "matmul_params": job.model.num_matmul_params(),
-        "tokens_per_step": job.tokens_per_step, "grad_accum": job.grad_accum,
-        "flops_per_token": fpt, "flops_formula": FORMULA,
-        "peak_tflops_per_device": peak.tflops if peak else None,
-        "peak_source": peak.source if peak else "unknown device peak: MFU not computed",
-        "peak_uncertain": bool(peak and peak.uncertain),
-        "initial_checksum": checksums.pop() if len(checksums) == 1 else f"MISMATCH {sorted(checksums)}",
-        **_data_summary(results),
-        "losses": results[0]["losses"],
-        "model_state_per_rank": state_per_rank,
-        # per rank: bytes / the parameters that rank's shard holds (TP/PP shards hold a part of the model)
-        "model_state_bytes_per_param": max(c / (s.get("detail", {}).get("param_count") or job.model.num_params())
-                                           for c, s in zip(core, state_per_rank)),
-        "peak_memory_kind": results[0]["peak_memory_kind"],
-        "peak_memory_bytes_per_rank": [r["peak_memory_bytes"] for r in results],
-    })
+    summary.update(
+        {
+            "backend": job.backend.name,
+            "model": job.model.name,
+            "device": job.device.type,
+            "device_name": results[0]["device_name"],
+            "precision": job.run.precision,
+            "num_params": job.model.num_params(),
+            "matmul_params": job.model.num_matmul_params(),
+            "tokens_per_step": job.tokens_per_step,
+            "grad_accum": job.grad_accum,
+            "flops_per_token": fpt,
+            "flops_formula": FORMULA,
+            "peak_tflops_per_device": peak.tflops if peak else None,
+            "peak_source": peak.source if peak else "unknown device peak: MFU not computed",
+            "peak_uncertain": bool(peak and peak.uncertain),
+            "initial_checksum": checksums.pop() if len(checksums) == 1 else f"MISMATCH {sorted(checksums)}",
+            **_data_summary(results),
+            "losses": results[0]["losses"],
+            "model_state_per_rank": state_per_rank,
+            # per rank: bytes / the parameters that rank's shard holds (TP/PP shards hold a part of the model)
+            "model_state_bytes_per_param": max(
+                c / (s.get("detail", {}).get("param_count") or job.model.num_params())
+                for c, s in zip(core, state_per_rank)
+            ),
+            "peak_memory_kind": results[0]["peak_memory_kind"],
+            "peak_memory_bytes_per_rank": [r["peak_memory_bytes"] for r in results],
+        }
+    )
     if expected is not None:
         summary["model_state_expected_bytes"] = expected.bytes
         summary["model_state_expected_formula"] = expected.formula
@@ -352,14 +426,21 @@ def _data_summary(results: list[dict]) -> dict[str, str]:
     from parabench.data import combined_checksum
 
     readers = sorted({r["data"]["reader"] for r in results})
-    return {"data_reader": readers[0] if len(readers) == 1 else f"MISMATCH {readers}",
-            "data_checksum": combined_checksum([r["data"] for r in results])}
+    return {
+        "data_reader": readers[0] if len(readers) == 1 else f"MISMATCH {readers}",
+        "data_checksum": combined_checksum([r["data"] for r in results]),
+    }
 
 
 def _peak(job: JobSpec, device_name: str):
     if job.device.peak_tflops:
         return Peak(job.device.peak_tflops, "user-supplied (device.peak_tflops)")
-    return DEVICES[job.device.type].peak(job.run.precision, cpu_threads(job.launch.nproc_per_node, job.device.threads_per_rank), Path(job.run.results_dir) / ".cache", device_name)
+    return DEVICES[job.device.type].peak(
+        job.run.precision,
+        cpu_threads(job.launch.nproc_per_node, job.device.threads_per_rank),
+        Path(job.run.results_dir) / ".cache",
+        device_name,
+    )
 
 
 def _log_results(tracker, summary: dict[str, Any], results: list[dict]) -> None:
@@ -370,11 +451,27 @@ def _log_results(tracker, summary: dict[str, Any], results: list[dict]) -> None:
     metrics += [(k, v, 0) for k, v in scalar.items()]
     for r in results:
         ms = r["model_state"]
-        metrics += [(f"rank{r['rank']}.{k}", ms[k], 0) for k in ("params", "grads", "optimizer", "optimizer_other", "total")]
+        metrics += [
+            (f"rank{r['rank']}.{k}", ms[k], 0) for k in ("params", "grads", "optimizer", "optimizer_other", "total")
+        ]
         metrics += [(f"rank{r['rank']}.peak_memory_bytes", r["peak_memory_bytes"], 0)]
     tracker.log_metrics(metrics)
-    tracker.set_tags({k: summary[k] for k in ("flops_formula", "peak_source", "initial_checksum", "data_checksum", "data_reader", "device_name",
-                                              "peak_memory_kind", "model_state_expected_formula") if k in summary})
+    tracker.set_tags(
+        {
+            k: summary[k]
+            for k in (
+                "flops_formula",
+                "peak_source",
+                "initial_checksum",
+                "data_checksum",
+                "data_reader",
+                "device_name",
+                "peak_memory_kind",
+                "model_state_expected_formula",
+            )
+            if k in summary
+        }
+    )
 
 
 def _fmt_bytes(n: float) -> str:
@@ -386,8 +483,11 @@ def _fmt_bytes(n: float) -> str:
 
 
 def print_summary(job: JobSpec, s: dict[str, Any], tracker, run_dir: Path) -> None:
-    mfu = (f"{100 * s['mfu']:.1f}% of {s['peak_tflops_per_device']:.4g} TFLOP/s per device ({s['peak_source']})"
-           if s["mfu"] is not None else f"not computed: {s['peak_source']}")
+    mfu = (
+        f"{100 * s['mfu']:.1f}% of {s['peak_tflops_per_device']:.4g} TFLOP/s per device ({s['peak_source']})"
+        if s["mfu"] is not None
+        else f"not computed: {s['peak_source']}"
+    )
     lines = [
         f"\nparabench | {s['backend']} | {s['model']} ({s['num_params'] / 1e6:.1f}M params) | {s['device']} "
         f"({s['device_name']}) x{s['world_size']} | {s['precision']} | {s['measured_steps']} measured steps "
@@ -403,8 +503,10 @@ def print_summary(job: JobSpec, s: dict[str, Any], tracker, run_dir: Path) -> No
     ]
     if "model_state_expected_bytes" in s:
         exp = s["model_state_expected_bytes"]
-        lines.append(f"                 formula {s['model_state_expected_formula']} = {_fmt_bytes(exp)}; "
-                     f"measured - formula = {s['model_state_diff_bytes']:+.0f} B")
+        lines.append(
+            f"                 formula {s['model_state_expected_formula']} = {_fmt_bytes(exp)}; "
+            f"measured - formula = {s['model_state_diff_bytes']:+.0f} B"
+        )
     lines += [
         f"  loss           {s['loss_first']:.6f} (step 0) -> {s['loss_final']:.6f} (step {len(s['losses']) - 1})",
         f"  init checksum  {s['initial_checksum']}",

@@ -211,7 +211,9 @@ class DataSpec:
     micro_batch_size: int = 2  # sequences per forward/backward on one rank
     seed: int = 1234  # synthetic and text sources (the indexed source reads its samples in file order)
     tokenizer: str | None = None  # text: a local Hugging Face tokenizer.json; None = bytes (token id = byte)
-    reader: typing.Literal["auto", "megatron", "numpy"] = "auto"  # indexed: auto = megatron-core's IndexedDataset where installed, else NumPy
+    reader: typing.Literal["auto", "megatron", "numpy"] = (
+        "auto"  # indexed: auto = megatron-core's IndexedDataset where installed, else NumPy
+    )
 
 
 @dataclass(frozen=True)
@@ -242,7 +244,9 @@ class LaunchSpec:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0 = pick a free port (single node)
-    rdzv_backend: typing.Literal["static", "c10d"] = "static"  # static: master_addr/port + node_rank; c10d: elastic rendezvous
+    rdzv_backend: typing.Literal["static", "c10d"] = (
+        "static"  # static: master_addr/port + node_rank; c10d: elastic rendezvous
+    )
     rdzv_id: str = "parabench"  # c10d rendezvous id, the same on every node
     slurm: bool = False  # take nnodes, node_rank and master_addr from the Slurm allocation (one task per node)
     dry_run: bool = False  # write the launch bundle (script + env + resolved config) and stop
@@ -326,39 +330,66 @@ def _positive(key: str, value: int | float) -> None:
         raise SpecError(key, f"must be > 0, got {value}")
 
 
-def validate_common(model: ModelSpec, data: DataSpec, optim: OptimSpec, device: DeviceSpec,
-                    launch: LaunchSpec, run: RunSpec) -> None:
+def validate_common(
+    model: ModelSpec, data: DataSpec, optim: OptimSpec, device: DeviceSpec, launch: LaunchSpec, run: RunSpec
+) -> None:
     """Every check of the job's fields that needs neither the backend nor this machine."""
     for key, value in [
-        ("model.hidden_size", model.hidden_size), ("model.intermediate_size", model.intermediate_size),
-        ("model.num_hidden_layers", model.num_hidden_layers), ("model.num_attention_heads", model.num_attention_heads),
-        ("model.num_key_value_heads", model.num_key_value_heads), ("model.vocab_size", model.vocab_size),
-        ("model.rope_theta", model.rope_theta), ("model.rms_norm_eps", model.rms_norm_eps),
+        ("model.hidden_size", model.hidden_size),
+        ("model.intermediate_size", model.intermediate_size),
+        ("model.num_hidden_layers", model.num_hidden_layers),
+        ("model.num_attention_heads", model.num_attention_heads),
+        ("model.num_key_value_heads", model.num_key_value_heads),
+        ("model.vocab_size", model.vocab_size),
+        ("model.rope_theta", model.rope_theta),
+        ("model.rms_norm_eps", model.rms_norm_eps),
         ("model.initializer_range", model.initializer_range),
-        ("data.seq_len", data.seq_len), ("data.global_batch_size", data.global_batch_size),
-        ("data.micro_batch_size", data.micro_batch_size), ("optim.lr", optim.lr), ("optim.eps", optim.eps),
-        ("launcher.nnodes", launch.nnodes), ("launcher.nproc_per_node", launch.nproc_per_node),
-        ("launcher.collective_timeout_s", launch.collective_timeout_s), ("launcher.hang_timeout_s", launch.hang_timeout_s),
+        ("data.seq_len", data.seq_len),
+        ("data.global_batch_size", data.global_batch_size),
+        ("data.micro_batch_size", data.micro_batch_size),
+        ("optim.lr", optim.lr),
+        ("optim.eps", optim.eps),
+        ("launcher.nnodes", launch.nnodes),
+        ("launcher.nproc_per_node", launch.nproc_per_node),
+        ("launcher.collective_timeout_s", launch.collective_timeout_s),
+        ("launcher.hang_timeout_s", launch.hang_timeout_s),
         ("launcher.setup_timeout_s", launch.setup_timeout_s),
-        ("run.steps", run.steps), ("run.repeats", run.repeats),
+        ("run.steps", run.steps),
+        ("run.repeats", run.repeats),
     ]:
         _positive(key, value)
     if model.hidden_size % model.num_attention_heads:
-        raise SpecError("model.num_attention_heads", f"hidden_size {model.hidden_size} is not divisible by {model.num_attention_heads} heads")
+        raise SpecError(
+            "model.num_attention_heads",
+            f"hidden_size {model.hidden_size} is not divisible by {model.num_attention_heads} heads",
+        )
     if model.head_dim % 2:
         raise SpecError("model.num_attention_heads", f"head_dim {model.head_dim} must be even for rotary embeddings")
     if model.num_attention_heads % model.num_key_value_heads:
-        raise SpecError("model.num_key_value_heads", f"{model.num_attention_heads} attention heads are not divisible by {model.num_key_value_heads} key/value heads")
+        raise SpecError(
+            "model.num_key_value_heads",
+            f"{model.num_attention_heads} attention heads are not divisible by {model.num_key_value_heads} key/value heads",
+        )
     if data.seq_len > model.max_position_embeddings:
-        raise SpecError("data.seq_len", f"{data.seq_len} exceeds model.max_position_embeddings={model.max_position_embeddings}")
+        raise SpecError(
+            "data.seq_len", f"{data.seq_len} exceeds model.max_position_embeddings={model.max_position_embeddings}"
+        )
     if model.sliding_window is not None and data.seq_len > model.sliding_window:
-        raise SpecError("data.seq_len", f"{data.seq_len} exceeds model.sliding_window={model.sliding_window}: the canonical "
-                                        "model attends over the whole causal context, which is sliding-window attention "
-                                        "only while seq_len <= the window")
+        raise SpecError(
+            "data.seq_len",
+            f"{data.seq_len} exceeds model.sliding_window={model.sliding_window}: the canonical "
+            "model attends over the whole causal context, which is sliding-window attention "
+            "only while seq_len <= the window",
+        )
     rs = model.rope_scaling
-    if rs is not None and not (rs.factor > 0 and 0 < rs.low_freq_factor < rs.high_freq_factor and rs.original_max_position_embeddings > 0):
-        raise SpecError("model.rope_scaling", f"needs factor > 0, 0 < low_freq_factor < high_freq_factor, "
-                                              f"original_max_position_embeddings > 0; got {to_dict(rs)}")
+    if rs is not None and not (
+        rs.factor > 0 and 0 < rs.low_freq_factor < rs.high_freq_factor and rs.original_max_position_embeddings > 0
+    ):
+        raise SpecError(
+            "model.rope_scaling",
+            f"needs factor > 0, 0 < low_freq_factor < high_freq_factor, "
+            f"original_max_position_embeddings > 0; got {to_dict(rs)}",
+        )
     _validate_data(data, model)
     if not (0.0 <= optim.betas[0] < 1.0 and 0.0 <= optim.betas[1] < 1.0):
         raise SpecError("optim.betas", f"each beta must be in [0, 1), got {list(optim.betas)}")
@@ -383,13 +414,19 @@ def validate_common(model: ModelSpec, data: DataSpec, optim: OptimSpec, device: 
 def _validate_data(data: DataSpec, model: ModelSpec) -> None:
     """Keys and files; the tokens themselves are checked by parabench.data.check_data before launch."""
     if data.source == "synthetic" and data.path:
-        raise SpecError("data.path", "the synthetic source reads no file; set data=text or data=indexed, or drop data.path")
+        raise SpecError(
+            "data.path", "the synthetic source reads no file; set data=text or data=indexed, or drop data.path"
+        )
     if data.tokenizer and data.source != "text":
-        raise SpecError("data.tokenizer", "only the text source uses a tokenizer: data=text data.tokenizer=/path/to/tokenizer.json")
+        raise SpecError(
+            "data.tokenizer", "only the text source uses a tokenizer: data=text data.tokenizer=/path/to/tokenizer.json"
+        )
     if data.reader != "auto" and data.source != "indexed":
         raise SpecError("data.reader", "only the indexed source has a reader to choose: data=indexed")
     if data.source == "indexed" and not data.path:
-        raise SpecError("data.path", "the indexed source needs the .bin/.idx prefix: data.path=/path/to/corpus_text_document")
+        raise SpecError(
+            "data.path", "the indexed source needs the .bin/.idx prefix: data.path=/path/to/corpus_text_document"
+        )
     if data.source != "text":
         return
     if not data.path:
@@ -398,7 +435,9 @@ def _validate_data(data: DataSpec, model: ModelSpec) -> None:
     if not p.is_file():
         raise SpecError("data.path", f"no such file: {data.path}")
     if data.tokenizer is None and p.stat().st_size < data.seq_len + 2:
-        raise SpecError("data.path", f"{data.path} holds {p.stat().st_size} bytes; need more than seq_len+1 = {data.seq_len + 1}")
+        raise SpecError(
+            "data.path", f"{data.path} holds {p.stat().st_size} bytes; need more than seq_len+1 = {data.seq_len + 1}"
+        )
     if data.tokenizer is None and model.vocab_size < 256:
         raise SpecError("model.vocab_size", "the byte-level tokenizer needs vocab_size >= 256")
 
@@ -426,7 +465,22 @@ def resolve_device(job: JobSpec, device_type: typing.Literal["cpu", "cuda", "npu
 
 
 __all__ = [
-    "BackendSpec", "DataSpec", "DeviceSpec", "JobSpec", "LaunchSpec", "ModelSpec", "OptimSpec",
-    "MODEL_FEATURES", "ParallelDims", "RopeScaling", "RunSpec", "TrackingSpec", "build", "validate_common", "validate_parallel", "resolve_device", "to_dict",
+    "BackendSpec",
+    "DataSpec",
+    "DeviceSpec",
+    "JobSpec",
+    "LaunchSpec",
+    "ModelSpec",
+    "OptimSpec",
+    "MODEL_FEATURES",
+    "ParallelDims",
+    "RopeScaling",
+    "RunSpec",
+    "TrackingSpec",
+    "build",
+    "validate_common",
+    "validate_parallel",
+    "resolve_device",
+    "to_dict",
     "tracking_from_config",
 ]

@@ -37,7 +37,12 @@ class MultirunCallback(Callback):
         run_id = self._parent.start(
             run_name=f"sweep {experiment or ' '.join(overrides)}"[:250],
             params={"sweep.overrides": " ".join(overrides), "sweep.dir": str(sweep)},
-            tags={"parabench.kind": "sweep", "host": socket.gethostname(), "git_sha": git_sha(), "experiment": experiment},
+            tags={
+                "parabench.kind": "sweep",
+                "host": socket.gethostname(),
+                "git_sha": git_sha(),
+                "experiment": experiment,
+            },
         )
         os.environ[PARENT_ENV] = run_id or ""
 

@@ -46,7 +46,7 @@ def _client(tracking: TrackingSpec, results_dir: str):
 
     uri = store_uri(tracking, results_dir)
     if uri.startswith("sqlite:///"):
-        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+        Path(uri[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
     mlflow.set_tracking_uri(uri)
     return MlflowClient(tracking_uri=uri)
 
@@ -107,7 +107,7 @@ class JobRun:
         self.run_id = run.info.run_id
         items = [Param(k, v[:MAX_PARAM_LEN]) for k, v in sorted(params.items())]
         for i in range(0, len(items), 100):
-            self.client.log_batch(self.run_id, params=items[i:i + 100])
+            self.client.log_batch(self.run_id, params=items[i : i + 100])
         return self.run_id
 
     def log_metrics(self, metrics: Iterable[tuple[str, float, int]]) -> None:
@@ -120,7 +120,7 @@ class JobRun:
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, step) for k, v, step in metrics if v is not None]
         for i in range(0, len(batch), 500):
-            self.client.log_batch(self.run_id, metrics=batch[i:i + 500])
+            self.client.log_batch(self.run_id, metrics=batch[i : i + 500])
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         if not self.run_id:

@@ -87,8 +87,10 @@ def _run(job, adapter, run_dir: Path, rank: int, local_rank: int, world: int) ->
     def on_step(step: int, total: int, loss: float, step_time: float) -> None:
         print(f"step {step + 1}/{total} loss {loss:.6f} step_time {step_time:.4f}s", flush=True)
         if rank == 0:
-            write_json_atomic(progress_path, {"step": step + 1, "total": total, "loss": loss, "step_time": step_time,
-                                              "time": time.time()})
+            write_json_atomic(
+                progress_path,
+                {"step": step + 1, "total": total, "loss": loss, "step_time": step_time, "time": time.time()},
+            )
 
     result = train(engine, ctx, on_step)
     result.update(initial_checksum=checksum, setup_s=setup_s, device_name=ctx.device.name(), pid=os.getpid())

@@ -30,12 +30,22 @@ def compare(a: dict, b: dict) -> dict:
     """Per-step relative differences and the verdict against TOLERANCES."""
     steps = min(len(a["losses"]), len(b["losses"]))
     rel = [abs(x - y) / abs(y) for x, y in zip(a["losses"][:steps], b["losses"][:steps])]
-    checks = {str(s): {"tolerance": tol, "relative_difference": rel[s] if s < steps else None,
-                       "ok": s < steps and rel[s] <= tol} for s, tol in TOLERANCES.items()}
+    checks = {
+        str(s): {
+            "tolerance": tol,
+            "relative_difference": rel[s] if s < steps else None,
+            "ok": s < steps and rel[s] <= tol,
+        }
+        for s, tol in TOLERANCES.items()
+    }
     same_start = a.get("initial_checksum") == b.get("initial_checksum")
-    return {"steps_compared": steps, "relative_difference_per_step": rel, "checks": checks,
-            "same_initial_checksum": same_start,
-            "ok": same_start and all(c["ok"] for c in checks.values())}
+    return {
+        "steps_compared": steps,
+        "relative_difference_per_step": rel,
+        "checks": checks,
+        "same_initial_checksum": same_start,
+        "ok": same_start and all(c["ok"] for c in checks.values()),
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -55,10 +65,14 @@ def main(argv: list[str]) -> int:
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
     for step, check in result["checks"].items():
-        print(f"step {step}: relative difference {check['relative_difference']!r} "
-              f"(tolerance {check['tolerance']:g}) {'ok' if check['ok'] else 'OUTSIDE'}")
-    print(f"same initial checksum: {result['same_initial_checksum']}; {labels[0]} vs {labels[1]}: "
-          f"{'PASS' if result['ok'] else 'FAIL'}")
+        print(
+            f"step {step}: relative difference {check['relative_difference']!r} "
+            f"(tolerance {check['tolerance']:g}) {'ok' if check['ok'] else 'OUTSIDE'}"
+        )
+    print(
+        f"same initial checksum: {result['same_initial_checksum']}; {labels[0]} vs {labels[1]}: "
+        f"{'PASS' if result['ok'] else 'FAIL'}"
+    )
     return 0 if result["ok"] else 1
 
 

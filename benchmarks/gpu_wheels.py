@@ -24,8 +24,14 @@ from pathlib import Path
 from packaging.requirements import Requirement
 
 ALWAYS_ON_TARGET = re.compile(r"^(torch|triton|nvidia-.*|setuptools|pip|wheel)$")  # the target's own
-PLATFORMS = ["manylinux_2_34_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
-             "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
+PLATFORMS = [
+    "manylinux_2_34_x86_64",
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_24_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+]
 
 
 def canonical(name: str) -> str:
@@ -54,23 +60,51 @@ def closure(root: str, extras: set[str]) -> dict[str, str]:
 
 def fetch(name: str, version: str, out: Path, python_version: str) -> None:
     platforms = [a for p in PLATFORMS for a in ("--platform", p)]
-    download = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                "--python-version", python_version, "--implementation", "cp", *platforms, "-d", str(out),
-                f"{name}=={version}"]
+    download = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "-q",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        python_version,
+        "--implementation",
+        "cp",
+        *platforms,
+        "-d",
+        str(out),
+        f"{name}=={version}",
+    ]
     if subprocess.run(download, capture_output=True, text=True).returncode == 0:
         return
     before = set(out.glob("*.whl"))
-    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
-             f"{name}=={version}"]
+    build = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "-q",
+        "--no-deps",
+        "--no-build-isolation",
+        "-w",
+        str(out),
+        f"{name}=={version}",
+    ]
     done = subprocess.run(build, capture_output=True, text=True)
     built = set(out.glob("*.whl")) - before
     if done.returncode != 0 or not built:
-        raise SystemExit(f"gpu_wheels: {name}=={version}: no wheel for Python {python_version} and the "
-                         f"source build failed:\n{done.stderr[-2000:]}")
+        raise SystemExit(
+            f"gpu_wheels: {name}=={version}: no wheel for Python {python_version} and the "
+            f"source build failed:\n{done.stderr[-2000:]}"
+        )
     impure = [w.name for w in built if not w.name.endswith("-py3-none-any.whl")]
     if impure:
-        raise SystemExit(f"gpu_wheels: {name}=={version} built a platform wheel here ({impure}); it would "
-                         "not match the target: build it on a machine like the target")
+        raise SystemExit(
+            f"gpu_wheels: {name}=={version} built a platform wheel here ({impure}); it would "
+            "not match the target: build it on a machine like the target"
+        )
 
 
 def main(argv: list[str]) -> int:
@@ -80,17 +114,23 @@ def main(argv: list[str]) -> int:
     p.add_argument("--extras", default="deepspeed,megatron", help="parabench extras to carry")
     p.add_argument("--out", type=Path, default=Path(".whl"))
     args = p.parse_args(argv)
-    have = {canonical(line.split("==")[0].strip()) for line in args.have.read_text().splitlines()
-            if line.strip() and not line.startswith("#")}
+    have = {
+        canonical(line.split("==")[0].strip())
+        for line in args.have.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
     need = closure("parabench", {e for e in args.extras.split(",") if e})
-    carry = {n: v for n, v in sorted(need.items())
-             if n != "parabench" and n not in have and not ALWAYS_ON_TARGET.match(n)}
+    carry = {
+        n: v for n, v in sorted(need.items()) if n != "parabench" and n not in have and not ALWAYS_ON_TARGET.match(n)
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     for name, version in carry.items():
         fetch(name, version, args.out, args.python_version)
     size = sum(w.stat().st_size for w in args.out.glob("*.whl"))
-    print(f"{len(carry)} packages the target lacks -> {args.out}/ ({size / 2**20:.1f} MiB): "
-          + ", ".join(f"{n}=={v}" for n, v in carry.items()))
+    print(
+        f"{len(carry)} packages the target lacks -> {args.out}/ ({size / 2**20:.1f} MiB): "
+        + ", ".join(f"{n}=={v}" for n, v in carry.items())
+    )
     return 0
 
 

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-HAND_LOOP = r'''
+HAND_LOOP = r"""
 import json, sys, time, torch
 from parabench.confutil import compose, to_plain
 from parabench.jobs import from_config
@@ -46,20 +46,39 @@ for step in range(warmup + steps):
     if step >= warmup:
         times.append(time.perf_counter() - t0)
 print(json.dumps({"tokens_per_s": job.tokens_per_step * steps / sum(times)}))
-'''
+"""
 
 
 def hand(overrides: list[str], warmup: int, steps: int, threads: int) -> float:
-    out = subprocess.run([sys.executable, "-c", HAND_LOOP, json.dumps(overrides), str(warmup), str(steps), str(threads)],
-                         capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    out = subprocess.run(
+        [sys.executable, "-c", HAND_LOOP, json.dumps(overrides), str(warmup), str(steps), str(threads)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "OMP_NUM_THREADS": str(threads)},
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"]
 
 
 def harness(overrides: list[str], warmup: int, steps: int, results: Path) -> float:
     before = set(results.glob("runs/*/*/*/summary.json"))
-    subprocess.run([sys.executable, "-m", "parabench", "run", *overrides, f"run.warmup_steps={warmup}", f"run.steps={steps}",
-                    f"run.results_dir={results}", "tracking.enabled=false"], check=True, capture_output=True, text=True,
-                   env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"})
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "parabench",
+            "run",
+            *overrides,
+            f"run.warmup_steps={warmup}",
+            f"run.steps={steps}",
+            f"run.results_dir={results}",
+            "tracking.enabled=false",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"},
+    )
     (new,) = set(results.glob("runs/*/*/*/summary.json")) - before
     return json.loads(new.read_text())["tokens_per_s"]
 
@@ -78,12 +97,16 @@ def main() -> int:
         for r in range(args.rounds):
             hands.append(hand(overrides, args.warmup, args.steps, threads))
             harnesses.append(harness(overrides, args.warmup, args.steps, Path(tmp)))
-            print(f"round {r + 1}: hand-written loop {hands[-1]:.1f} tokens/s, bench run (ddp, 1 rank) {harnesses[-1]:.1f} tokens/s",
-                  flush=True)
+            print(
+                f"round {r + 1}: hand-written loop {hands[-1]:.1f} tokens/s, bench run (ddp, 1 rank) {harnesses[-1]:.1f} tokens/s",
+                flush=True,
+            )
     h, b = statistics.median(hands), statistics.median(harnesses)
-    print(f"median: hand-written {h:.1f} tokens/s, bench run {b:.1f} tokens/s; "
-          f"ratio bench/hand = {b / h:.3f} (target >= 0.98; {threads} threads, {args.steps} measured steps, "
-          f"{args.rounds} alternating rounds)")
+    print(
+        f"median: hand-written {h:.1f} tokens/s, bench run {b:.1f} tokens/s; "
+        f"ratio bench/hand = {b / h:.3f} (target >= 0.98; {threads} threads, {args.steps} measured steps, "
+        f"{args.rounds} alternating rounds)"
+    )
     return 0
 
 

@@ -183,8 +183,14 @@ def _module(rng: random.Random, kind: str, idx: int) -> str:
     parts = [HEADER.format(doc=f"Module {idx} of the generated benchmark repository.")]
     blocks = rng.randint(4, 11)
     for b in range(blocks):
-        fmt = dict(name=f"Block{idx}_{b}", fname=f"fn_{idx}_{b}", doc="A residual MLP block.", dim=rng.choice([64, 128, 256]),
-                   hidden=rng.choice([256, 512, 1024]), drop=rng.randint(0, 3))
+        fmt = dict(
+            name=f"Block{idx}_{b}",
+            fname=f"fn_{idx}_{b}",
+            doc="A residual MLP block.",
+            dim=rng.choice([64, 128, 256]),
+            hidden=rng.choice([256, 512, 1024]),
+            drop=rng.randint(0, 3),
+        )
         if kind == "cuda" and b % 3 == 1:
             # half the CUDA code sits in top-level functions, half in methods of a larger class
             parts.append((CUDA_CLASS_BLOCK if (idx + b) % 2 else CUDA_BLOCK).format(**fmt))
@@ -210,7 +216,9 @@ def generate(root: Path, n_files: int, cuda_share: float, prose_share: float, se
         counts[kind] += 1
         (pkg / f"mod_{i}.py").write_text(_module(rng, kind, i))
     for i in range(n_files // 50):  # a few launch scripts and configs, as in real repositories
-        (root / f"run_{i}.sh").write_text("#!/bin/bash\nexport CUDA_VISIBLE_DEVICES=0,1\ntorchrun --nproc_per_node 2 train.py --backend nccl\n")
+        (root / f"run_{i}.sh").write_text(
+            "#!/bin/bash\nexport CUDA_VISIBLE_DEVICES=0,1\ntorchrun --nproc_per_node 2 train.py --backend nccl\n"
+        )
         (root / f"cfg_{i}.yaml").write_text("trainer:\n  device: cuda\n  backend: nccl\nmodel:\n  dim: 256\n")
         counts["other"] += 2
     return counts
@@ -261,15 +269,23 @@ def main(argv: list[str] | None = None) -> int:
         changed = sum(1 for r in result.files if r.status == "changed")
         py = sum(1 for r in result.files if r.kind == "python")
         n = max(1, len(py_files))
-        print(f"tree: {total} files ({py} .py: {py_kib:.1f} KiB avg, lines min/median/max {lines[0]}/{lines[len(lines) // 2]}/"
-              f"{lines[-1]}; {mention / n:.0%} mention cuda, {in_code / n:.0%} use torch.cuda./.cuda() outside comments; {counts})")
-        print(f"jobs: {args.jobs} on {os.cpu_count()} cores; .py files with findings or changes: {full}; changed files: {changed}")
+        print(
+            f"tree: {total} files ({py} .py: {py_kib:.1f} KiB avg, lines min/median/max {lines[0]}/{lines[len(lines) // 2]}/"
+            f"{lines[-1]}; {mention / n:.0%} mention cuda, {in_code / n:.0%} use torch.cuda./.cuda() outside comments; {counts})"
+        )
+        print(
+            f"jobs: {args.jobs} on {os.cpu_count()} cores; .py files with findings or changes: {full}; changed files: {changed}"
+        )
         print(f"wall: {dt:.2f} s -> {total / dt:.1f} files/s")
         cores = min(args.jobs, os.cpu_count() or 1)
-        print(f"cpu:  {dcpu:.2f} s user+sys (all processes) -> {total / (dcpu / cores):.1f} files/s on {cores} free cores "
-              f"({total / dcpu:.1f} files/s per core)")
-        print(f"load average (1/5/15 min): start {load0[0]:.1f}/{load0[1]:.1f}/{load0[2]:.1f}, "
-              f"end {load1[0]:.1f}/{load1[1]:.1f}/{load1[2]:.1f}")
+        print(
+            f"cpu:  {dcpu:.2f} s user+sys (all processes) -> {total / (dcpu / cores):.1f} files/s on {cores} free cores "
+            f"({total / dcpu:.1f} files/s per core)"
+        )
+        print(
+            f"load average (1/5/15 min): start {load0[0]:.1f}/{load0[1]:.1f}/{load0[2]:.1f}, "
+            f"end {load1[0]:.1f}/{load1[1]:.1f}/{load1[2]:.1f}"
+        )
     finally:
         if args.keep is None:
             shutil.rmtree(base, ignore_errors=True)

@@ -127,11 +127,19 @@ def classify_cuda_member(path: str) -> tuple[str, str]:
 ENV_MAP: dict[str, tuple[str | None, str, str]] = {
     "CUDA_VISIBLE_DEVICES": ("ASCEND_RT_VISIBLE_DEVICES", "safe", ""),
     "PYTORCH_CUDA_ALLOC_CONF": ("PYTORCH_NPU_ALLOC_CONF", "safe", ""),
-    "NCCL_SOCKET_IFNAME": ("HCCL_SOCKET_IFNAME", "review", "HCCL_SOCKET_IFNAME accepts interface names/prefixes like NCCL's"),
+    "NCCL_SOCKET_IFNAME": (
+        "HCCL_SOCKET_IFNAME",
+        "review",
+        "HCCL_SOCKET_IFNAME accepts interface names/prefixes like NCCL's",
+    ),
     "NCCL_BUFFSIZE": ("HCCL_BUFFSIZE", "review", "NCCL_BUFFSIZE is in bytes, HCCL_BUFFSIZE in MB"),
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": ("HCCL_ASYNC_ERROR_HANDLING", "review", ""),
     "NCCL_ASYNC_ERROR_HANDLING": ("HCCL_ASYNC_ERROR_HANDLING", "review", ""),
-    "CUDA_LAUNCH_BLOCKING": ("ASCEND_LAUNCH_BLOCKING", "review", "ASCEND_LAUNCH_BLOCKING=1 also disables the task queue"),
+    "CUDA_LAUNCH_BLOCKING": (
+        "ASCEND_LAUNCH_BLOCKING",
+        "review",
+        "ASCEND_LAUNCH_BLOCKING=1 also disables the task queue",
+    ),
 }
 # NCCL tuning variables with no HCCL equivalent: dropped with a warning (docs/sources.md#ascend-env-vars).
 ENV_DROP_PREFIXES: tuple[str, ...] = ("NCCL_", "TORCH_NCCL_")
@@ -251,7 +259,12 @@ MINDSPEED_FUSED: tuple[tuple[str, str | None, str], ...] = (
 
 # Command-line flags that choose the distributed backend in launch scripts.
 BACKEND_FLAGS: tuple[str, ...] = (
-    "--distributed-backend", "--distributed_backend", "--dist-backend", "--dist_backend",
-    "--backend", "--ddp-backend", "--ddp_backend",
+    "--distributed-backend",
+    "--distributed_backend",
+    "--dist-backend",
+    "--dist_backend",
+    "--backend",
+    "--ddp-backend",
+    "--ddp_backend",
 )
 DEVICE_FLAGS: tuple[str, ...] = ("--device", "--device_type", "--device-type")

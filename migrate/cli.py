@@ -32,21 +32,42 @@ def build_parser() -> argparse.ArgumentParser:
         description="Migrate GPU (CUDA) PyTorch training code to Ascend NPU: torch_npu (--to npu) or MindSpeed (--to mindspeed).",
         epilog="Rules: `bench migrate --list-rules`. Exit codes: 0 ok, 1 --check found work, 2 bad input.",
     )
-    p.add_argument("src", nargs="*", metavar="SRC", help="files or directory trees to migrate (never modified without --in-place)")
+    p.add_argument(
+        "src", nargs="*", metavar="SRC", help="files or directory trees to migrate (never modified without --in-place)"
+    )
     p.add_argument("--to", dest="target", choices=TARGETS, default="npu", help="target stack (default: npu)")
-    p.add_argument("--mode", choices=MODES, default="static",
-                   help="static: rewrite the code (default); runtime: only add torch_npu's transfer_to_npu import to entry scripts")
-    p.add_argument("--out", type=Path, help="output tree (default: <SRC>_<target> next to a single SRC; must not be inside SRC)")
+    p.add_argument(
+        "--mode",
+        choices=MODES,
+        default="static",
+        help="static: rewrite the code (default); runtime: only add torch_npu's transfer_to_npu import to entry scripts",
+    )
+    p.add_argument(
+        "--out", type=Path, help="output tree (default: <SRC>_<target> next to a single SRC; must not be inside SRC)"
+    )
     p.add_argument("--force", action="store_true", help="allow writing into an existing non-empty --out")
     p.add_argument("--in-place", action="store_true", help="rewrite SRC itself (needs --backup or a clean git tree)")
-    p.add_argument("--backup", nargs="?", const=".orig", default=None, metavar="SUFFIX",
-                   help="with --in-place: keep a copy of each changed file as FILE+SUFFIX (default .orig)")
+    p.add_argument(
+        "--backup",
+        nargs="?",
+        const=".orig",
+        default=None,
+        metavar="SUFFIX",
+        help="with --in-place: keep a copy of each changed file as FILE+SUFFIX (default .orig)",
+    )
     p.add_argument("--diff", action="store_true", help="print unified diffs, write nothing")
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if changes or manual items remain (CI)")
     p.add_argument("--select", help="comma-separated rule codes or prefixes to run (e.g. PY1,SH001)")
     p.add_argument("--ignore", help="comma-separated rule codes or prefixes to skip")
-    p.add_argument("--safe-only", action="store_true", help="apply only safe rewrites; review rewrites are reported instead")
-    p.add_argument("--report", type=Path, metavar="DIR", help="write report.json, change_list.csv, unsupported_api.csv, unknown_api.csv, manual.md")
+    p.add_argument(
+        "--safe-only", action="store_true", help="apply only safe rewrites; review rewrites are reported instead"
+    )
+    p.add_argument(
+        "--report",
+        type=Path,
+        metavar="DIR",
+        help="write report.json, change_list.csv, unsupported_api.csv, unknown_api.csv, manual.md",
+    )
     p.add_argument("-j", "--jobs", type=int, default=None, help="worker processes (default: all cores)")
     prog = p.add_mutually_exclusive_group()
     prog.add_argument("--progress", dest="progress", action="store_true", default=None, help="force the progress bar")
@@ -70,10 +91,18 @@ def _git_clean(path: Path) -> tuple[bool, str]:
     """True when ``path`` lies in a git work tree with nothing uncommitted or untracked under it."""
     cwd = path if path.is_dir() else path.parent
     try:
-        inside = subprocess.run(["git", "rev-parse", "--is-inside-work-tree"], cwd=cwd, capture_output=True, text=True, timeout=30)
+        inside = subprocess.run(
+            ["git", "rev-parse", "--is-inside-work-tree"], cwd=cwd, capture_output=True, text=True, timeout=30
+        )
         if inside.returncode != 0 or inside.stdout.strip() != "true":
             return False, "not a git work tree"
-        st = subprocess.run(["git", "status", "--porcelain", "--", str(path.resolve())], cwd=cwd, capture_output=True, text=True, timeout=60)
+        st = subprocess.run(
+            ["git", "status", "--porcelain", "--", str(path.resolve())],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     except (OSError, subprocess.SubprocessError) as exc:
         return False, f"git unavailable ({exc})"
     if st.returncode != 0:
@@ -113,8 +142,11 @@ def _main(argv: list[str]) -> int:
         raise UsageError("no SRC given (files or directories to migrate)")
     known = list(all_rules())
     options = Options(
-        target=args.target, mode=args.mode, safe_only=args.safe_only,
-        select=_codes(args.select, known), ignore=_codes(args.ignore, known) or frozenset(),
+        target=args.target,
+        mode=args.mode,
+        safe_only=args.safe_only,
+        select=_codes(args.select, known),
+        ignore=_codes(args.ignore, known) or frozenset(),
     )
     roots = _source_roots(args.src)
     if args.jobs is not None and args.jobs < 1:
@@ -126,8 +158,16 @@ def _main(argv: list[str]) -> int:
             if r.is_dir() and rep.is_relative_to(r.resolve()) and not args.in_place:
                 raise UsageError(f"--report {args.report} lies inside SRC {r}")
 
-    result = run(roots, options, out, in_place=args.in_place, backup=args.backup, diff=args.diff,
-                 jobs=args.jobs, progress=args.progress)
+    result = run(
+        roots,
+        options,
+        out,
+        in_place=args.in_place,
+        backup=args.backup,
+        diff=args.diff,
+        jobs=args.jobs,
+        progress=args.progress,
+    )
     if args.diff:
         for r in result.files:
             if r.diff:
@@ -140,9 +180,7 @@ def _main(argv: list[str]) -> int:
         if out is not None:
             (sys.stdout).write(f"output: {out}\n")
     if args.check:
-        pending = any(r.status == "changed" for r in result.files) or any(
-            not f.applied for f in result.findings
-        )
+        pending = any(r.status == "changed" for r in result.files) or any(not f.applied for f in result.findings)
         return 1 if pending else 0
     return 0
 

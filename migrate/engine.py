@@ -19,7 +19,9 @@ from parabench.migrate.pyfile import migrate_python
 from parabench.migrate.rules._base import TextDoc, all_rules, rules_for
 from parabench.migrate.rules._text import TextParseError
 
-SKIP_DIRS = frozenset({".git", ".hg", ".svn", "__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache", ".tox", ".venv"})
+SKIP_DIRS = frozenset(
+    {".git", ".hg", ".svn", "__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache", ".tox", ".venv"}
+)
 SHELL_EXT = frozenset({".sh", ".bash", ".zsh", ".slurm", ".sbatch"})
 YAML_EXT = frozenset({".yaml", ".yml"})
 CUDA_EXT = frozenset({".cu", ".cuh"})
@@ -211,7 +213,9 @@ def run(
     results: list[FileResult] = []
     for _root, path, rel, how in entries:
         if how == "symlink-out":
-            results.append(FileResult(rel, "symlink", "skipped", "symlink points outside the source tree: not followed"))
+            results.append(
+                FileResult(rel, "symlink", "skipped", "symlink points outside the source tree: not followed")
+            )
             continue
         if how == "symlink-in":
             results.append(FileResult(rel, "symlink", "copied", "symlink inside the tree: recreated"))
@@ -269,7 +273,9 @@ def _map(tasks: list[Task], options: Options, jobs: int | None, progress: bool |
         chunk = max(1, min(16, len(tasks) // (jobs * 8) or 1))
         slots: list[FileResult | None] = [None] * len(tasks)
         with ctx.Pool(processes=jobs) as pool:
-            for i, r in pool.imap_unordered(_process_indexed, [(i, t, options) for i, t in enumerate(tasks)], chunksize=chunk):
+            for i, r in pool.imap_unordered(
+                _process_indexed, [(i, t, options) for i, t in enumerate(tasks)], chunksize=chunk
+            ):
                 slots[i] = r
                 if bar:
                     bar.update(1)

@@ -21,9 +21,33 @@ from parabench.migrate.rules._base import rules_for
 
 # Words that any static Python rule can react to (case-insensitive, in identifiers or strings).
 _STATIC_WORDS = (
-    "cuda", "nccl", "nvtx", "apex", "flash_attn", "transformer_engine", "triton", "xformers", "bitsandbytes",
-    "amp_c", "pynvml", "nvidia", "dataparallel", "data_parallel", "compile", "symmetric_memory", "nvshmem", "float8",
-    "torchao", "cudnn", "tf32", "cpp_extension", "mamba_ssm", "causal_conv1d", "cupy", "deep_gemm", "accelerator",
+    "cuda",
+    "nccl",
+    "nvtx",
+    "apex",
+    "flash_attn",
+    "transformer_engine",
+    "triton",
+    "xformers",
+    "bitsandbytes",
+    "amp_c",
+    "pynvml",
+    "nvidia",
+    "dataparallel",
+    "data_parallel",
+    "compile",
+    "symmetric_memory",
+    "nvshmem",
+    "float8",
+    "torchao",
+    "cudnn",
+    "tf32",
+    "cpp_extension",
+    "mamba_ssm",
+    "causal_conv1d",
+    "cupy",
+    "deep_gemm",
+    "accelerator",
 )
 # String constants only matter when the whole string is a device/backend/env/module/command name;
 # prose ("moving batch to cuda") never triggers a rule (roles are decided on the syntax tree later).
@@ -106,7 +130,9 @@ def _prefilter(text: str, options: Options) -> Plan:
     try:
         tree = ast.parse(text)
     except (SyntaxError, ValueError) as exc:
-        return Plan(False, f"unparseable: {type(exc).__name__}: {getattr(exc, 'msg', exc)} (line {getattr(exc, 'lineno', '?')})")
+        return Plan(
+            False, f"unparseable: {type(exc).__name__}: {getattr(exc, 'msg', exc)} (line {getattr(exc, 'lineno', '?')})"
+        )
     except (RecursionError, MemoryError):
         return Plan(False, "unparseable: nesting too deep for the parser")
     return _select(text, tree, options, gate)
@@ -127,7 +153,14 @@ def _mentions_trigger(nodes: list, search, docstrings: set[int]) -> bool:
     One pass; a container is always reached before its body, so its docstring is known in time."""
     string_gate = _STRING_GATE.match
     containers = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
-    Name, Attribute, Constant, alias, ImportFrom, keyword = ast.Name, ast.Attribute, ast.Constant, ast.alias, ast.ImportFrom, ast.keyword
+    Name, Attribute, Constant, alias, ImportFrom, keyword = (
+        ast.Name,
+        ast.Attribute,
+        ast.Constant,
+        ast.alias,
+        ast.ImportFrom,
+        ast.keyword,
+    )
     AST = ast.AST
     stack = list(nodes)
     pop, push = stack.pop, stack.append
@@ -210,8 +243,8 @@ def _joined(prev, nxt, lines: list[str]) -> bool:
     """Are two consecutive statements one line for LibCST (``a; b``, also across a ``\\``)?"""
     if nxt.lineno == prev.end_lineno:
         return True
-    between = [lines[prev.end_lineno - 1].encode()[prev.end_col_offset:].decode("utf-8", "ignore")]
-    between += lines[prev.end_lineno: nxt.lineno - 1]
+    between = [lines[prev.end_lineno - 1].encode()[prev.end_col_offset :].decode("utf-8", "ignore")]
+    between += lines[prev.end_lineno : nxt.lineno - 1]
     between.append(lines[nxt.lineno - 1].encode()[: nxt.col_offset].decode("utf-8", "ignore"))
     return any(";" in b.split("#", 1)[0] for b in between)
 
@@ -293,7 +326,7 @@ def _select(text: str, tree: ast.Module, options: Options, search) -> Plan:
     if any(b <= a for a, b in zip(offs, offs[1:])):
         return whole_file()
     for k, g in enumerate(spans):
-        g.text = text[offs[k]: offs[k + 1]]
+        g.text = text[offs[k] : offs[k + 1]]
     keep, triggered = _spans_that_matter(spans, doc is not None, runtime, search, docstrings)
     if not runtime and not triggered:
         return Plan(False)
@@ -308,8 +341,9 @@ def _select(text: str, tree: ast.Module, options: Options, search) -> Plan:
     return _partial_plan("".join(parts), body, units, spans, keep, members, first)
 
 
-def _spans(body: list, units: list[tuple[int, int, int]], lines: list[str], runtime: bool,
-           docstrings: set[int]) -> tuple[list[_Span], dict[int, list[tuple[int, int, int]]]]:
+def _spans(
+    body: list, units: list[tuple[int, int, int]], lines: list[str], runtime: bool, docstrings: set[int]
+) -> tuple[list[_Span], dict[int, list[tuple[int, int, int]]]]:
     """The spans of the module in order - a whole top-level statement, or a class header and each of
     its member groups - and, per class split into members, its member groups."""
     spans: list[_Span] = []
@@ -329,8 +363,9 @@ def _spans(body: list, units: list[tuple[int, int, int]], lines: list[str], runt
     return spans, members
 
 
-def _spans_that_matter(spans: list[_Span], module_doc: bool, runtime: bool, search,
-                       docstrings: set[int]) -> tuple[list[bool], list[int]]:
+def _spans_that_matter(
+    spans: list[_Span], module_doc: bool, runtime: bool, search, docstrings: set[int]
+) -> tuple[list[bool], list[int]]:
     """(keep, triggered): the structural spans and those holding a trigger are kept; ``triggered``
     lists the latter (the start of ``_keep_linked_spans``)."""
     keep = [False] * len(spans)
@@ -359,12 +394,19 @@ def _keep_class_headers(spans: list[_Span], keep: list[bool], members: dict[int,
         elif g.member >= 0 and keep[k]:
             keep[header] = True
     for k, g in enumerate(spans):
-        if g.member == -2 and keep[k] and not any(keep[k + 1: k + 1 + len(members[g.unit])]):
+        if g.member == -2 and keep[k] and not any(keep[k + 1 : k + 1 + len(members[g.unit])]):
             keep[k + 1] = True
 
 
-def _partial_plan(parse_text: str, body: list, units: list[tuple[int, int, int]], spans: list[_Span], keep: list[bool],
-                  members: dict[int, list[tuple[int, int, int]]], first: list[int]) -> Plan:
+def _partial_plan(
+    parse_text: str,
+    body: list,
+    units: list[tuple[int, int, int]],
+    spans: list[_Span],
+    keep: list[bool],
+    members: dict[int, list[tuple[int, int, int]]],
+    first: list[int],
+) -> Plan:
     """The plan for a partial parse: the ``ast`` statements LibCST will see (classes with blanked
     members hold their kept members only)."""
     kept_units: dict[int, list[int]] = {}  # unit -> kept member groups (all spans of a whole statement)
@@ -379,7 +421,7 @@ def _partial_plan(parse_text: str, body: list, units: list[tuple[int, int, int]]
         _start, i, j = units[u]
         if u in members and len(groups_kept) < len(members[u]):
             cls = copy.copy(body[i])
-            cls.body = [s for g in groups_kept for s in body[i].body[members[u][g][1]: members[u][g][2]]]
+            cls.body = [s for g in groups_kept for s in body[i].body[members[u][g][1] : members[u][g][2]]]
             stmts.append(cls)
             partial_classes.add(u)
         else:
@@ -399,8 +441,13 @@ def _keep_linked_spans(spans: list[_Span], keep: list[bool], triggered: list[int
         if _ALIAS_RE.search(spans[k].text):
             for node in spans[k].nodes:
                 for x in ast.walk(node):
-                    if (type(x) is ast.Assign and len(x.targets) == 1 and type(x.targets[0]) is ast.Name
-                            and type(x.value) is ast.Attribute and x.value.attr == "cuda"):
+                    if (
+                        type(x) is ast.Assign
+                        and len(x.targets) == 1
+                        and type(x.targets[0]) is ast.Name
+                        and type(x.value) is ast.Attribute
+                        and x.value.attr == "cuda"
+                    ):
                         special.add(x.targets[0].id)
     if special:
         uses = re.compile(r"\b(?:" + "|".join(sorted(map(re.escape, special))) + r")\b").search
@@ -427,7 +474,9 @@ def _keep_linked_spans(spans: list[_Span], keep: list[bool], triggered: list[int
 _PARTIAL_MAX = 0.8  # parse the whole file when the statements that matter hold more of its text
 
 
-def migrate_python(text: str, path: str, options: Options, *, partial: bool = True) -> tuple[str, list[Finding], bool, str]:
+def migrate_python(
+    text: str, path: str, options: Options, *, partial: bool = True
+) -> tuple[str, list[Finding], bool, str]:
     """Returns (new_text, findings, full_parse, skip_reason). ``partial=False`` gives LibCST the
     whole file even where the pre-filter found statements that cannot matter (tests compare both)."""
     plan = _prefilter(text, options)
@@ -463,8 +512,11 @@ def _migrate(text: str, path: str, options: Options, plan: Plan) -> tuple[str, l
     rules = rules_for("python", options)
     active = frozenset(r.code for r in rules)
     # "\r" line ends: ast and LibCST could count lines differently; use whole-module passes
-    layout = (Layout.build(module, plan.tree, plan.first, plan.parsed, text.split("\n"))
-              if plan.tree is not None and "\r" not in text else None)
+    layout = (
+        Layout.build(module, plan.tree, plan.first, plan.parsed, text.split("\n"))
+        if plan.tree is not None and "\r" not in text
+        else None
+    )
     if plan.partial and layout is None:
         return None
     ctx = PyContext(module, options, active, layout)
@@ -496,7 +548,12 @@ def _migrate(text: str, path: str, options: Options, plan: Plan) -> tuple[str, l
                 return text, [], True, f"unparseable: {exc.msg} (line {exc.lineno})"
             if plan.partial:
                 return None
-            return text, [], True, f"internal: migrated code did not compile ({exc.msg}, line {exc.lineno}); left unchanged"
+            return (
+                text,
+                [],
+                True,
+                f"internal: migrated code did not compile ({exc.msg}, line {exc.lineno}); left unchanged",
+            )
     return new_text, findings, True, ""
 
 
@@ -522,7 +579,7 @@ def _dispatch(order, visitors) -> None:
     table: dict[str, list] = {}
     for v in visitors:
         for name in _visit_methods(type(v)):
-            table.setdefault(name[len("visit_"):], []).append(getattr(v, name))
+            table.setdefault(name[len("visit_") :], []).append(getattr(v, name))
     get = table.get
     for node in order:
         fns = get(type(node).__name__)
@@ -545,7 +602,12 @@ def _render(new, parsed, layout, text: str, plan: Plan, origin: dict, inserted: 
     objects are copied from ``text`` (with the statements blanked for a partial parse around them),
     rebuilt ones replace only the lines that changed, inserted ones are generated.
     None when that cannot be done exactly."""
-    if layout is None or not parsed.has_trailing_newline or not _same_objects(new.header, parsed.header) or not _same_objects(new.footer, parsed.footer):
+    if (
+        layout is None
+        or not parsed.has_trailing_newline
+        or not _same_objects(new.header, parsed.header)
+        or not _same_objects(new.footer, parsed.footer)
+    ):
         return None
     starts = _line_starts(text)
     ptext = plan.parse_text
@@ -563,9 +625,11 @@ def _render(new, parsed, layout, text: str, plan: Plan, origin: dict, inserted: 
         i = layout.index.get(stmt)
         if i is None and stmt in origin:
             i = layout.index[origin[stmt]]
-            region = text[bounds[i]: bounds[i + 1]]
-            old = ptext[pstarts[rows[i]]: pstarts[rows[i + 1]]]
-            piece = _patch_statement(region, rows[i] + 1, ptext, pstarts, origin[stmt], stmt, layout.block(i, origin[stmt]), origin, parsed)
+            region = text[bounds[i] : bounds[i + 1]]
+            old = ptext[pstarts[rows[i]] : pstarts[rows[i + 1]]]
+            piece = _patch_statement(
+                region, rows[i] + 1, ptext, pstarts, origin[stmt], stmt, layout.block(i, origin[stmt]), origin, parsed
+            )
             if piece is None:
                 piece = _replace_changed_lines(region, old, new.code_for_node(stmt))
             if piece is None:
@@ -573,18 +637,21 @@ def _render(new, parsed, layout, text: str, plan: Plan, origin: dict, inserted: 
             out.append(piece)
             seen.append(i)
         elif i is not None:
-            out.append(text[bounds[i]: bounds[i + 1]])
+            out.append(text[bounds[i] : bounds[i + 1]])
             seen.append(i)
         else:  # inserted by a module rule
             # attached to the statement after it, with blanked statements in between: their
             # leading lines (known only to a whole-file parse) decide where it goes
-            if plan.partial and (_after_partial_class(plan, seen[-1] if seen else -1)
-                                 or not inserted.get(stmt, False) and _blanked_between(plan, seen[-1] if seen else -1)):
+            if plan.partial and (
+                _after_partial_class(plan, seen[-1] if seen else -1)
+                or not inserted.get(stmt, False)
+                and _blanked_between(plan, seen[-1] if seen else -1)
+            ):
                 return None
             out.append(new.code_for_node(stmt))
     if plan.partial and seen != list(range(len(rows) - 1)):
         return None  # a parsed statement was dropped or replaced: its region holds blanked ones too
-    out.append(text[bounds[-1]:])
+    out.append(text[bounds[-1] :])
     return "".join(out)
 
 
@@ -594,8 +661,19 @@ def _after_partial_class(plan: Plan, a: int) -> bool:
     return 0 <= a < len(plan.parsed) and plan.parsed[a] in plan.partial_classes
 
 
-def _patch_block(lines: list[str], base: int, ptext: str, pstarts: list[int], old, new, sub, origin, module,
-                 indents: tuple[str, ...], edits: list) -> bool:
+def _patch_block(
+    lines: list[str],
+    base: int,
+    ptext: str,
+    pstarts: list[int],
+    old,
+    new,
+    sub,
+    origin,
+    module,
+    indents: tuple[str, ...],
+    edits: list,
+) -> bool:
     """A rebuilt class or function whose header is untouched: add to ``edits`` the line patches
     of its rebuilt body statements (descending into rebuilt classes and functions in turn).
     ``lines``: source lines, ``lines[0]`` being line ``base`` of the file; ``sub``: the layout of
@@ -627,14 +705,16 @@ def _patch_block(lines: list[str], base: int, ptext: str, pstarts: list[int], ol
         row = sub.region[at] - 1  # 0-based line of the statement's text in the file
         if at + 1 < len(sub.region):  # statements tile the block: the parsed text up to the next one
             count = sub.region[at + 1] - 1 - row
-            old_code = ptext[pstarts[row]: pstarts[row + count]]
+            old_code = ptext[pstarts[row] : pstarts[row + count]]
         else:
             old_code = _code_at(module, indents, old_s)
             count = old_code.count("\n")
-            if row + count >= len(pstarts) or ptext[pstarts[row]: pstarts[row + count]] != old_code:
+            if row + count >= len(pstarts) or ptext[pstarts[row] : pstarts[row + count]] != old_code:
                 return False
         lo = row - (base - 1)
-        piece = _replace_changed_lines("\n".join(lines[lo: lo + count]) + "\n", old_code, _code_at(module, indents, new_s))
+        piece = _replace_changed_lines(
+            "\n".join(lines[lo : lo + count]) + "\n", old_code, _code_at(module, indents, new_s)
+        )
         if piece is None or not piece.endswith("\n"):
             return False
         mine.append((lo, lo + count, piece[:-1].split("\n")))
@@ -642,7 +722,9 @@ def _patch_block(lines: list[str], base: int, ptext: str, pstarts: list[int], ol
     return True
 
 
-def _patch_statement(region: str, first_line: int, ptext: str, pstarts: list[int], old, new, sub, origin, module) -> str | None:
+def _patch_statement(
+    region: str, first_line: int, ptext: str, pstarts: list[int], old, new, sub, origin, module
+) -> str | None:
     """``region`` (the source text of a top-level statement starting at ``first_line``) with the
     rebuilt statements inside ``new`` patched line by line; None when that does not apply."""
     lines = region.split("\n")
@@ -699,9 +781,9 @@ def _replace_changed_lines(region: str, old: str, new: str) -> str | None:
     s = 0
     while s < top - p and o[-1 - s] == n[-1 - s]:
         s += 1
-    if o[p: len(o) - s] != r[p: len(r) - s]:
+    if o[p : len(o) - s] != r[p : len(r) - s]:
         return None
-    return "\n".join(r[:p] + n[p: len(n) - s] + r[len(r) - s:])
+    return "\n".join(r[:p] + n[p : len(n) - s] + r[len(r) - s :])
 
 
 @functools.cache

@@ -85,21 +85,49 @@ def to_dict(result: RunResult) -> dict:
         "output": Path(result.out).name if result.out else None,
         "summary": summary,
         "files": [
-            {"path": r.path, "kind": r.kind, "status": r.status, "reason": r.reason,
-             "changes": per_file[r.path][0], "manual": per_file[r.path][1]}
+            {
+                "path": r.path,
+                "kind": r.kind,
+                "status": r.status,
+                "reason": r.reason,
+                "changes": per_file[r.path][0],
+                "manual": per_file[r.path][1],
+            }
             for r in result.files
             if r.kind != "file" or r.status == "skipped"
         ],
         "changes": [
-            {"file": f.file, "line": f.line, "end_line": f.end_line, "rule": f.rule, "safety": f.safety, "op": f.op,
-             "message": f.message, "before": f.before, "after": f.after, "tip": f.tip}
+            {
+                "file": f.file,
+                "line": f.line,
+                "end_line": f.end_line,
+                "rule": f.rule,
+                "safety": f.safety,
+                "op": f.op,
+                "message": f.message,
+                "before": f.before,
+                "after": f.after,
+                "tip": f.tip,
+            }
             for f in changes
         ],
         "manual": [
-            {"file": f.file, "line": f.line, "end_line": f.end_line, "rule": f.rule, "op": f.op, "message": f.message, "tip": f.tip}
+            {
+                "file": f.file,
+                "line": f.line,
+                "end_line": f.end_line,
+                "rule": f.rule,
+                "op": f.op,
+                "message": f.message,
+                "tip": f.tip,
+            }
             for f in manual
         ],
-        "rules": {c: {"name": rules[c].name, "safety": rules[c].safety, "description": rules[c].description} for c in fired if c in rules},
+        "rules": {
+            c: {"name": rules[c].name, "safety": rules[c].safety, "description": rules[c].description}
+            for c in fired
+            if c in rules
+        },
     }
 
 
@@ -120,7 +148,10 @@ def summary_text(result: RunResult, *, limit: int = 20) -> str:
         lines.append(f"  {code} {r.name if r else '':<26} {r.safety if r else '':<7} {n}")
     n_manual = sum(1 for f in manual if f.safety == MANUAL)
     n_skipped_review = len(manual) - n_manual
-    lines.append(f"manual items: {n_manual}" + (f" (+{n_skipped_review} review rewrites not applied)" if n_skipped_review else ""))
+    lines.append(
+        f"manual items: {n_manual}"
+        + (f" (+{n_skipped_review} review rewrites not applied)" if n_skipped_review else "")
+    )
     for code, n in sorted(collections.Counter(f.rule for f in manual).items()):
         r = rules.get(code)
         lines.append(f"  {code} {r.name if r else '':<26} {n}")
@@ -167,13 +198,24 @@ def write_report(result: RunResult, report_dir: Path, link_root: Path | None) ->
         written.append(p)
 
     put("report.json", json.dumps(to_dict(result), indent=2, ensure_ascii=False) + "\n")
-    put("change_list.csv", _csv([["File", "Start Line", "End Line", "Operation Type", "Message", "Rule", "Safety"]]
-                                + [[f.file, f.line, f.end_line, _op_type(f), f.message, f.rule, f.safety] for f in changes]))
+    put(
+        "change_list.csv",
+        _csv(
+            [["File", "Start Line", "End Line", "Operation Type", "Message", "Rule", "Safety"]]
+            + [[f.file, f.line, f.end_line, _op_type(f), f.message, f.rule, f.safety] for f in changes]
+        ),
+    )
     unknown = [f for f in manual if f.tip == api_map.UNKNOWN_TIP]
     supported_rows = [f for f in manual if f.tip != api_map.UNKNOWN_TIP]
     header = ["File", "Start Line", "End Line", "OP", "Tips", "Rule", "Message"]
-    put("unsupported_api.csv", _csv([header] + [[f.file, f.line, f.end_line, f.op, f.tip, f.rule, f.message] for f in supported_rows]))
-    put("unknown_api.csv", _csv([header] + [[f.file, f.line, f.end_line, f.op, f.tip, f.rule, f.message] for f in unknown]))
+    put(
+        "unsupported_api.csv",
+        _csv([header] + [[f.file, f.line, f.end_line, f.op, f.tip, f.rule, f.message] for f in supported_rows]),
+    )
+    put(
+        "unknown_api.csv",
+        _csv([header] + [[f.file, f.line, f.end_line, f.op, f.tip, f.rule, f.message] for f in unknown]),
+    )
     put("manual.md", checklist(result, report_dir, link_root))
     return written
 

@@ -31,18 +31,47 @@ PACKAGES = {"bench": "parabench", "adapters": "parabench.adapters", "migrate": "
 
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("command line", ("parabench.cli", "parabench.__main__")),
-    ("commands", ("parabench.runner", "parabench.compare", "parabench.sweep", "parabench.envreport", "parabench.migrate")),
+    (
+        "commands",
+        ("parabench.runner", "parabench.compare", "parabench.sweep", "parabench.envreport", "parabench.migrate"),
+    ),
     ("processes", ("parabench.launchers", "parabench.worker", "parabench.loop", "parabench.jobs")),
     ("backends", ("parabench.adapters",)),
-    ("building blocks", ("parabench.model", "parabench.data", "parabench.indexed", "parabench.hf", "parabench.devices",
-                         "parabench.redirect", "parabench.flops", "parabench.metrics", "parabench.tracking",
-                         "parabench.plots", "parabench.confutil")),
+    (
+        "building blocks",
+        (
+            "parabench.model",
+            "parabench.data",
+            "parabench.indexed",
+            "parabench.hf",
+            "parabench.devices",
+            "parabench.redirect",
+            "parabench.flops",
+            "parabench.metrics",
+            "parabench.tracking",
+            "parabench.plots",
+            "parabench.confutil",
+        ),
+    ),
     ("contract", ("parabench.spec", "parabench.errors", "parabench")),
 ]
 
 # Third-party packages that are slow to import, need hardware, or are optional extras.
-HEAVY = {"torch", "torch_npu", "deepspeed", "megatron", "mindspore", "mindspeed", "mlflow", "hydra", "omegaconf",
-         "libcst", "numpy", "safetensors", "transformers"}
+HEAVY = {
+    "torch",
+    "torch_npu",
+    "deepspeed",
+    "megatron",
+    "mindspore",
+    "mindspeed",
+    "mlflow",
+    "hydra",
+    "omegaconf",
+    "libcst",
+    "numpy",
+    "safetensors",
+    "transformers",
+}
 
 # (importer, imported): an exception to the rules above, each with the reason it must stay.
 ALLOWED: dict[tuple[str, str], str] = {
@@ -171,19 +200,29 @@ def test_every_module_has_a_floor():
 
 
 def test_imports_go_down():
-    up = [f"{_where(i)} (floor {FLOORS[floor(i.source)][0]} imports floor {FLOORS[floor(i.target)][0]})"
-          for i in PROJECT if floor(i.target) < floor(i.source) and (i.source, i.target) not in ALLOWED]
+    up = [
+        f"{_where(i)} (floor {FLOORS[floor(i.source)][0]} imports floor {FLOORS[floor(i.target)][0]})"
+        for i in PROJECT
+        if floor(i.target) < floor(i.source) and (i.source, i.target) not in ALLOWED
+    ]
     assert not up, "imports that go up a floor:\n" + "\n".join(up)
 
 
 def test_project_modules_are_imported_in_functions_only_when_heavy():
     heavy = _heavy_modules()
     cli, commands = floor("parabench.cli"), floor("parabench.runner")
-    hidden = [_where(i) for i in PROJECT if i.local and i.target not in heavy and (i.source, i.target) not in ALLOWED
-              and not (floor(i.source) == cli and floor(i.target) == commands)]
-    assert not hidden, ("light project modules imported inside functions (import them at module level; "
-                        "only modules that pull in " + ", ".join(sorted(HEAVY)) + " may be imported lazily):\n"
-                        + "\n".join(hidden))
+    hidden = [
+        _where(i)
+        for i in PROJECT
+        if i.local
+        and i.target not in heavy
+        and (i.source, i.target) not in ALLOWED
+        and not (floor(i.source) == cli and floor(i.target) == commands)
+    ]
+    assert not hidden, (
+        "light project modules imported inside functions (import them at module level; "
+        "only modules that pull in " + ", ".join(sorted(HEAVY)) + " may be imported lazily):\n" + "\n".join(hidden)
+    )
 
 
 def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -231,10 +270,13 @@ def test_no_import_cycles():
     assert not _cycles(edges), f"import cycles: {_cycles(edges)}"
 
 
-@pytest.mark.parametrize("edges, cycles", [
-    ({"a": {"b"}, "b": {"a"}, "c": {"a"}}, [["a", "b"]]),
-    ({"a": {"b"}, "b": {"c"}}, []),
-])
+@pytest.mark.parametrize(
+    "edges, cycles",
+    [
+        ({"a": {"b"}, "b": {"a"}, "c": {"a"}}, [["a", "b"]]),
+        ({"a": {"b"}, "b": {"c"}}, []),
+    ],
+)
 def test_the_cycle_finder_finds_cycles(edges, cycles):
     assert _cycles(edges) == cycles
 
@@ -278,8 +320,12 @@ def _function_lengths(package: str):
 
 def test_no_function_is_longer_than_a_reader_can_hold():
     assert len(LONG_FUNCTIONS_ALLOWED) <= 2 and all(k.startswith("migrate/") for k in LONG_FUNCTIONS_ALLOWED)
-    too_long = [f"{name} ({n} lines)" for package in ("bench", "adapters", "migrate")
-                for name, n in _function_lengths(package) if n > MAX_FUNCTION_LINES and name not in LONG_FUNCTIONS_ALLOWED]
+    too_long = [
+        f"{name} ({n} lines)"
+        for package in ("bench", "adapters", "migrate")
+        for name, n in _function_lengths(package)
+        if n > MAX_FUNCTION_LINES and name not in LONG_FUNCTIONS_ALLOWED
+    ]
     assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines (split them): {too_long}"
     unused = [k for k in LONG_FUNCTIONS_ALLOWED if k not in dict(_function_lengths("migrate"))]
     assert not unused, f"allowed long functions that no longer exist: {unused}"

@@ -18,9 +18,11 @@ def py(code: str, **env) -> subprocess.CompletedProcess:
 
 
 def test_help_is_fast_and_imports_no_framework():
-    out = py("import sys, time; t=time.perf_counter(); from parabench.cli import main; main(['--help']); "
-             "print('ELAPSED', time.perf_counter()-t); "
-             "print('HEAVY', [m for m in ('torch','deepspeed','mindspore','megatron','mlflow','hydra') if m in sys.modules])")
+    out = py(
+        "import sys, time; t=time.perf_counter(); from parabench.cli import main; main(['--help']); "
+        "print('ELAPSED', time.perf_counter()-t); "
+        "print('HEAVY', [m for m in ('torch','deepspeed','mindspore','megatron','mlflow','hydra') if m in sys.modules])"
+    )
     assert out.returncode == 0, out.stderr
     assert "HEAVY []" in out.stdout
     best = min(_timed([sys.executable, "-m", "parabench", "--help"]) for _ in range(3))
@@ -39,8 +41,13 @@ def test_unknown_command_exits_2():
 
 
 def test_cfg_job_prints_the_composed_config_without_running(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "parabench", "run", "+model=llama", "backend=fsdp", "--cfg", "job"],
-                         capture_output=True, text=True, env=ENV, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "parabench", "run", "+model=llama", "backend=fsdp", "--cfg", "job"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr
     assert "name: fsdp" in out.stdout and "hidden_size: 256" in out.stdout
     assert not (tmp_path / "results").exists()
@@ -65,7 +72,9 @@ def _fake_torch_npu(root: Path) -> None:
     """A torch_npu that is installed but cannot load CANN, as pip leaves it on a machine without CANN."""
     pkg = root / "torch_npu"
     pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text("raise ImportError('libhccl.so: cannot open shared object file: No such file or directory')\n")
+    (pkg / "__init__.py").write_text(
+        "raise ImportError('libhccl.so: cannot open shared object file: No such file or directory')\n"
+    )
     info = root / "torch_npu-2.13.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch-npu\nVersion: 2.13.0\n")
@@ -77,7 +86,9 @@ def test_npu_absent_and_installed_without_cann_are_told_apart(tmp_path):
     assert "torch_npu is not installed" in absent.stdout, absent.stderr
     _fake_torch_npu(tmp_path / "site")
     no_cann = py(code, PYTHONPATH=str(tmp_path / "site"), ASCEND_HOME_PATH=str(tmp_path / "none"), LD_LIBRARY_PATH="")
-    assert "torch_npu 2.13.0 is installed but the CANN runtime (libhccl.so) is not found" in no_cann.stdout, no_cann.stderr
+    assert "torch_npu 2.13.0 is installed but the CANN runtime (libhccl.so) is not found" in no_cann.stdout, (
+        no_cann.stderr
+    )
     assert "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in no_cann.stdout
 
 
@@ -112,13 +123,34 @@ def test_every_shipped_model_composes_into_a_spec():
 
 @pytest.mark.slow
 def test_wheel_ships_the_config_tree(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     wheel = next(tmp_path.glob("parabench-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    for must in ("parabench/cli.py", "parabench/adapters/registry.py", "parabench/migrate/__init__.py",
-                 "parabench/conf/config.yaml", "parabench/conf/model/llama.yaml", "parabench/conf/backend/fsdp.yaml"):
+    for must in (
+        "parabench/cli.py",
+        "parabench/adapters/registry.py",
+        "parabench/migrate/__init__.py",
+        "parabench/conf/config.yaml",
+        "parabench/conf/model/llama.yaml",
+        "parabench/conf/backend/fsdp.yaml",
+    ):
         assert must in names, must
     entry = [n for n in names if n.endswith("entry_points.txt")]
     assert entry and "bench = parabench.cli:main" in zipfile.ZipFile(wheel).read(entry[0]).decode()
@@ -142,7 +174,9 @@ def test_each_job_is_composed_and_validated_once(tmp_path, monkeypatch, capsys):
     for name in ("ddp", "fsdp"):  # runner.prepare ends with the adapter's own validation: count those
         monkeypatch.setattr(get_adapter(name), "validate", counting(get_adapter(name).validate))
     monkeypatch.chdir(tmp_path)
-    code = main(["run", "-m", "+model=llama", "backend=ddp,fsdp", "launcher.dry_run=true", f"run.results_dir={tmp_path / 'r'}"])
+    code = main(
+        ["run", "-m", "+model=llama", "backend=ddp,fsdp", "launcher.dry_run=true", f"run.results_dir={tmp_path / 'r'}"]
+    )
     assert code == 0, capsys.readouterr().err
     assert sorted(calls) == ["ddp", "fsdp"]
     assert len(list((tmp_path / "r").glob("runs/*/*/*/launch.sh"))) == 2

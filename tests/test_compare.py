@@ -18,11 +18,30 @@ from parabench.errors import UserError
 
 def rec(run_id, variant, world, tps, gbs=None, model="llama", precision="fp32", seq=128, **kw):
     gbs = gbs if gbs is not None else 2 * world
-    base = dict(run_id=run_id, backend=variant.split("(")[0], variant=variant, world_size=world, model=model, device="cpu",
-                device_name="cpu", precision=precision, global_batch=gbs, seq_len=seq, tokens_per_s=tps,
-                tokens_per_s_per_device=tps / world, mfu=0.3, peak_tflops=0.1, peak_source="measured",
-                step_time_median_s=1.0, rank_spread_s=0.01, peak_memory_bytes=1e9, model_state_bytes=3e8, loss_final=9.0,
-                losses=[10.0, 9.5, 9.0], state_per_rank=[{"params": 1e8, "grads": 1e8, "optimizer": 2e8, "optimizer_other": 0}] * world)
+    base = dict(
+        run_id=run_id,
+        backend=variant.split("(")[0],
+        variant=variant,
+        world_size=world,
+        model=model,
+        device="cpu",
+        device_name="cpu",
+        precision=precision,
+        global_batch=gbs,
+        seq_len=seq,
+        tokens_per_s=tps,
+        tokens_per_s_per_device=tps / world,
+        mfu=0.3,
+        peak_tflops=0.1,
+        peak_source="measured",
+        step_time_median_s=1.0,
+        rank_spread_s=0.01,
+        peak_memory_bytes=1e9,
+        model_state_bytes=3e8,
+        loss_final=9.0,
+        losses=[10.0, 9.5, 9.0],
+        state_per_rank=[{"params": 1e8, "grads": 1e8, "optimizer": 2e8, "optimizer_other": 0}] * world,
+    )
     base.update(kw)
     return RunRecord(**base)
 
@@ -38,9 +57,16 @@ def test_weak_scaling_efficiency_and_bands():
 
 
 def test_strong_scaling_and_noise_flags():
-    records = [rec("a", "ddp", 1, 100, gbs=4), rec("b", "ddp", 1, 120, gbs=4), rec("c", "ddp", 2, 210, gbs=4),
-               rec("d", "ddp", 2, 230, gbs=4), rec("e", "fsdp", 1, 100, gbs=4), rec("f", "fsdp", 2, 200, gbs=4),
-               rec("g", "fsdp", 1, 101, gbs=4), rec("h", "fsdp", 2, 205, gbs=4)]
+    records = [
+        rec("a", "ddp", 1, 100, gbs=4),
+        rec("b", "ddp", 1, 120, gbs=4),
+        rec("c", "ddp", 2, 210, gbs=4),
+        rec("d", "ddp", 2, 230, gbs=4),
+        rec("e", "fsdp", 1, 100, gbs=4),
+        rec("f", "fsdp", 2, 200, gbs=4),
+        rec("g", "fsdp", 1, 101, gbs=4),
+        rec("h", "fsdp", 2, 205, gbs=4),
+    ]
     (sec,) = build_sections(records, None, strict=False)
     ddp2 = next(r for r in sec.rows if r.variant == "ddp" and r.world_size == 2)
     assert ddp2.efficiency_kind == "strong"
@@ -50,8 +76,14 @@ def test_strong_scaling_and_noise_flags():
 
 
 def test_baseline_ratio_at_same_world_and_batch_with_noise_mark():
-    records = [rec("a", "ddp", 2, 100), rec("b", "ddp", 2, 104), rec("c", "fsdp", 2, 90), rec("d", "fsdp", 2, 91),
-               rec("e", "deepspeed(zero_stage=3)", 2, 101), rec("f", "deepspeed(zero_stage=3)", 2, 103)]
+    records = [
+        rec("a", "ddp", 2, 100),
+        rec("b", "ddp", 2, 104),
+        rec("c", "fsdp", 2, 90),
+        rec("d", "fsdp", 2, 91),
+        rec("e", "deepspeed(zero_stage=3)", 2, 101),
+        rec("f", "deepspeed(zero_stage=3)", 2, 103),
+    ]
     (sec,) = build_sections(records, ("backend", "ddp"), strict=False)
     by = {r.variant: r for r in sec.rows}
     assert by["fsdp"].ratio == pytest.approx(90.5 / 102) and by["fsdp"].ratio_note == ""
@@ -60,7 +92,11 @@ def test_baseline_ratio_at_same_world_and_batch_with_noise_mark():
 
 
 def test_incomparable_runs_are_grouped_apart_or_refused():
-    records = [rec("a", "ddp", 1, 100), rec("b", "ddp", 1, 50, model="llama2-7b"), rec("c", "ddp", 1, 70, precision="bf16")]
+    records = [
+        rec("a", "ddp", 1, 100),
+        rec("b", "ddp", 1, 50, model="llama2-7b"),
+        rec("c", "ddp", 1, 70, precision="bf16"),
+    ]
     sections = build_sections(records, ("backend", "ddp"), strict=False)
     assert len(sections) == 3 and all(len(s.rows) == 1 for s in sections)
     assert "model differs" in sections[1].note or "model differs" in sections[2].note
@@ -75,8 +111,10 @@ def test_missing_baseline_is_said_not_guessed():
 
 def test_renderers_carry_the_same_numbers():
     records = [rec("a", "ddp", 1, 100), rec("c", "ddp", 2, 180), rec("e", "fsdp", 1, 90), rec("f", "fsdp", 2, 170)]
-    report = report_dict(build_sections(records, ("backend", "ddp"), strict=False),
-                         {"created": "now", "tracking_uri": "sqlite://", "run_ids": list("acef"), "baseline": "backend=ddp"})
+    report = report_dict(
+        build_sections(records, ("backend", "ddp"), strict=False),
+        {"created": "now", "tracking_uri": "sqlite://", "run_ids": list("acef"), "baseline": "backend=ddp"},
+    )
     text = render_text(report)
     assert "ddp" in text and "90.0%" in text  # 180 / (2 * 100)
     assert "| backend |" in render_text(report, markdown=True)

@@ -63,7 +63,11 @@ def write_indexed(prefix, documents, dtype=np.uint16):
         f.write(stream.tobytes())
     with open(f"{prefix}.idx", "wb") as f:
         f.write(b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, codes[dtype], len(documents), len(documents) + 1))
-        f.write(lengths.tobytes() + pointers.astype(np.int64).tobytes() + np.arange(len(documents) + 1, dtype=np.int64).tobytes())
+        f.write(
+            lengths.tobytes()
+            + pointers.astype(np.int64).tobytes()
+            + np.arange(len(documents) + 1, dtype=np.int64).tobytes()
+        )
     return stream
 
 
@@ -74,12 +78,20 @@ def random_documents(seed, count=9, vocab=1000):
 
 def test_indexed_samples_are_cut_in_file_order_and_wrap(tmp_path):
     stream = write_indexed(tmp_path / "c", [np.arange(0, 10), np.arange(10, 23)])  # 23 tokens: 5 samples of 4+1
-    spec = DataSpec(source="indexed", path=str(tmp_path / "c"), reader="numpy", seq_len=4, global_batch_size=4, micro_batch_size=2)
+    spec = DataSpec(
+        source="indexed", path=str(tmp_path / "c"), reader="numpy", seq_len=4, global_batch_size=4, micro_batch_size=2
+    )
     src = TokenSource(spec, 1000)
     assert src.reader == "parabench numpy memmap"
-    assert src.global_batch(0).tolist() == [stream[4 * k:4 * k + 5].tolist() for k in range(4)]  # across the document edge
-    assert src.global_batch(1).tolist() == [stream[4 * k:4 * k + 5].tolist() for k in (4, 0, 1, 2)]  # wraps after 5 samples
-    assert np.array_equal(TokenSource(dataclasses.replace(spec, path=str(tmp_path / "c.bin")), 1000).global_batch(1), src.global_batch(1))
+    assert src.global_batch(0).tolist() == [
+        stream[4 * k : 4 * k + 5].tolist() for k in range(4)
+    ]  # across the document edge
+    assert src.global_batch(1).tolist() == [
+        stream[4 * k : 4 * k + 5].tolist() for k in (4, 0, 1, 2)
+    ]  # wraps after 5 samples
+    assert np.array_equal(
+        TokenSource(dataclasses.replace(spec, path=str(tmp_path / "c.bin")), 1000).global_batch(1), src.global_batch(1)
+    )
 
 
 def test_megatron_builder_writes_the_same_bytes(tmp_path):
@@ -111,13 +123,17 @@ def test_numpy_reader_matches_megatron_core(tmp_path):
     sequences = random_documents(2, count=12, vocab=50000)
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
     for i in range(0, 12, 3):  # documents of three sequences each
-        builder.add_document(torch.from_numpy(np.concatenate(sequences[i:i + 3])), [len(s) for s in sequences[i:i + 3]])
+        builder.add_document(
+            torch.from_numpy(np.concatenate(sequences[i : i + 3])), [len(s) for s in sequences[i : i + 3]]
+        )
     builder.finalize(prefix + ".idx")
     stream = np.concatenate(sequences)
     ours, theirs = NumpyIndexed(prefix), MegatronIndexed(prefix)
     assert theirs.name.startswith("megatron-core ") and ours.num_tokens == theirs.num_tokens == len(stream)
     ds = IndexedDataset(prefix)
-    assert np.array_equal(ours.layout.lengths, ds.sequence_lengths) and np.array_equal(ours.layout.document_indices, ds.document_indices)
+    assert np.array_equal(ours.layout.lengths, ds.sequence_lengths) and np.array_equal(
+        ours.layout.document_indices, ds.document_indices
+    )
     rng = np.random.default_rng(3)
     for start, stop in [(0, len(stream)), (len(stream) - 1, len(stream)), *rng.integers(0, len(stream), (40, 2))]:
         start, stop = sorted((int(start), int(stop)))
@@ -132,7 +148,9 @@ def test_numpy_reader_matches_megatron_core(tmp_path):
 
 def test_data_checksum_adds_up_over_data_parallel_ranks(tmp_path):
     write_indexed(tmp_path / "c", random_documents(4, count=30))
-    spec = DataSpec(source="indexed", path=str(tmp_path / "c"), reader="numpy", seq_len=8, global_batch_size=8, micro_batch_size=2)
+    spec = DataSpec(
+        source="indexed", path=str(tmp_path / "c"), reader="numpy", seq_len=8, global_batch_size=8, micro_batch_size=2
+    )
     src = TokenSource(spec, 1000)
     want = global_checksum(src, 3)
     for world in (1, 2, 4):
@@ -145,7 +163,9 @@ def test_data_checksum_adds_up_over_data_parallel_ranks(tmp_path):
     assert combined_checksum(parts[:-1]).startswith("MISMATCH")  # a data-parallel rank missing
     other = DataLedger(TokenSource(dataclasses.replace(spec, seq_len=7), 1000), 0, 1)
     other.record(0, TokenSource(dataclasses.replace(spec, seq_len=7), 1000).rank_micro_batches(0, 0, 1))
-    assert combined_checksum([parts[0], {**other.as_dict(), "dp_rank": 0, "dp_size": 4}, *parts[1:]]).startswith("MISMATCH")
+    assert combined_checksum([parts[0], {**other.as_dict(), "dp_rank": 0, "dp_size": 4}, *parts[1:]]).startswith(
+        "MISMATCH"
+    )
     assert global_checksum(src, 3) != global_checksum(TokenSource(dataclasses.replace(spec, seq_len=7), 1000), 3)
 
 
@@ -175,9 +195,23 @@ def test_text_through_a_tokenizer_json(tmp_path):
     tok = make_tokenizer(tmp_path / "tokenizer.json")
     (tmp_path / "t.txt").write_text(TEXT * 10)
     ids = tokenize_text(str(tmp_path / "t.txt"), load_tokenizer(str(tmp_path / "tokenizer.json")))
-    assert ids.tolist() == [i for line in (TEXT * 10).splitlines(keepends=True) for i in tok.encode(line, add_special_tokens=False).ids]
-    job = from_config(to_plain(compose(["+model=llama", "data=text", f"data.path={tmp_path / 't.txt'}", "data.seq_len=8",
-                                        f"data.tokenizer={tmp_path / 'tokenizer.json'}", f"run.results_dir={tmp_path / 'r'}"])))
+    assert ids.tolist() == [
+        i for line in (TEXT * 10).splitlines(keepends=True) for i in tok.encode(line, add_special_tokens=False).ids
+    ]
+    job = from_config(
+        to_plain(
+            compose(
+                [
+                    "+model=llama",
+                    "data=text",
+                    f"data.path={tmp_path / 't.txt'}",
+                    "data.seq_len=8",
+                    f"data.tokenizer={tmp_path / 'tokenizer.json'}",
+                    f"run.results_dir={tmp_path / 'r'}",
+                ]
+            )
+        )
+    )
     check_data(job, tmp_path / "cache")
     (run_dir := tmp_path / "run").mkdir()
     stage_data(job, tmp_path / "cache", run_dir)
@@ -188,7 +222,7 @@ def test_text_through_a_tokenizer_json(tmp_path):
     for step in range(3):
         assert np.array_equal(staged.global_batch(step), fresh.global_batch(step))
         for row in fresh.global_batch(step).tolist():
-            assert any(stream[s:s + 9] == row for s in range(len(stream) - 8))
+            assert any(stream[s : s + 9] == row for s in range(len(stream) - 8))
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,8 +250,20 @@ def _corrupt_files(d):
     return out
 
 
-@pytest.mark.parametrize("name", ["missing prefix", "bad magic", "bad version", "float dtype", "truncated index",
-                                  "short header", "truncated bin", "token id over vocab", "too short"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "missing prefix",
+        "bad magic",
+        "bad version",
+        "float dtype",
+        "truncated index",
+        "short header",
+        "truncated bin",
+        "token id over vocab",
+        "too short",
+    ],
+)
 def test_bad_indexed_data_is_refused_before_launch(name, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (data := tmp_path / "data").mkdir()
@@ -237,8 +283,18 @@ def test_the_uncorrupted_dataset_passes_the_checks(tmp_path):
     assert not (tmp_path / "cache").exists()
 
 
-@pytest.mark.parametrize("name", ["tokenizer over vocab", "tokenizer missing", "tokenizer corrupt", "tokenizer on synthetic",
-                                  "reader on text", "text too short", "text not utf-8"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "tokenizer over vocab",
+        "tokenizer missing",
+        "tokenizer corrupt",
+        "tokenizer on synthetic",
+        "reader on text",
+        "text too short",
+        "text not utf-8",
+    ],
+)
 def test_bad_tokenizer_data_is_refused_before_launch(name, tmp_path, capsys, monkeypatch):
     pytest.importorskip("tokenizers")
     monkeypatch.chdir(tmp_path)
@@ -249,14 +305,31 @@ def test_bad_tokenizer_data_is_refused_before_launch(name, tmp_path, capsys, mon
     (tmp_path / "latin1.txt").write_bytes("café au lait\n".encode("latin-1") * 40)
     text = ["data=text", f"data.path={tmp_path / 't.txt'}", "data.seq_len=8"]
     args, key = {
-        "tokenizer over vocab": (text + [f"data.tokenizer={tmp_path / 'tok.json'}", "model.vocab_size=8"], "data.tokenizer"),
+        "tokenizer over vocab": (
+            text + [f"data.tokenizer={tmp_path / 'tok.json'}", "model.vocab_size=8"],
+            "data.tokenizer",
+        ),
         "tokenizer missing": (text + [f"data.tokenizer={tmp_path / 'none.json'}"], "data.tokenizer"),
         "tokenizer corrupt": (text + [f"data.tokenizer={tmp_path / 'bad.json'}"], "data.tokenizer"),
         "tokenizer on synthetic": ([f"+data.tokenizer={tmp_path / 'tok.json'}"], "data.tokenizer"),
         "reader on text": (text + ["+data.reader=numpy"], "data.reader"),
-        "text too short": (["data=text", f"data.path={tmp_path / 'short.txt'}", "data.seq_len=128",
-                            f"data.tokenizer={tmp_path / 'tok.json'}"], "data.path"),
-        "text not utf-8": (["data=text", f"data.path={tmp_path / 'latin1.txt'}", "data.seq_len=8",
-                            f"data.tokenizer={tmp_path / 'tok.json'}"], "data.path"),
+        "text too short": (
+            [
+                "data=text",
+                f"data.path={tmp_path / 'short.txt'}",
+                "data.seq_len=128",
+                f"data.tokenizer={tmp_path / 'tok.json'}",
+            ],
+            "data.path",
+        ),
+        "text not utf-8": (
+            [
+                "data=text",
+                f"data.path={tmp_path / 'latin1.txt'}",
+                "data.seq_len=8",
+                f"data.tokenizer={tmp_path / 'tok.json'}",
+            ],
+            "data.path",
+        ),
     }[name]
     assert_refused_before_launch(["+model=llama", *args], key, tmp_path, capsys)

@@ -46,7 +46,9 @@ def test_identical_batches_across_backends_from_an_indexed_dataset(corpus, tmp_p
     jobs = []
     for name, args in runs.items():
         results = tmp_path / name
-        proc = bench(["run", *args, *COMMON, "data=indexed", f"data.path={corpus}", "launcher.nproc_per_node=2"], results)
+        proc = bench(
+            ["run", *args, *COMMON, "data=indexed", f"data.path={corpus}", "launcher.nproc_per_node=2"], results
+        )
         assert proc.returncode == 0, (name, proc.stderr[-4000:])
         jobs += list(summaries(results).values())
         runs = mlflow_runs(results)
@@ -56,9 +58,16 @@ def test_identical_batches_across_backends_from_an_indexed_dataset(corpus, tmp_p
     spec = DataSpec(source="indexed", path=corpus, reader="numpy", seq_len=32, global_batch_size=4, micro_batch_size=1)
     want = global_checksum(TokenSource(spec, 32000), STEPS)
     assert {s["data_checksum"] for s in jobs} == {want}, [(s["backend"], s["data_checksum"]) for s in jobs]
-    assert by["ddp"]["data_reader"].startswith("megatron-core ") and by["megatron"]["data_reader"] == "parabench numpy memmap"
+    assert (
+        by["ddp"]["data_reader"].startswith("megatron-core ")
+        and by["megatron"]["data_reader"] == "parabench numpy memmap"
+    )
     for other in ("fsdp", "megatron"):
-        assert rel(by[other]["losses"][0], by["ddp"]["losses"][0]) <= 1e-5, (other, by[other]["losses"], by["ddp"]["losses"])
+        assert rel(by[other]["losses"][0], by["ddp"]["losses"][0]) <= 1e-5, (
+            other,
+            by[other]["losses"],
+            by["ddp"]["losses"],
+        )
 
 
 def test_text_through_a_tokenizer_json_reaches_the_workers(tmp_path):
@@ -74,6 +83,12 @@ def test_text_through_a_tokenizer_json_reaches_the_workers(tmp_path):
     (summary,) = summaries(results).values()
     run_dir = next(results.glob("runs/*/*/*/summary.json")).parent
     assert (run_dir / TOKENS_FILE).is_file() and "tokenizers" in summary["data_reader"]
-    spec = DataSpec(source="text", path=str(tmp_path / "t.txt"), tokenizer=str(tmp_path / "tokenizer.json"),
-                    seq_len=32, global_batch_size=4, micro_batch_size=1)
+    spec = DataSpec(
+        source="text",
+        path=str(tmp_path / "t.txt"),
+        tokenizer=str(tmp_path / "tokenizer.json"),
+        seq_len=32,
+        global_batch_size=4,
+        micro_batch_size=1,
+    )
     assert summary["data_checksum"] == global_checksum(TokenSource(spec, 32000), STEPS)  # tokenized in this process

@@ -9,8 +9,10 @@ import pytest
 from conftest import FAST, assert_refused_before_launch, bench, mlflow_runs
 
 if importlib.util.find_spec("deepspeed") is None:
-    pytest.skip("deepspeed is not installed (pip install --no-build-isolation deepspeed==0.19.8 torch==2.13.0)",
-                allow_module_level=True)
+    pytest.skip(
+        "deepspeed is not installed (pip install --no-build-isolation deepspeed==0.19.8 torch==2.13.0)",
+        allow_module_level=True,
+    )
 
 pytestmark = pytest.mark.deepspeed
 
@@ -38,22 +40,53 @@ def _write(tmp_path, doc) -> str:
 
 INVALID = {
     "stage 4": (lambda t: [*DS, "backend.zero_stage=4"], "backend.zero_stage"),
-    "offload with stage 0": (lambda t: [*DS, "backend.zero_stage=0", "backend.offload_optimizer=cpu"], "backend.offload_optimizer"),
-    "param offload below stage 3": (lambda t: [*DS, "backend.zero_stage=2", "backend.offload_param=cpu"], "backend.offload_param"),
-    "fp16 and bf16 both on": (lambda t: [*DS, f"backend.config_file={_write(t, {'fp16': {'enabled': True}, 'bf16': {'enabled': True}})}"],
-                              "backend.config_file"),
-    "file precision differs": (lambda t: [*DS, f"backend.config_file={_write(t, {'bf16': {'enabled': True}})}"], "run.precision"),
-    "file batch differs": (lambda t: [*DS, f"backend.config_file={_write(t, {'train_batch_size': 8})}"], "data.global_batch_size"),
-    "file stage differs": (lambda t: [*DS, "backend.zero_stage=1", f"backend.config_file={_write(t, {'zero_optimization': {'stage': 3}})}"],
-                           "backend.zero_stage"),
-    "file optimizer block": (lambda t: [*DS, f"backend.config_file={_write(t, {'optimizer': {'type': 'Adam'}})}"], "optimizer"),
+    "offload with stage 0": (
+        lambda t: [*DS, "backend.zero_stage=0", "backend.offload_optimizer=cpu"],
+        "backend.offload_optimizer",
+    ),
+    "param offload below stage 3": (
+        lambda t: [*DS, "backend.zero_stage=2", "backend.offload_param=cpu"],
+        "backend.offload_param",
+    ),
+    "fp16 and bf16 both on": (
+        lambda t: [*DS, f"backend.config_file={_write(t, {'fp16': {'enabled': True}, 'bf16': {'enabled': True}})}"],
+        "backend.config_file",
+    ),
+    "file precision differs": (
+        lambda t: [*DS, f"backend.config_file={_write(t, {'bf16': {'enabled': True}})}"],
+        "run.precision",
+    ),
+    "file batch differs": (
+        lambda t: [*DS, f"backend.config_file={_write(t, {'train_batch_size': 8})}"],
+        "data.global_batch_size",
+    ),
+    "file stage differs": (
+        lambda t: [
+            *DS,
+            "backend.zero_stage=1",
+            f"backend.config_file={_write(t, {'zero_optimization': {'stage': 3}})}",
+        ],
+        "backend.zero_stage",
+    ),
+    "file optimizer block": (
+        lambda t: [*DS, f"backend.config_file={_write(t, {'optimizer': {'type': 'Adam'}})}"],
+        "optimizer",
+    ),
     "file missing": (lambda t: [*DS, "backend.config_file=/nonexistent/ds.json"], "backend.config_file"),
     "file not json": (lambda t: [*DS, f"backend.config_file={_write(t, '{oops')}"], "backend.config_file"),
-    "micro-batch does not divide the batch": (lambda t: [*DS, "data.global_batch_size=6", "data.micro_batch_size=4"], "data.global_batch_size"),
-    "micro-batch x ranks does not divide": (lambda t: [*DS, "data.global_batch_size=4", "data.micro_batch_size=4",
-                                                        "launcher.nproc_per_node=2"], "data.global_batch_size"),
+    "micro-batch does not divide the batch": (
+        lambda t: [*DS, "data.global_batch_size=6", "data.micro_batch_size=4"],
+        "data.global_batch_size",
+    ),
+    "micro-batch x ranks does not divide": (
+        lambda t: [*DS, "data.global_batch_size=4", "data.micro_batch_size=4", "launcher.nproc_per_node=2"],
+        "data.global_batch_size",
+    ),
     "negative bucket": (lambda t: [*DS, "backend.reduce_bucket_size=-1"], "backend.reduce_bucket_size"),
-    "zero_stage swept over ddp too": (lambda t: ["-m", "+model=llama", "backend=ddp,deepspeed", "backend.zero_stage=1"], "backend.zero_stage"),
+    "zero_stage swept over ddp too": (
+        lambda t: ["-m", "+model=llama", "backend=ddp,deepspeed", "backend.zero_stage=1"],
+        "backend.zero_stage",
+    ),
 }
 
 
@@ -83,9 +116,20 @@ def _job(*overrides):
 def test_config_is_built_from_the_spec():
     from parabench.adapters.deepspeed import deepspeed_config
 
-    cfg = deepspeed_config(_job("backend.zero_stage=3", "run.precision=bf16", "launcher.nproc_per_node=2",
-                                "data.global_batch_size=8", "backend.stage3_param_persistence_threshold=0"))
-    assert cfg["train_batch_size"] == 8 and cfg["train_micro_batch_size_per_gpu"] == 2 and cfg["gradient_accumulation_steps"] == 2
+    cfg = deepspeed_config(
+        _job(
+            "backend.zero_stage=3",
+            "run.precision=bf16",
+            "launcher.nproc_per_node=2",
+            "data.global_batch_size=8",
+            "backend.stage3_param_persistence_threshold=0",
+        )
+    )
+    assert (
+        cfg["train_batch_size"] == 8
+        and cfg["train_micro_batch_size_per_gpu"] == 2
+        and cfg["gradient_accumulation_steps"] == 2
+    )
     assert cfg["bf16"] == {"enabled": True} and cfg["fp16"] == {"enabled": False}
     assert cfg["zero_optimization"] == {"stage": 3, "stage3_param_persistence_threshold": 0}
     assert cfg["gradient_clipping"] == 1.0 and cfg["zero_allow_untested_optimizer"] is True
@@ -97,9 +141,16 @@ def test_config_is_built_from_the_spec():
 def test_user_file_merges_auto_equal_values_and_free_knobs(tmp_path):
     from parabench.adapters.deepspeed import deepspeed_config
 
-    path = _write(tmp_path, {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2, "bfloat16": {"enabled": False},
-                             "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000, "sub_group_size": 7},
-                             "communication_data_type": "fp32"})
+    path = _write(
+        tmp_path,
+        {
+            "train_batch_size": "auto",
+            "train_micro_batch_size_per_gpu": 2,
+            "bfloat16": {"enabled": False},
+            "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000, "sub_group_size": 7},
+            "communication_data_type": "fp32",
+        },
+    )
     cfg = deepspeed_config(_job(f"backend.config_file={path}"))
     assert cfg["train_batch_size"] == 4  # "auto" -> the harness's value
     assert cfg["zero_optimization"]["reduce_bucket_size"] == 1000 and cfg["zero_optimization"]["sub_group_size"] == 7
@@ -116,7 +167,10 @@ def test_zero_formula_per_stage():
     expect = {0: 16 * psi, 1: 8 * psi + 6 * psi, 2: 4 * psi + 8 * psi, 3: 10 * psi}  # fp32 on 2 ranks
     for stage, value in expect.items():
         assert zero_formula(_job(f"backend.zero_stage={stage}", "launcher.nproc_per_node=2")).bytes == value
-    assert zero_formula(_job("backend.zero_stage=2", "run.precision=bf16", "launcher.nproc_per_node=2")).bytes == 2 * psi + 7 * psi
+    assert (
+        zero_formula(_job("backend.zero_stage=2", "run.precision=bf16", "launcher.nproc_per_node=2")).bytes
+        == 2 * psi + 7 * psi
+    )
 
 
 def test_stage_presets_and_the_experiment_expand_and_validate(tmp_path, monkeypatch):
@@ -126,9 +180,16 @@ def test_stage_presets_and_the_experiment_expand_and_validate(tmp_path, monkeypa
     from parabench.confutil import compose, to_plain
 
     for s in range(4):
-        assert to_plain(compose(["+model=llama", f"backend=deepspeed/zero{s}", "backend.overlap_comm=true"]))["backend"]["zero_stage"] == s
+        assert (
+            to_plain(compose(["+model=llama", f"backend=deepspeed/zero{s}", "backend.overlap_comm=true"]))["backend"][
+                "zero_stage"
+            ]
+            == s
+        )
     monkeypatch.chdir(tmp_path)
-    args = get_args_parser().parse_args(["-m", "+model=llama", "+experiment=zero_stages", f"run.results_dir={tmp_path / 'r'}"])
+    args = get_args_parser().parse_args(
+        ["-m", "+model=llama", "+experiment=zero_stages", f"run.results_dir={tmp_path / 'r'}"]
+    )
     prepared = _preflight(args)
     stages = sorted(job.backend.options.zero_stage for job in prepared.jobs.values() if job.backend.name == "deepspeed")
     assert len(prepared.jobs) == 7 and stages == [0, 1, 2, 2, 3]  # ddp, fsdp, zero0-3, zero2_offload
@@ -169,7 +230,9 @@ def two_ranks(tmp_path_factory):
     """ddp, ZeRO 0-3 and ZeRO-2 + optimizer offload: 11 fp32 steps (10 updates) on 2 ranks, one sweep."""
     results = tmp_path_factory.mktemp("ds2")
     backends = "ddp," + ",".join(f"deepspeed/zero{s}" for s in STAGES) + ",deepspeed/zero2_offload"
-    proc = bench(["run", "-m", *FAST, f"backend={backends}", "run.steps=11", "launcher.nproc_per_node=2"], results, timeout=1800)
+    proc = bench(
+        ["run", "-m", *FAST, f"backend={backends}", "run.steps=11", "launcher.nproc_per_node=2"], results, timeout=1800
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return results, _by_label(results)
 
@@ -178,8 +241,11 @@ def two_ranks(tmp_path_factory):
 def one_rank(tmp_path_factory):
     """ZeRO-1 and ZeRO-3 on one rank in bf16 (fp32 masters restored to the canonical weights)."""
     results = tmp_path_factory.mktemp("ds1")
-    proc = bench(["run", "-m", *FAST, "backend=deepspeed/zero1,deepspeed/zero3", "run.steps=2", "run.precision=bf16"],
-                 results, timeout=900)
+    proc = bench(
+        ["run", "-m", *FAST, "backend=deepspeed/zero1,deepspeed/zero3", "run.steps=2", "run.precision=bf16"],
+        results,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return results, _by_label(results)
 
@@ -247,7 +313,7 @@ def test_optimizer_state_bytes_equal_the_zero_formula_on_one_rank(one_rank, labe
     _check_optimizer_bytes(s, 1)
     psi = s["num_params"]
     rank = s["model_state_per_rank"][0]
-    assert rank["params"] >= 2 * psi and rank["params"] < 2 * psi + 1024 ** 2  # bf16 working copies (+ padding)
+    assert rank["params"] >= 2 * psi and rank["params"] < 2 * psi + 1024**2  # bf16 working copies (+ padding)
 
 
 @pytest.mark.slow
@@ -268,4 +334,7 @@ def test_sweep_is_one_parent_with_a_child_per_configuration_and_the_config_is_an
     local = client.download_artifacts(run_id, "backend_artifacts.json", str(results))
     doc = json.loads(open(local).read())
     assert doc["deepspeed_config"]["zero_optimization"]["stage"] == 3
-    assert doc["deepspeed_config"]["train_batch_size"] == 4 and doc["deepspeed_optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
+    assert (
+        doc["deepspeed_config"]["train_batch_size"] == 4
+        and doc["deepspeed_optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
+    )

@@ -26,11 +26,23 @@ def test_readme_main_command_records_a_finished_mlflow_run(results):
     assert len(runs) == 1
     run = runs.iloc[0]
     assert run["status"] == "FINISHED"
-    for metric in ("tokens_per_s", "tokens_per_s_per_device", "step_time_median_s", "mfu", "peak_tflops_per_device",
-                   "achieved_tflops_per_device", "peak_memory_bytes_max", "model_state_bytes_max", "loss_final", "loss"):
+    for metric in (
+        "tokens_per_s",
+        "tokens_per_s_per_device",
+        "step_time_median_s",
+        "mfu",
+        "peak_tflops_per_device",
+        "achieved_tflops_per_device",
+        "peak_memory_bytes_max",
+        "model_state_bytes_max",
+        "loss_final",
+        "loss",
+    ):
         assert run[f"metrics.{metric}"] > 0, metric
     assert "PaLM" in run["tags.flops_formula"] and "measured" in run["tags.peak_source"]
-    assert run["tags.backend"] == "ddp" and run["tags.world_size"] == "1" and run["tags.version.torch"].startswith("2.13")
+    assert (
+        run["tags.backend"] == "ddp" and run["tags.world_size"] == "1" and run["tags.version.torch"].startswith("2.13")
+    )
     assert run["params.model.hidden_size"] == "256"
     summary = next(iter(summaries(results).values()))
     assert summary["measured_steps"] == 10 and len(summary["losses"]) == 12
@@ -43,7 +55,9 @@ def sweeps(tmp_path_factory):
     out = {}
     for world in (1, 2):
         results = tmp_path_factory.mktemp(f"w{world}")
-        proc = bench(["run", "-m", *FAST, "backend=ddp,fsdp", "run.steps=11", f"launcher.nproc_per_node={world}"], results)
+        proc = bench(
+            ["run", "-m", *FAST, "backend=ddp,fsdp", "run.steps=11", f"launcher.nproc_per_node={world}"], results
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         out[world] = (results, {s["backend"]: s for s in summaries(results).values()})
     return out
@@ -89,10 +103,24 @@ def test_multirun_is_one_parent_with_a_child_per_job(sweeps):
 
 
 def test_a_killed_rank_fails_the_run_quickly_and_is_recorded(results):
-    cmd = [sys.executable, "-m", "parabench", "run", *FAST, "launcher.nproc_per_node=2", "run.steps=500",
-           f"run.results_dir={results}"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "parabench",
+        "run",
+        *FAST,
+        "launcher.nproc_per_node=2",
+        "run.steps=500",
+        f"run.results_dir={results}",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"},
+    )
     deadline = time.time() + 180
     progress = None
     while time.time() < deadline:

@@ -47,15 +47,18 @@ def test_llama3_8b_grouped_query_attention_by_hand():
     assert flops_per_token(model, 8192) == _palm_flops_per_token(total - embedding, 32, 32, 128, 8192)
 
 
-@pytest.mark.parametrize(("device_name", "precision", "tflops"), [
-    # NVIDIA datasheets, dense (without 2:4 sparsity) tensor-core peaks
-    ("NVIDIA A100-SXM4-80GB", "bf16", 312),
-    ("NVIDIA A100 80GB PCIe", "fp16", 312),
-    ("NVIDIA A100-SXM4-40GB", "fp32", 19.5),  # fp32 without TF32
-    ("NVIDIA H100 80GB HBM3", "bf16", 989),  # SXM
-    ("NVIDIA H100 PCIe", "bf16", 756),  # the longer key wins over "H100"
-    ("NVIDIA H200", "bf16", 989),
-])
+@pytest.mark.parametrize(
+    ("device_name", "precision", "tflops"),
+    [
+        # NVIDIA datasheets, dense (without 2:4 sparsity) tensor-core peaks
+        ("NVIDIA A100-SXM4-80GB", "bf16", 312),
+        ("NVIDIA A100 80GB PCIe", "fp16", 312),
+        ("NVIDIA A100-SXM4-40GB", "fp32", 19.5),  # fp32 without TF32
+        ("NVIDIA H100 80GB HBM3", "bf16", 989),  # SXM
+        ("NVIDIA H100 PCIe", "bf16", 756),  # the longer key wins over "H100"
+        ("NVIDIA H200", "bf16", 989),
+    ],
+)
 def test_known_accelerators_get_their_datasheet_peak(device_name, precision, tflops, tmp_path):
     peak = DEVICES["cuda"].peak(precision, 1, tmp_path, device_name)
     assert peak is not None and peak.tflops == tflops and not peak.uncertain and "datasheet" in peak.source
@@ -67,12 +70,15 @@ def test_ascend_910b_peak_is_marked_uncertain(tmp_path):
     assert peak is not None and peak.tflops == 363.7 and peak.uncertain
 
 
-@pytest.mark.parametrize(("device_name", "precision"), [
-    ("NVIDIA GeForce RTX 4090", "bf16"),  # not in the table
-    ("NVIDIA A10", "bf16"),  # a prefix of "A100" must not match it
-    ("NVIDIA H100 NVL", "bf16"),  # an H100 variant without a figure here must not take the SXM peak
-    ("Ascend910B3", "fp32"),  # known device, no published fp32 figure
-])
+@pytest.mark.parametrize(
+    ("device_name", "precision"),
+    [
+        ("NVIDIA GeForce RTX 4090", "bf16"),  # not in the table
+        ("NVIDIA A10", "bf16"),  # a prefix of "A100" must not match it
+        ("NVIDIA H100 NVL", "bf16"),  # an H100 variant without a figure here must not take the SXM peak
+        ("Ascend910B3", "fp32"),  # known device, no published fp32 figure
+    ],
+)
 def test_unknown_peak_gives_no_mfu(device_name, precision, tmp_path):
     assert table_peak(device_name, precision) is None
     assert DEVICES["cuda"].peak(precision, 1, tmp_path, device_name) is None
@@ -81,8 +87,10 @@ def test_unknown_peak_gives_no_mfu(device_name, precision, tmp_path):
 
 
 def _ranks(step_times: list[list[float]]) -> list[dict]:
-    return [{"rank": r, "step_times": t, "losses": [2.0, 1.0], "peak_memory_bytes": 1, "model_state": {"total": 1}}
-            for r, t in enumerate(step_times)]
+    return [
+        {"rank": r, "step_times": t, "losses": [2.0, 1.0], "peak_memory_bytes": 1, "model_state": {"total": 1}}
+        for r, t in enumerate(step_times)
+    ]
 
 
 def test_mfu_is_achieved_over_peak_with_the_slowest_rank_per_step():

@@ -21,18 +21,37 @@ from parabench.spec import ModelSpec, RopeScaling
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "hidden_size": 32,
-    "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "vocab_size": 320, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-    "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "torch_dtype": "bfloat16",
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_act": "silu",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 320,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "torch_dtype": "bfloat16",
 }
-QWEN2 = {**LLAMA, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "tie_word_embeddings": True,
-         "use_sliding_window": False, "sliding_window": 32}
+QWEN2 = {
+    **LLAMA,
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "tie_word_embeddings": True,
+    "use_sliding_window": False,
+    "sliding_window": 32,
+}
 FAST = ["data.seq_len=32", "run.warmup_steps=0", "run.steps=2"]
 
 
-def write_model(directory: Path, config: dict, dtype=torch.bfloat16, seed: int = 5, shards: int = 0,
-                edit=None) -> dict[str, torch.Tensor]:
+def write_model(
+    directory: Path, config: dict, dtype=torch.bfloat16, seed: int = 5, shards: int = 0, edit=None
+) -> dict[str, torch.Tensor]:
     """config.json plus weights (random, not parabench's own init) as safetensors: one file, or
     ``shards`` files with an index. ``edit(tensors)`` alters them before writing."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -66,10 +85,20 @@ def test_config_json_becomes_the_model(tmp_path):
     (tmp_path / "tiny" / "config.json").write_text(json.dumps(LLAMA))
     for path in (tmp_path / "tiny", tmp_path / "tiny" / "config.json"):  # the directory or the file
         model = from_config(confutil.to_plain(confutil.compose(["+model=hf", f"model.path={path}"]))).model
-        assert model == ModelSpec(name="tiny", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=320, rope_theta=10000.0,
-                                  rms_norm_eps=1e-5, max_position_embeddings=512,
-                                  source=str(tmp_path / "tiny" / "config.json"), weights=None)
+        assert model == ModelSpec(
+            name="tiny",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=320,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=512,
+            source=str(tmp_path / "tiny" / "config.json"),
+            weights=None,
+        )
 
 
 def test_qwen2_llama3_and_mistral_fields_are_mapped(tmp_path):
@@ -77,26 +106,45 @@ def test_qwen2_llama3_and_mistral_fields_are_mapped(tmp_path):
     qwen = from_config(_plain(tmp_path / "q")).model
     assert qwen.qkv_bias and qwen.tie_word_embeddings and qwen.sliding_window is None
     assert qwen.weights == str(tmp_path / "q" / "model.safetensors")
-    assert "model.layers.1.self_attn.k_proj.bias" in qwen.parameter_shapes() and "lm_head.weight" not in qwen.parameter_shapes()
+    assert (
+        "model.layers.1.self_attn.k_proj.bias" in qwen.parameter_shapes()
+        and "lm_head.weight" not in qwen.parameter_shapes()
+    )
 
-    rope = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64}
+    rope = {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     (tmp_path / "l3").mkdir()
     (tmp_path / "l3" / "config.json").write_text(json.dumps({**LLAMA, "rope_scaling": rope, "head_dim": 8}))
     assert from_config(_plain(tmp_path / "l3")).model.rope_scaling == RopeScaling(**rope)
 
     (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "config.json").write_text(json.dumps({**LLAMA, "architectures": ["MistralForCausalLM"],
-                                                            "sliding_window": 16}))
+    (tmp_path / "m" / "config.json").write_text(
+        json.dumps({**LLAMA, "architectures": ["MistralForCausalLM"], "sliding_window": 16})
+    )
     assert from_config(_plain(tmp_path / "m", extra=("data.seq_len=16",))).model.sliding_window == 16
     with pytest.raises(SpecError, match="model.sliding_window=16"):
         from_config(_plain(tmp_path / "m", extra=("data.seq_len=32",)))
 
 
 def test_llama3_rope_scaling_follows_the_reference_formula():
-    rs = RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
-    spec = ModelSpec(name="t", hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                     num_key_value_heads=2, vocab_size=300, rope_scaling=rs)
+    rs = RopeScaling(
+        "llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
+    )
+    spec = ModelSpec(
+        name="t",
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=300,
+        rope_scaling=rs,
+    )
     cos, sin = rope_tables(spec, 2, "cpu")
     freqs = torch.atan2(sin[1, :16].double(), cos[1, :16].double())  # position 1: angle = inv_freq (all < pi)
     base = 1.0 / 10000.0 ** (torch.arange(0, 32, 2, dtype=torch.float64) / 32)
@@ -141,7 +189,9 @@ def test_qkv_bias_model_runs_forward_and_backward(tmp_path):
     write_model(tmp_path / "q", QWEN2)
     spec = from_config(_plain(tmp_path / "q")).model
     model = build_llama(spec, seed=0)
-    assert model.model.layers[0].self_attn.q_proj.bias is not None and model.model.layers[0].self_attn.o_proj.bias is None
+    assert (
+        model.model.layers[0].self_attn.q_proj.bias is not None and model.model.layers[0].self_attn.o_proj.bias is None
+    )
     logits = model(torch.randint(0, 320, (2, 16)))
     logits.float().mean().backward()
     assert logits.shape == (2, 16, 320) and model.model.layers[0].self_attn.v_proj.bias.grad is not None
@@ -171,11 +221,15 @@ def _drop(name):
 
 
 REFUSED_WEIGHTS = {
-    "shape mismatch": (lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(65, 32)}),
-                       "model.layers.0.mlp.up_proj.weight in model.safetensors has shape [65, 32]"),
+    "shape mismatch": (
+        lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(65, 32)}),
+        "model.layers.0.mlp.up_proj.weight in model.safetensors has shape [65, 32]",
+    ),
     "missing tensor": (_drop("model.layers.1.self_attn.k_proj.weight"), "lacks model.layers.1.self_attn.k_proj.weight"),
-    "unexpected tensor": (lambda t: t.update({"model.layers.0.self_attn.o_proj.bias": torch.zeros(32)}),
-                          "model.layers.0.self_attn.o_proj.bias"),
+    "unexpected tensor": (
+        lambda t: t.update({"model.layers.0.self_attn.o_proj.bias": torch.zeros(32)}),
+        "model.layers.0.self_attn.o_proj.bias",
+    ),
     "integer dtype": (lambda t: t.update({"model.norm.weight": torch.ones(32, dtype=torch.int8)}), "I8"),
 }
 
@@ -191,8 +245,9 @@ def test_backends_without_a_model_feature_refuse_it(tmp_path, capsys):
     (tmp_path / "q").mkdir()
     (tmp_path / "q" / "config.json").write_text(json.dumps(QWEN2))
     for backend in ("megatron", "mindspore"):
-        assert_refused_before_launch(["+model=hf", f"model.path={tmp_path / 'q'}", f"backend={backend}"],
-                                     "model.qkv_bias", tmp_path, capsys)
+        assert_refused_before_launch(
+            ["+model=hf", f"model.path={tmp_path / 'q'}", f"backend={backend}"], "model.qkv_bias", tmp_path, capsys
+        )
     assert_refused_before_launch(["+model=llama3.2-1b", "backend=megatron"], "model.rope_scaling", tmp_path, capsys)
 
 
@@ -237,8 +292,10 @@ def test_sharded_and_other_framework_backends_start_from_the_checkpoint(tmp_path
     if module:
         pytest.importorskip(module)
     write_model(tmp_path / "tiny-llama", LLAMA)
-    proc = bench(["run", "+model=hf", f"model.path={tmp_path / 'tiny-llama'}", *FAST, *overrides,
-                  "tracking.enabled=false"], results)
+    proc = bench(
+        ["run", "+model=hf", f"model.path={tmp_path / 'tiny-llama'}", *FAST, *overrides, "tracking.enabled=false"],
+        results,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     spec = from_config(_plain(tmp_path / "tiny-llama")).model
     (summary,) = summaries(results).values()

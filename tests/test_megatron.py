@@ -22,13 +22,21 @@ INVALID = {
     "layers not divisible by pp": (M + ["backend.pp=3", "launcher.nproc_per_node=3"], "backend.pp"),
     "world not divisible by tp x pp x cp": (M + ["backend.tp=2", "launcher.nproc_per_node=3"], "backend.tp"),
     "sequence parallel without tp": (M + ["backend.sequence_parallel=true"], "backend.sequence_parallel"),
-    "interleaving without enough layers": (M + ["backend.pp=2", "backend.vpp=4", "launcher.nproc_per_node=2"], "backend.vpp"),
+    "interleaving without enough layers": (
+        M + ["backend.pp=2", "backend.vpp=4", "launcher.nproc_per_node=2"],
+        "backend.vpp",
+    ),
     "interleaving without pipeline": (M + ["backend.vpp=2"], "backend.vpp"),
     "context parallel on cpu": (M + ["backend.cp=2", "launcher.nproc_per_node=2"], "backend.cp"),
     "micro-batch count inconsistent": (M + ["backend.num_microbatches=4"], "backend.num_microbatches"),
-    "param gather overlap without distributed optimizer": (M + ["backend.overlap_param_gather=true"], "backend.overlap_param_gather"),
+    "param gather overlap without distributed optimizer": (
+        M + ["backend.overlap_param_gather=true"],
+        "backend.overlap_param_gather",
+    ),
     "interleaving with micro-batches not a multiple of pp": (
-        M + ["backend.pp=2", "backend.vpp=2", "launcher.nproc_per_node=2", "data.global_batch_size=6"], "backend.vpp"),
+        M + ["backend.pp=2", "backend.vpp=2", "launcher.nproc_per_node=2", "data.global_batch_size=6"],
+        "backend.vpp",
+    ),
     "transformer engine on cpu": (M + ["backend.transformer_impl=transformer_engine"], "backend.transformer_impl"),
     "key of another backend": (M + ["+backend.zero_stage=2"], "backend.zero_stage"),
 }
@@ -110,18 +118,27 @@ def test_engine_in_process_matches_the_canonical_model(tmp_path):
     from parabench.model import build_llama, canonical_weights, causal_lm_loss, weights_checksum
     from parabench.spec import resolve_device
 
-    job = resolve_device(from_config(to_plain(compose(M + ["data.seq_len=32", "data.global_batch_size=4", "model.num_hidden_layers=2"]))), "cpu")
+    job = resolve_device(
+        from_config(
+            to_plain(compose(M + ["data.seq_len=32", "data.global_batch_size=4", "model.num_hidden_layers=2"]))
+        ),
+        "cpu",
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60)
+    )
     apply_before = torch.autograd.function.BackwardCFunction.apply
     try:
-        engine = MegatronAdapter.create_engine(WorkerContext(job=job, rank=0, world_size=1, local_rank=0,
-                                                             device=DEVICES["cpu"](0), run_dir=tmp_path))
+        engine = MegatronAdapter.create_engine(
+            WorkerContext(job=job, rank=0, world_size=1, local_rank=0, device=DEVICES["cpu"](0), run_dir=tmp_path)
+        )
         try:
-            assert weights_checksum(engine.full_state_dict()) == weights_checksum(canonical_weights(job.model, job.run.seed))
+            assert weights_checksum(engine.full_state_dict()) == weights_checksum(
+                canonical_weights(job.model, job.run.seed)
+            )
             assert engine.data_parallel() == (0, 1)
             ref = build_llama(job.model, seed=job.run.seed)
             opt = make_adamw(list(ref.named_parameters()), job.optim)
@@ -168,7 +185,9 @@ def test_expected_model_state_formulas():
     m = j.model
     norms = (2 * m.num_hidden_layers + 1) * m.hidden_size
     assert sum(counts.values()) == psi + norms  # only the norms are replicated over TP
-    assert counts[(0, 0)] == counts[(0, 1)] and counts[(1, 0)] > counts[(0, 0)]  # the last stage holds the norm + lm_head
+    assert (
+        counts[(0, 0)] == counts[(0, 1)] and counts[(1, 0)] > counts[(0, 0)]
+    )  # the last stage holds the norm + lm_head
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,8 +199,16 @@ RUNS = {
     "ddp": (2, ["backend=ddp"], ["ddp"]),
     "tp2": (2, ["backend=megatron", "backend.tp=2", "backend.sequence_parallel=false,true"], ["tp2", "tp2-sp"]),
     "pp2": (2, ["backend=megatron", "backend.pp=2", "backend.vpp=1,2"], ["pp2", "pp2-vpp2"]),  # 4 micro-batches
-    "dp2": (2, ["backend=megatron", "backend.distributed_optimizer=true", "backend.overlap_grad_reduce=true",
-                "backend.overlap_param_gather=true"], ["dp2-distopt"]),
+    "dp2": (
+        2,
+        [
+            "backend=megatron",
+            "backend.distributed_optimizer=true",
+            "backend.overlap_grad_reduce=true",
+            "backend.overlap_param_gather=true",
+        ],
+        ["dp2-distopt"],
+    ),
     "tp2pp2": (4, ["backend=megatron", "backend.tp=2", "backend.pp=2"], ["tp2pp2"]),  # 4 ranks, oversubscribed
 }
 CONFIGS = [label for name, (_, _, labels) in RUNS.items() if name != "ddp" for label in labels]
@@ -193,7 +220,9 @@ def e2e(tmp_path_factory):
     for name, (world, overrides, labels) in RUNS.items():
         results = tmp_path_factory.mktemp(name)
         multi = len(labels) > 1
-        proc = bench(["run", *(["-m"] if multi else []), *COMMON, *overrides, f"launcher.nproc_per_node={world}"], results)
+        proc = bench(
+            ["run", *(["-m"] if multi else []), *COMMON, *overrides, f"launcher.nproc_per_node={world}"], results
+        )
         assert proc.returncode == 0, (name, proc.stderr[-4000:])
         jobs = summaries(results)  # run-dir name -> summary; sweep dirs are numbered in sweep order
         assert len(jobs) == len(labels), sorted(jobs)

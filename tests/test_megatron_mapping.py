@@ -18,16 +18,40 @@ from parabench.model import canonical_weights
 from parabench.spec import ModelSpec
 
 # GQA: 8 query heads in 4 groups (2 per group), head_dim 4; 4 layers so pp x vpp = 4 divides them.
-GQA = ModelSpec(name="t", hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=8,
-                num_key_value_heads=4, vocab_size=64)
-MHA = ModelSpec(name="t", hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-                num_key_value_heads=4, vocab_size=64)
+GQA = ModelSpec(
+    name="t",
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=64,
+)
+MHA = ModelSpec(
+    name="t",
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    vocab_size=64,
+)
 
-LAYOUTS = [Layout(1, 1, 1), Layout(2, 1, 1), Layout(1, 2, 1), Layout(2, 2, 1), Layout(1, 2, 2), Layout(2, 2, 2),
-           Layout(4, 1, 1), Layout(2, 2, 1, te_names=True)]
+LAYOUTS = [
+    Layout(1, 1, 1),
+    Layout(2, 1, 1),
+    Layout(1, 2, 1),
+    Layout(2, 2, 1),
+    Layout(1, 2, 2),
+    Layout(2, 2, 2),
+    Layout(4, 1, 1),
+    Layout(2, 2, 1, te_names=True),
+]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: f"tp{lay.tp}-pp{lay.pp}-vpp{lay.vpp}{'-te' if lay.te_names else ''}")
+@pytest.mark.parametrize(
+    "layout", LAYOUTS, ids=lambda lay: f"tp{lay.tp}-pp{lay.pp}-vpp{lay.vpp}{'-te' if lay.te_names else ''}"
+)
 @pytest.mark.parametrize("spec", [GQA, MHA], ids=["gqa", "mha"])
 def test_round_trip_is_lossless(spec, layout):
     canonical = canonical_weights(spec, seed=7)
@@ -72,10 +96,10 @@ def test_fused_qkv_is_grouped_per_query_group():
     qkv = fuse_qkv(q, k, v, GQA)
     block = (2 + 2) * d  # per group: 2 query heads, then k, then v
     for g in range(GQA.num_key_value_heads):
-        rows = qkv[g * block:(g + 1) * block]
-        assert np.array_equal(rows[:2 * d], q[2 * g * d:(2 * g + 2) * d])  # query heads 2g, 2g+1 use kv head g
-        assert np.array_equal(rows[2 * d:3 * d], k[g * d:(g + 1) * d])
-        assert np.array_equal(rows[3 * d:], v[g * d:(g + 1) * d])
+        rows = qkv[g * block : (g + 1) * block]
+        assert np.array_equal(rows[: 2 * d], q[2 * g * d : (2 * g + 2) * d])  # query heads 2g, 2g+1 use kv head g
+        assert np.array_equal(rows[2 * d : 3 * d], k[g * d : (g + 1) * d])
+        assert np.array_equal(rows[3 * d :], v[g * d : (g + 1) * d])
     assert all(np.array_equal(a, b) for a, b in zip(split_qkv(qkv, GQA), (q, k, v), strict=True))
 
 
@@ -88,14 +112,18 @@ def test_tensor_rank_shards():
     fc1 = r1["decoder.layers.0.mlp.linear_fc1.weight"]
     assert np.array_equal(fc1[:inter], w["model.layers.0.mlp.gate_proj.weight"][inter:])
     assert np.array_equal(fc1[inter:], w["model.layers.0.mlp.up_proj.weight"][inter:])
-    assert np.array_equal(r1["decoder.layers.0.mlp.linear_fc2.weight"], w["model.layers.0.mlp.down_proj.weight"][:, inter:])
-    assert np.array_equal(r1["decoder.layers.0.self_attention.linear_proj.weight"], w["model.layers.0.self_attn.o_proj.weight"][:, 16:])
+    assert np.array_equal(
+        r1["decoder.layers.0.mlp.linear_fc2.weight"], w["model.layers.0.mlp.down_proj.weight"][:, inter:]
+    )
+    assert np.array_equal(
+        r1["decoder.layers.0.self_attention.linear_proj.weight"], w["model.layers.0.self_attn.o_proj.weight"][:, 16:]
+    )
     assert np.array_equal(r1["embedding.word_embeddings.weight"], w["model.embed_tokens.weight"][vocab:])
     assert np.array_equal(r1["output_layer.weight"], w["lm_head.weight"][vocab:])
     # rank 1 holds query groups 2 and 3 with their key/value heads: the second half of the fused rows
     c = "model.layers.0.self_attn."
     full = fuse_qkv(w[c + "q_proj.weight"], w[c + "k_proj.weight"], w[c + "v_proj.weight"], GQA)
-    assert np.array_equal(r1["decoder.layers.0.self_attention.linear_qkv.weight"], full[full.shape[0] // 2:])
+    assert np.array_equal(r1["decoder.layers.0.self_attention.linear_qkv.weight"], full[full.shape[0] // 2 :])
 
 
 def test_layouts_that_cannot_shard_are_refused():

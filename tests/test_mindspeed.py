@@ -13,18 +13,47 @@ from conftest import REPO, assert_refused_before_launch
 GOLDEN = REPO / "tests" / "golden"
 ENV = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
 BUNDLES = {
-    "mindspeed_1x8": ["+model=llama2-7b", "launcher.nproc_per_node=8", "backend.tp=8", "backend.distributed_optimizer=true",
-                      "run.precision=bf16", "data.seq_len=4096", "data.global_batch_size=64", "data.micro_batch_size=1"],
-    "mindspeed_2x8": ["+model=llama2-13b", "launcher.nnodes=2", "launcher.nproc_per_node=8", "launcher.master_addr=node0",
-                      "launcher.master_port=6000", "backend.tp=8", "backend.pp=2", "backend.sequence_parallel=true",
-                      "backend.distributed_optimizer=true", "backend.use_flash_attn=true", "run.precision=bf16",
-                      "data.seq_len=4096", "data.global_batch_size=32", "data.micro_batch_size=1"],
+    "mindspeed_1x8": [
+        "+model=llama2-7b",
+        "launcher.nproc_per_node=8",
+        "backend.tp=8",
+        "backend.distributed_optimizer=true",
+        "run.precision=bf16",
+        "data.seq_len=4096",
+        "data.global_batch_size=64",
+        "data.micro_batch_size=1",
+    ],
+    "mindspeed_2x8": [
+        "+model=llama2-13b",
+        "launcher.nnodes=2",
+        "launcher.nproc_per_node=8",
+        "launcher.master_addr=node0",
+        "launcher.master_port=6000",
+        "backend.tp=8",
+        "backend.pp=2",
+        "backend.sequence_parallel=true",
+        "backend.distributed_optimizer=true",
+        "backend.use_flash_attn=true",
+        "run.precision=bf16",
+        "data.seq_len=4096",
+        "data.global_batch_size=32",
+        "data.micro_batch_size=1",
+    ],
 }
 
 
 def dry_run(name: str, out: Path) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "parabench", "run", "backend=mindspeed", "launcher.dry_run=true", *BUNDLES[name],
-            f"hydra.run.dir={out}", f"run.results_dir={out.parent / 'results'}"]
+    args = [
+        sys.executable,
+        "-m",
+        "parabench",
+        "run",
+        "backend=mindspeed",
+        "launcher.dry_run=true",
+        *BUNDLES[name],
+        f"hydra.run.dir={out}",
+        f"run.results_dir={out.parent / 'results'}",
+    ]
     return subprocess.run(args, capture_output=True, text=True, env=ENV, cwd=out.parent)
 
 
@@ -35,21 +64,44 @@ def test_launch_bundle_matches_golden(name, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert str(out / "launch.sh") in proc.stdout
     for file in ("launch.sh", "mindspeed_args.txt"):
-        assert (out / file).read_text() == (GOLDEN / name / file).read_text(), f"{name}/{file} differs from the golden copy"
+        assert (out / file).read_text() == (GOLDEN / name / file).read_text(), (
+            f"{name}/{file} differs from the golden copy"
+        )
     spec = json.loads((out / "spec.json").read_text())
     assert spec["device"]["type"] == "npu" and spec["backend"]["name"] == "mindspeed"
     assert not (tmp_path / "results" / "mlflow.db").exists()  # a dry run records nothing
 
 
 def test_run_without_npu_is_refused_with_pointer_to_dry_run(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "parabench", "run", "+model=llama", "backend=mindspeed", "device=npu",
-                           f"run.results_dir={tmp_path}"], capture_output=True, text=True, env=ENV, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "parabench",
+            "run",
+            "+model=llama",
+            "backend=mindspeed",
+            "device=npu",
+            f"run.results_dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2
     err = proc.stderr.strip()
     assert len(err.splitlines()) == 1 and "torch_npu is not installed" in err and "launcher.dry_run=true" in err
-    proc = subprocess.run([sys.executable, "-m", "parabench", "run", "+model=llama", "backend=mindspeed",
-                           f"run.results_dir={tmp_path}"], capture_output=True, text=True, env=ENV, cwd=tmp_path)
-    assert proc.returncode == 2 and "torch_npu is not installed" in proc.stderr and "launcher.dry_run=true" in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "parabench", "run", "+model=llama", "backend=mindspeed", f"run.results_dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=tmp_path,
+    )
+    assert (
+        proc.returncode == 2 and "torch_npu is not installed" in proc.stderr and "launcher.dry_run=true" in proc.stderr
+    )
 
 
 def _fake_site(root: Path, cann: bool, mindspeed: bool) -> dict[str, str]:
@@ -57,7 +109,9 @@ def _fake_site(root: Path, cann: bool, mindspeed: bool) -> dict[str, str]:
     (root / "torch_npu").mkdir(parents=True)
     (root / "torch_npu" / "__init__.py").write_text("raise ImportError('libhccl.so: cannot open shared object file')\n")
     (root / "torch_npu-2.13.0.dist-info").mkdir()
-    (root / "torch_npu-2.13.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: torch-npu\nVersion: 2.13.0\n")
+    (root / "torch_npu-2.13.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: torch-npu\nVersion: 2.13.0\n"
+    )
     env = {"PYTHONPATH": str(root), "LD_LIBRARY_PATH": "", "ASCEND_HOME_PATH": str(root / "ascend")}
     if cann:
         (root / "ascend" / "lib64").mkdir(parents=True)
@@ -66,13 +120,20 @@ def _fake_site(root: Path, cann: bool, mindspeed: bool) -> dict[str, str]:
         (root / "mindspeed").mkdir()
         (root / "mindspeed" / "__init__.py").write_text("")
         (root / "mindspeed-26.0.0.dist-info").mkdir()
-        (root / "mindspeed-26.0.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: mindspeed\nVersion: 26.0.0\n")
+        (root / "mindspeed-26.0.0.dist-info" / "METADATA").write_text(
+            "Metadata-Version: 2.1\nName: mindspeed\nVersion: 26.0.0\n"
+        )
     return env
 
 
 def _reason(extra_env: dict[str, str]) -> str:
-    out = subprocess.run([sys.executable, "-m", "parabench", "env", "--json"], capture_output=True, text=True,
-                         env={**ENV, **extra_env}, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "parabench", "env", "--json"],
+        capture_output=True,
+        text=True,
+        env={**ENV, **extra_env},
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     backend = json.loads(out.stdout)["backends"]["mindspeed"]
     assert backend["available"] is False
@@ -99,15 +160,20 @@ def test_version_matrix_is_data_with_sources():
     assert "not known to work together" in check_matrix(bad) and "torch-npu 2.13.0" in check_matrix(bad)
 
 
-@pytest.mark.parametrize("overrides,key", [
-    (["backend.tp=3"], "backend.tp"),
-    (["backend.optimization_level=5"], "backend.optimization_level"),
-    (["backend.reuse_fp32_param=true"], "backend.reuse_fp32_param"),
-    (["backend.cp=2", "launcher.nproc_per_node=2", "data.seq_len=6"], "backend.cp"),
-])
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["backend.tp=3"], "backend.tp"),
+        (["backend.optimization_level=5"], "backend.optimization_level"),
+        (["backend.reuse_fp32_param=true"], "backend.reuse_fp32_param"),
+        (["backend.cp=2", "launcher.nproc_per_node=2", "data.seq_len=6"], "backend.cp"),
+    ],
+)
 def test_invalid_mindspeed_settings_refused(overrides, key, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert_refused_before_launch(["+model=llama", "backend=mindspeed", "launcher.dry_run=true", *overrides], key, tmp_path, capsys)
+    assert_refused_before_launch(
+        ["+model=llama", "backend=mindspeed", "launcher.dry_run=true", *overrides], key, tmp_path, capsys
+    )
 
 
 def test_mindspeed_switches_travel_on_the_worker_command_line(tmp_path):
@@ -120,9 +186,11 @@ def test_mindspeed_switches_travel_on_the_worker_command_line(tmp_path):
     from parabench.jobs import from_config
     from parabench.launchers import Torchrun
 
-    job = from_config(to_plain(compose(["+model=llama", "backend=mindspeed", "launcher.nproc_per_node=2", "backend.tp=2"])))
+    job = from_config(
+        to_plain(compose(["+model=llama", "backend=mindspeed", "launcher.nproc_per_node=2", "backend.tp=2"]))
+    )
     cmd = Torchrun.command(job, 29500, str(tmp_path))
-    assert cmd[cmd.index(str(tmp_path)) + 1:] == mindspeed_argv(job) and "--tensor-model-parallel-size=2" in cmd
+    assert cmd[cmd.index(str(tmp_path)) + 1 :] == mindspeed_argv(job) and "--tensor-model-parallel-size=2" in cmd
     ctx = WorkerContext(job=job, rank=0, world_size=1, local_rank=0, device=DEVICES["cpu"](0), run_dir=tmp_path)
     with pytest.raises(RuntimeError, match="sys.argv"):
         MindSpeedAdapter.create_engine(ctx)

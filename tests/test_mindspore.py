@@ -32,8 +32,10 @@ def test_adamw_matches_torch_adamw_on_a_tiny_tensor():
     rng = np.random.default_rng(0)
     w0, b0 = rng.standard_normal((4, 3)).astype(np.float32), rng.standard_normal(3).astype(np.float32)
     # Gradients of very different scales: small ones make eps and the bias correction matter.
-    steps = [(rng.standard_normal((4, 3)).astype(np.float32) * s, rng.standard_normal(3).astype(np.float32) * s)
-             for s in (1.0, 1e-3, 10.0, 1e-6, 1.0, 0.1)]
+    steps = [
+        (rng.standard_normal((4, 3)).astype(np.float32) * s, rng.standard_normal(3).astype(np.float32) * s)
+        for s in (1.0, 1e-3, 10.0, 1e-6, 1.0, 0.1)
+    ]
 
     tw, tb = torch.nn.Parameter(torch.tensor(w0)), torch.nn.Parameter(torch.tensor(b0))
     from parabench.adapters.torch_common import make_adamw
@@ -69,7 +71,7 @@ def test_step_scalars_fold_the_bias_correction():
     spec = OptimSpec(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     opt = cells.AdamW(ms.ParameterTuple([ms.Parameter(ms.Tensor(np.zeros((2, 2), np.float32)), name="p")]), spec)
     lr, eps, wd = opt.step_scalars(3)
-    bc1, bc2 = 1 - 0.9 ** 3, 1 - 0.95 ** 3
+    bc1, bc2 = 1 - 0.9**3, 1 - 0.95**3
     assert math.isclose(lr, 1e-3 * math.sqrt(bc2) / bc1) and math.isclose(eps, 1e-8 * math.sqrt(bc2))
     assert math.isclose(lr * wd, 1e-3 * 0.1)  # decoupled decay: p *= 1 - lr * wd, as torch
 
@@ -97,8 +99,9 @@ def test_pynative_needs_numpy_below_2(tmp_path, capsys, monkeypatch):
     if int(np.__version__.split(".")[0]) < 2:
         pytest.skip("numpy<2 here: PyNative is allowed")
     monkeypatch.chdir(tmp_path)
-    err = assert_refused_before_launch(["+model=llama", "backend=mindspore", "backend.mode=pynative"], "backend.mode",
-                                       tmp_path, capsys)
+    err = assert_refused_before_launch(
+        ["+model=llama", "backend=mindspore", "backend.mode=pynative"], "backend.mode", tmp_path, capsys
+    )
     assert "numpy<2" in err, err
 
 
@@ -106,9 +109,21 @@ def test_msrun_command_and_coordinates(monkeypatch):
     from parabench.jobs import from_config
     from parabench.launchers import Msrun, get_launcher
 
-    job = from_config({"model": {"name": "t", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
-                                 "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 32},
-                       "backend": {"name": "mindspore"}, "launcher": {"nproc_per_node": 2}})
+    job = from_config(
+        {
+            "model": {
+                "name": "t",
+                "hidden_size": 8,
+                "intermediate_size": 16,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 2,
+                "vocab_size": 32,
+            },
+            "backend": {"name": "mindspore"},
+            "launcher": {"nproc_per_node": 2},
+        }
+    )
     from parabench.adapters.registry import get_adapter
 
     assert get_launcher(get_adapter("mindspore").capabilities.launcher) is Msrun
@@ -135,8 +150,9 @@ def sweeps(tmp_path_factory):
     out = {}
     for world in (1, 2):
         results = tmp_path_factory.mktemp(f"ms_w{world}")
-        proc = bench(["run", "-m", *FAST, "backend=ddp,mindspore", "run.steps=11", f"launcher.nproc_per_node={world}"],
-                     results)
+        proc = bench(
+            ["run", "-m", *FAST, "backend=ddp,mindspore", "run.steps=11", f"launcher.nproc_per_node={world}"], results
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         out[world] = (results, {s["backend"]: s for s in summaries(results).values()})
     return out
@@ -175,7 +191,14 @@ def test_model_states_and_metrics_are_recorded(sweeps):
     run = runs[runs["tags.backend"] == "mindspore"].iloc[0]
     assert run["status"] == "FINISHED" and run["tags.world_size"] == "2"
     assert run["tags.version.mindspore"] == ms.__version__
-    for metric in ("tokens_per_s", "step_time_median_s", "mfu", "peak_tflops_per_device", "peak_memory_bytes_max",
-                   "model_state_bytes_max", "loss"):
+    for metric in (
+        "tokens_per_s",
+        "step_time_median_s",
+        "mfu",
+        "peak_tflops_per_device",
+        "peak_memory_bytes_max",
+        "model_state_bytes_max",
+        "loss",
+    ):
         assert run[f"metrics.{metric}"] > 0, metric
     assert "measured" in run["tags.peak_source"]  # the CPU's own GEMM peak, never an NPU figure

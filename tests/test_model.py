@@ -4,8 +4,15 @@ import torch
 from parabench.model import build_llama, canonical_weight, canonical_weights, weights_checksum
 from parabench.spec import ModelSpec
 
-TINY = ModelSpec(name="tiny", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=300)
+TINY = ModelSpec(
+    name="tiny",
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=300,
+)
 
 
 def test_parameter_names_are_hugging_face_names_and_count_matches():
@@ -13,7 +20,10 @@ def test_parameter_names_are_hugging_face_names_and_count_matches():
     names = {n: tuple(p.shape) for n, p in model.named_parameters()}
     assert names == TINY.parameter_shapes()
     assert sum(p.numel() for p in model.parameters()) == TINY.num_params()
-    assert "model.layers.1.self_attn.k_proj.weight" in names and names["model.layers.1.self_attn.k_proj.weight"] == (16, 32)
+    assert "model.layers.1.self_attn.k_proj.weight" in names and names["model.layers.1.self_attn.k_proj.weight"] == (
+        16,
+        32,
+    )
 
 
 def test_llama_preset_is_about_20m_parameters():

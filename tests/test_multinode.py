@@ -13,19 +13,47 @@ def job(*overrides):
 
 
 def test_static_rendezvous_two_nodes():
-    j = job("launcher.nnodes=2", "launcher.nproc_per_node=8", "launcher.node_rank=1", "launcher.master_addr=10.0.0.1",
-            "launcher.master_port=29500", "data.global_batch_size=16", "data.micro_batch_size=1")
+    j = job(
+        "launcher.nnodes=2",
+        "launcher.nproc_per_node=8",
+        "launcher.node_rank=1",
+        "launcher.master_addr=10.0.0.1",
+        "launcher.master_port=29500",
+        "data.global_batch_size=16",
+        "data.micro_batch_size=1",
+    )
     cmd = Torchrun.command(j, 29500, "/shared/run", python="python")
-    assert cmd == ["python", "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=8", "--max-restarts=0",
-                   "--master-port=29500", "--node-rank=1", "--master-addr=10.0.0.1", "-m", "parabench.worker", "/shared/run"]
+    assert cmd == [
+        "python",
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc-per-node=8",
+        "--max-restarts=0",
+        "--master-port=29500",
+        "--node-rank=1",
+        "--master-addr=10.0.0.1",
+        "-m",
+        "parabench.worker",
+        "/shared/run",
+    ]
     assert Torchrun.bundle_command(j, 29500) == (
         'torchrun --nnodes=2 --nproc-per-node=8 --max-restarts=0 --master-port=29500 --node-rank="${NODE_RANK:-1}" '
-        '--master-addr="${MASTER_ADDR:-10.0.0.1}" -m parabench.worker "$RUN_DIR"')
+        '--master-addr="${MASTER_ADDR:-10.0.0.1}" -m parabench.worker "$RUN_DIR"'
+    )
 
 
 def test_c10d_rendezvous():
-    j = job("launcher.nnodes=4", "launcher.nproc_per_node=8", "launcher.rdzv_backend=c10d", "launcher.rdzv_id=job42",
-            "launcher.master_addr=head", "launcher.master_port=29400", "data.global_batch_size=32", "data.micro_batch_size=1")
+    j = job(
+        "launcher.nnodes=4",
+        "launcher.nproc_per_node=8",
+        "launcher.rdzv_backend=c10d",
+        "launcher.rdzv_id=job42",
+        "launcher.master_addr=head",
+        "launcher.master_port=29400",
+        "data.global_batch_size=32",
+        "data.micro_batch_size=1",
+    )
     cmd = Torchrun.command(j, 29400, "/r", python="python")
     assert "--rdzv-backend=c10d" in cmd and "--rdzv-id=job42" in cmd and "--rdzv-endpoint=head:29400" in cmd
     assert not any(a.startswith("--node-rank") for a in cmd)
@@ -43,16 +71,37 @@ def test_slurm_placement_fills_node_rank_and_master(monkeypatch):
         slurm_placement({})
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    j = prepare(to_plain(compose(["+model=llama", "launcher.slurm=true", "launcher.master_port=29500",
-                                  "launcher.nproc_per_node=1", "data.global_batch_size=4", "data.micro_batch_size=2"])))
+    j = prepare(
+        to_plain(
+            compose(
+                [
+                    "+model=llama",
+                    "launcher.slurm=true",
+                    "launcher.master_port=29500",
+                    "launcher.nproc_per_node=1",
+                    "data.global_batch_size=4",
+                    "data.micro_batch_size=2",
+                ]
+            )
+        )
+    )
     assert (j.launch.nnodes, j.launch.node_rank, j.launch.master_addr) == (2, 1, "gpu10")
     assert j.parallel.world_size == 2
 
 
 def test_submitit_slurm_preset_composes_one_task_per_node():
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    cfg = compose(["+model=llama", "hydra/launcher=slurm_torchrun", "launcher.nnodes=2", "launcher.nproc_per_node=8",
-                   "launcher.slurm=true", "launcher.master_port=29500"], return_hydra_config=True)
+    cfg = compose(
+        [
+            "+model=llama",
+            "hydra/launcher=slurm_torchrun",
+            "launcher.nnodes=2",
+            "launcher.nproc_per_node=8",
+            "launcher.slurm=true",
+            "launcher.master_port=29500",
+        ],
+        return_hydra_config=True,
+    )
     from omegaconf import OmegaConf
 
     launcher = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)

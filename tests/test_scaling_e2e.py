@@ -14,7 +14,18 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def scaling(tmp_path_factory):
     results = tmp_path_factory.mktemp("scaling")
-    proc = bench(["run", "-m", "+experiment=scaling_cpu", "backend=ddp,fsdp", "run.steps=2", "run.warmup_steps=0", "data.seq_len=32"], results)
+    proc = bench(
+        [
+            "run",
+            "-m",
+            "+experiment=scaling_cpu",
+            "backend=ddp,fsdp",
+            "run.steps=2",
+            "run.warmup_steps=0",
+            "data.seq_len=32",
+        ],
+        results,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return results
 
@@ -33,13 +44,30 @@ def test_parent_run_logs_efficiencies(scaling):
         assert parent[f"metrics.efficiency/{backend}/N2_min"] == pytest.approx(tps["2"].min() / (2 * tps["1"].max()))
         assert parent[f"metrics.efficiency/{backend}/N2_max"] == pytest.approx(tps["2"].max() / (2 * tps["1"].min()))
     # weak scaling: the global batch follows the world size
-    assert set(zip(children["tags.world_size"], children["params.data.global_batch_size"], strict=True)) == {("1", "2"), ("2", "4")}
+    assert set(zip(children["tags.world_size"], children["params.data.global_batch_size"], strict=True)) == {
+        ("1", "2"),
+        ("2", "4"),
+    }
 
 
 def test_compare_report_matches_mlflow_and_renders(scaling, tmp_path):
     out = tmp_path / "report"
-    proc = bench(["compare", "--experiment", "scaling_cpu", "--baseline", "backend=ddp", "--format", "table",
-                  "--tracking-uri", f"sqlite:///{scaling / 'mlflow.db'}", "--out", str(out)], scaling)
+    proc = bench(
+        [
+            "compare",
+            "--experiment",
+            "scaling_cpu",
+            "--baseline",
+            "backend=ddp",
+            "--format",
+            "table",
+            "--tracking-uri",
+            f"sqlite:///{scaling / 'mlflow.db'}",
+            "--out",
+            str(out),
+        ],
+        scaling,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "ddp" in proc.stdout and "fsdp" in proc.stdout and "weak" in proc.stdout
     page = (out / "report.html").read_text()
@@ -57,14 +85,27 @@ def test_compare_report_matches_mlflow_and_renders(scaling, tmp_path):
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         pytest.skip("chromium not installed (.ci/run installs it)")
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-             "--disable-component-update", "--disable-sync", f"--user-data-dir={tmp_path / 'chrome'}"]
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'chrome'}",
+    ]
     shot = tmp_path / "report.png"
-    subprocess.run([chromium, *flags, f"--screenshot={shot}", "--window-size=1400,2000", (out / "report.html").as_uri()],
-                   capture_output=True, timeout=120)
+    subprocess.run(
+        [chromium, *flags, f"--screenshot={shot}", "--window-size=1400,2000", (out / "report.html").as_uri()],
+        capture_output=True,
+        timeout=120,
+    )
     assert shot.exists() and shot.stat().st_size > 10_000
-    dom = subprocess.run([chromium, *flags, "--dump-dom", (out / "report.html").as_uri()], capture_output=True, text=True,
-                         timeout=120).stdout
+    dom = subprocess.run(
+        [chromium, *flags, "--dump-dom", (out / "report.html").as_uri()], capture_output=True, text=True, timeout=120
+    ).stdout
     for plot in ("throughput-0", "efficiency-0", "memory-0", "loss-0"):
         assert f'id="{plot}"' in dom
     assert "Scaling efficiency vs devices" in dom and "polyline" in dom

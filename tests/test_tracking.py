@@ -26,7 +26,9 @@ def test_launch_bundle_never_carries_secrets(tmp_path):
     env = {**plain_env, "HF_TOKEN": "s3cret-hf", "MY_API_KEY": "s3cret-key", "DB_PASSWORD": "s3cret-pw"}
     text = write_bundle(job, tmp_path, env, 29500).read_text()
     assert "s3cret" not in text and "HF_TOKEN" not in text and "MY_API_KEY" not in text
-    exported = {line.split("=", 1)[0].removeprefix("export ") for line in text.splitlines() if line.startswith("export ")}
+    exported = {
+        line.split("=", 1)[0].removeprefix("export ") for line in text.splitlines() if line.startswith("export ")
+    }
     assert exported == set(plain_env)
     assert f"export OMP_NUM_THREADS={_cpu_threads_per_rank(1)}" in text.splitlines()
 
@@ -52,8 +54,18 @@ def test_dry_run_bundle_is_deterministic_and_starts_nothing(tmp_path):
     import subprocess
     import sys
 
-    args = [sys.executable, "-m", "parabench", "run", "+model=llama", "launcher.dry_run=true", "launcher.nproc_per_node=2",
-            "device=cpu", f"run.results_dir={tmp_path}", "hydra.run.dir=" + str(tmp_path / "bundle")]
+    args = [
+        sys.executable,
+        "-m",
+        "parabench",
+        "run",
+        "+model=llama",
+        "launcher.dry_run=true",
+        "launcher.nproc_per_node=2",
+        "device=cpu",
+        f"run.results_dir={tmp_path}",
+        "hydra.run.dir=" + str(tmp_path / "bundle"),
+    ]
     out = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"})
     assert out.returncode == 0, out.stderr
     bundle = (tmp_path / "bundle" / "launch.sh").read_text()

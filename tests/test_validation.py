@@ -12,9 +12,14 @@ INVALID = {
     "unknown key": (["+model=llama", "run.stepz=3"], "stepz"),
     "unknown appended key": (["+model=llama", "+run.bogus=1"], "run.bogus"),
     "key of another backend": (["+model=llama", "+backend.zero_stage=2"], "backend.zero_stage"),
-    "batch not divisible by micro": (["+model=llama", "data.global_batch_size=6", "data.micro_batch_size=4"], "data.global_batch_size"),
-    "batch not divisible by world": (["+model=llama", "data.global_batch_size=4", "data.micro_batch_size=4",
-                                      "launcher.nproc_per_node=2"], "data.global_batch_size"),
+    "batch not divisible by micro": (
+        ["+model=llama", "data.global_batch_size=6", "data.micro_batch_size=4"],
+        "data.global_batch_size",
+    ),
+    "batch not divisible by world": (
+        ["+model=llama", "data.global_batch_size=4", "data.micro_batch_size=4", "launcher.nproc_per_node=2"],
+        "data.global_batch_size",
+    ),
     "heads do not divide hidden": (["+model=llama", "model.num_attention_heads=7"], "model.num_attention_heads"),
     "kv heads do not divide heads": (["+model=llama", "model.num_key_value_heads=3"], "model.num_key_value_heads"),
     "cuda not present": (["+model=llama", "device=cuda"], "device"),
@@ -32,8 +37,10 @@ INVALID = {
     "sequence longer than positions": (["+model=llama", "data.seq_len=100000"], "data.seq_len"),
     "multi-node without port": (["+model=llama", "launcher.nnodes=2"], "launcher.master_port"),
     # job 1 (one rank) is valid; job 2 (three ranks) is not: the whole sweep is refused before job 1 starts
-    "bad value in a later sweep job": (["-m", "+model=llama", "launcher.nproc_per_node=1,3", "data.global_batch_size=4",
-                                        "data.micro_batch_size=2"], "data-parallel size = 2 x 3"),
+    "bad value in a later sweep job": (
+        ["-m", "+model=llama", "launcher.nproc_per_node=1,3", "data.global_batch_size=4", "data.micro_batch_size=2"],
+        "data-parallel size = 2 x 3",
+    ),
 }
 
 

@@ -27,7 +27,9 @@ class Rule:
     kind: ClassVar[str]
     targets: ClassVar[frozenset[str]] = frozenset({"npu", "mindspeed"})
     modes: ClassVar[frozenset[str]] = frozenset({"static"})
-    source: ClassVar[str] = ""  # where the mapping comes from: entries of docs/sources.md, "docs/sources.md#<anchor>, ..."
+    source: ClassVar[str] = (
+        ""  # where the mapping comes from: entries of docs/sources.md, "docs/sources.md#<anchor>, ..."
+    )
 
     @classmethod
     def enabled(cls, options: Options) -> bool:
@@ -94,7 +96,9 @@ class TextDoc:
                 return True
         return False
 
-    def change(self, rule: type[Rule], start: int, end: int, new: str, message: str, op: str = "", tip: str = "") -> bool:
+    def change(
+        self, rule: type[Rule], start: int, end: int, new: str, message: str, op: str = "", tip: str = ""
+    ) -> bool:
         """Replace text[start:end] with ``new``. Review rules under --safe-only are reported, not applied."""
         before = self.text[start:end]
         line = self.line_of(start)

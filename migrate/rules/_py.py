@@ -29,17 +29,31 @@ BACKEND_KWARGS = frozenset({"backend", "dist_backend"})
 # Calls whose first positional argument is a device type / device.
 DEVICE_POS0_CALLS = frozenset(
     {
-        "torch.device", "torch.autocast", "torch.amp.autocast", "torch.amp.GradScaler", "torch.get_device_module",
-        "torch.distributed.device_mesh.init_device_mesh", "torch.distributed.init_device_mesh",
-        "torch.set_default_device", "torch.Generator", "torch.cuda.amp.GradScaler",
+        "torch.device",
+        "torch.autocast",
+        "torch.amp.autocast",
+        "torch.amp.GradScaler",
+        "torch.get_device_module",
+        "torch.distributed.device_mesh.init_device_mesh",
+        "torch.distributed.init_device_mesh",
+        "torch.set_default_device",
+        "torch.Generator",
+        "torch.cuda.amp.GradScaler",
     }
 )
 # Calls whose first positional argument / backend keyword is the process-group backend.
 BACKEND_CALLS = frozenset(
-    {"torch.distributed.init_process_group", "torch.distributed.new_group", "deepspeed.init_distributed",
-     "torch.distributed.distributed_c10d.init_process_group", "torch.distributed.new_subgroups"}
+    {
+        "torch.distributed.init_process_group",
+        "torch.distributed.new_group",
+        "deepspeed.init_distributed",
+        "torch.distributed.distributed_c10d.init_process_group",
+        "torch.distributed.new_subgroups",
+    }
 )
-LOG_METHODS = frozenset({"debug", "info", "warning", "warn", "error", "exception", "critical", "log", "write", "format"})
+LOG_METHODS = frozenset(
+    {"debug", "info", "warning", "warn", "error", "exception", "critical", "log", "write", "format"}
+)
 KEY_METHODS = frozenset({"get", "pop", "setdefault", "__getitem__", "__contains__"})
 ATTR_CALLS = frozenset({"builtins.getattr", "builtins.hasattr", "builtins.setattr", "builtins.delattr"})
 IMPORT_CALLS = frozenset({"importlib.import_module", "builtins.__import__", "importlib.util.find_spec"})
@@ -61,7 +75,7 @@ def string_value(node: cst.CSTNode) -> str | None:
     prefix = raw[: len(raw) - len(raw.lstrip("rRbBuUfF"))].lower()
     if "b" in prefix:
         return None
-    body = raw[len(prefix):]
+    body = raw[len(prefix) :]
     q = 3 if body[:3] in ('"""', "'''") else 1
     inner = body[q:-q]
     if "\\" not in inner:
@@ -114,7 +128,9 @@ class PyContext:
         self.findings: list[Finding] = []
         self.applied_codes: set[str] = set()
         self.needs_npu = False
-        self.inserted: dict[cst.CSTNode, bool] = {}  # statement added by a module rule -> attached after (True) / before
+        self.inserted: dict[
+            cst.CSTNode, bool
+        ] = {}  # statement added by a module rule -> attached after (True) / before
         self.origin: dict[cst.CSTNode, cst.CSTNode] = {}  # rebuilt node -> parsed node (set once edits are applied)
         self.cache: dict[str, object] = {}
 
@@ -195,7 +211,9 @@ class PyContext:
         return text if len(text) <= 200 else text[:197] + "..."
 
     # recording
-    def change(self, rule: type[Rule], node: cst.CSTNode, fn: Callable, message: str, op: str = "", tip: str = "") -> bool:
+    def change(
+        self, rule: type[Rule], node: cst.CSTNode, fn: Callable, message: str, op: str = "", tip: str = ""
+    ) -> bool:
         applied = not (rule.safety == REVIEW and self.options.safe_only)
         start, end = self.lines(node)
         before = self.code(node)
@@ -203,11 +221,19 @@ class PyContext:
             new = fn(node)
             after = self.module.code_for_node(new) if isinstance(new, cst.CSTNode) else ""
         except Exception as exc:  # a rule bug: the rest of the file migrates, this edit becomes a manual item
-            self.findings.append(Finding(
-                rule.code, MANUAL, start, end,
-                f"rule {rule.code} failed here ({type(exc).__name__}: {exc}); migrate this code by hand and report the rule bug",
-                op, tip, before, applied=False,
-            ))
+            self.findings.append(
+                Finding(
+                    rule.code,
+                    MANUAL,
+                    start,
+                    end,
+                    f"rule {rule.code} failed here ({type(exc).__name__}: {exc}); migrate this code by hand and report the rule bug",
+                    op,
+                    tip,
+                    before,
+                    applied=False,
+                )
+            )
             return False
         if applied:
             self.edits.setdefault(node, []).append(fn)
@@ -260,7 +286,9 @@ def _index(module: cst.Module):
     return order, parents, imports, names, in_import, import_nodes
 
 
-def _line_table(node: cst.CSTNode, first_line: int = 1, module: cst.Module | None = None) -> dict[cst.CSTNode, tuple[int, int]]:
+def _line_table(
+    node: cst.CSTNode, first_line: int = 1, module: cst.Module | None = None
+) -> dict[cst.CSTNode, tuple[int, int]]:
     """(first, last) source line of every node under ``node`` (a module, or a top-level statement
     whose text starts at ``first_line``), from one code-generation pass.
 
@@ -313,8 +341,9 @@ class Layout:
     _blocks: dict = dataclasses.field(default_factory=dict)
 
     @staticmethod
-    def build(module, tree, starts: list[int] | None = None, parsed: list[int] | None = None,
-              lines: list[str] | None = None) -> Layout | None:
+    def build(
+        module, tree, starts: list[int] | None = None, parsed: list[int] | None = None, lines: list[str] | None = None
+    ) -> Layout | None:
         """``module``/``tree``: anything with a ``body`` (a Module, or a class's block and its ast);
         ``lines``: the source lines (decorator lines are read from them)."""
         body = tree.body
@@ -380,7 +409,9 @@ def _bind(node: cst.CSTNode, imports: dict[str, set[str]]) -> None:
                 continue
             asname = a.asname.name if a.asname is not None else None
             local = asname.value if isinstance(asname, cst.Name) else a.name.value
-            imports.setdefault(local, set()).add(f"{mod}{a.name.value}" if mod.endswith(".") else f"{mod}.{a.name.value}")
+            imports.setdefault(local, set()).add(
+                f"{mod}{a.name.value}" if mod.endswith(".") else f"{mod}.{a.name.value}"
+            )
 
 
 class PyRule(Rule, cst.BatchableCSTVisitor):
@@ -630,7 +661,9 @@ def cuda_refs(ctx: PyContext) -> CudaRefs:
             candidates += ctx.names.get(local, [])
     for node in candidates:
         names = ctx.qnames(node)
-        hit = next((q for q in sorted(names) if q == "torch.cuda" or q.startswith("torch.cuda.")), None)  # sorted: set order varies per process
+        hit = next(
+            (q for q in sorted(names) if q == "torch.cuda" or q.startswith("torch.cuda.")), None
+        )  # sorted: set order varies per process
         if hit is None:
             continue
         if isinstance(node, cst.Attribute):
@@ -638,7 +671,12 @@ def cuda_refs(ctx: PyContext) -> CudaRefs:
                 continue  # an outer link of a chain: handled from its torch.cuda part
             outer, path = _climb(ctx, node)
             p = ctx.parent(node)
-            if not path and isinstance(p, cst.Assign) and len(p.targets) == 1 and isinstance(p.targets[0].target, cst.Name):
+            if (
+                not path
+                and isinstance(p, cst.Assign)
+                and len(p.targets) == 1
+                and isinstance(p.targets[0].target, cst.Name)
+            ):
                 assign_aliases.append((p, node))
                 continue
             cat, data = api_map.classify_cuda_member(path)
@@ -692,8 +730,8 @@ def _import_bindings(ctx: PyContext, alias_uses: dict) -> list[CudaBinding]:
     found: list[CudaBinding] = []
 
     def _binding(stmt, alias, full) -> CudaBinding:
-        base = full[len("torch.cuda."):] if full != "torch.cuda" else ""
-        local = (alias.asname.name.value if alias.asname else dotted(alias.name).split(".")[-1])  # type: ignore[union-attr]
+        base = full[len("torch.cuda.") :] if full != "torch.cuda" else ""
+        local = alias.asname.name.value if alias.asname else dotted(alias.name).split(".")[-1]  # type: ignore[union-attr]
         uses = []
         for node, outer, suffix in alias_uses.get(full, []):
             if not isinstance(node, cst.Name) or node.value != local:
@@ -722,7 +760,7 @@ def _import_bindings(ctx: PyContext, alias_uses: dict) -> list[CudaBinding]:
 
 def new_import_module(full: str) -> str:
     """torch.cuda[.sub] -> the module to import instead (submodules live under torch_npu.npu)."""
-    rest = full[len("torch.cuda"):]
+    rest = full[len("torch.cuda") :]
     if not rest:
         return "torch.npu"
     return "torch_npu.npu" + rest
@@ -761,7 +799,10 @@ def torch_bound(module: cst.Module) -> bool:
     for _, stmt, _ in top_imports(module):
         for small in stmt.body:
             if isinstance(small, cst.Import) and any(
-                dotted(a.name) == "torch" and a.asname is None or (dotted(a.name) or "").startswith("torch.") and a.asname is None
+                dotted(a.name) == "torch"
+                and a.asname is None
+                or (dotted(a.name) or "").startswith("torch.")
+                and a.asname is None
                 for a in small.names
             ):
                 return True
@@ -779,7 +820,12 @@ def insert_statements(ctx: PyContext, new: cst.Module, index: int, code: str, *,
     # ``index`` counts the parsed statements; ``new`` may hold other rules' inserts already:
     # place it next to its anchor statement (or what the edits rebuilt from it)
     original = ctx.module.body
-    anchor = original[index - 1] if after and index > 0 else original[index] if not after and index < len(original) else None
-    at = index if anchor is None else next(
-        (p + after for p, s in enumerate(body) if s is anchor or ctx.origin.get(s) is anchor), index)
+    anchor = (
+        original[index - 1] if after and index > 0 else original[index] if not after and index < len(original) else None
+    )
+    at = (
+        index
+        if anchor is None
+        else next((p + after for p, s in enumerate(body) if s is anchor or ctx.origin.get(s) is anchor), index)
+    )
     return new.with_changes(body=body[:at] + stmts + body[at:])

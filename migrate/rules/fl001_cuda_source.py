@@ -16,4 +16,10 @@ class CudaSource(TextRule):
     source = "docs/sources.md#class-m-manual"
 
     def apply(self, doc: TextDoc) -> None:
-        doc.manual(type(self), 0, "CUDA kernel source", op="CUDA kernel", tip="port to AscendC (torch_npu custom op) or replace with torch/torch_npu ops")
+        doc.manual(
+            type(self),
+            0,
+            "CUDA kernel source",
+            op="CUDA kernel",
+            tip="port to AscendC (torch_npu custom op) or replace with torch/torch_npu ops",
+        )

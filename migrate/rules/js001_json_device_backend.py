@@ -25,9 +25,19 @@ class JsonDeviceBackend(TextRule):
             key = path[-1] if path else ""
             if str(key).lower() == "accelerator":
                 continue  # allow-lists (pattern 13): JS002 reports it
-            for old, new, ok in (("cuda", "npu", DEVICE_RE.match(value)), ("nccl", "hccl", value == "nccl"),
-                                 ("cuda:nccl", "npu:hccl", BACKEND_COMPOUND_RE.match(value))):
+            for old, new, ok in (
+                ("cuda", "npu", DEVICE_RE.match(value)),
+                ("nccl", "hccl", value == "nccl"),
+                ("cuda:nccl", "npu:hccl", BACKEND_COMPOUND_RE.match(value)),
+            ):
                 if ok and old in raw:
                     pos = start + raw.index(old)
-                    doc.change(type(self), pos, pos + len(old), new, f'"{key}": "{value}" -> "{value.replace(old, new)}"', op=str(key))
+                    doc.change(
+                        type(self),
+                        pos,
+                        pos + len(old),
+                        new,
+                        f'"{key}": "{value}" -> "{value.replace(old, new)}"',
+                        op=str(key),
+                    )
                     break

@@ -39,7 +39,18 @@ class JsonCudaFeatures(TextRule):
             else:
                 key = str(path[-1]).lower() if path else ""
                 if key == "device" and value == "nvme":
-                    doc.manual(type(self), start, "NVMe offload", op="offload.device=nvme",
-                               tip="needs DeepSpeed's async_io op built for the NPU host: check `ds_report`, else offload to cpu")
+                    doc.manual(
+                        type(self),
+                        start,
+                        "NVMe offload",
+                        op="offload.device=nvme",
+                        tip="needs DeepSpeed's async_io op built for the NPU host: check `ds_report`, else offload to cpu",
+                    )
                 elif key == "accelerator" and value in ("cuda", "gpu"):
-                    doc.manual(type(self), start, f'accelerator "{value}"', op="accelerator", tip="allow-list: use the NPU accelerator name your framework registers")
+                    doc.manual(
+                        type(self),
+                        start,
+                        f'accelerator "{value}"',
+                        op="accelerator",
+                        tip="allow-list: use the NPU accelerator name your framework registers",
+                    )

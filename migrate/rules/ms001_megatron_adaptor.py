@@ -23,7 +23,9 @@ def is_entry(module: cst.Module) -> bool:
 class MegatronAdaptor(ModuleRule):
     code = "MS001"
     name = "megatron-adaptor"
-    description = "entry scripts that import megatron get `import mindspeed.megatron_adaptor` before the first megatron import"
+    description = (
+        "entry scripts that import megatron get `import mindspeed.megatron_adaptor` before the first megatron import"
+    )
     safety = SAFE
     targets = frozenset({"mindspeed"})
     source = "docs/sources.md#mindspeed-adaptor"
@@ -34,8 +36,22 @@ class MegatronAdaptor(ModuleRule):
         for index, stmt, mods in top_imports(original):
             if any(m == "megatron" or m.startswith("megatron.") for m in mods):
                 line = ctx.lines(stmt)[0]
-                ctx.findings.append(Finding(self.code, self.safety, line, line, "import mindspeed.megatron_adaptor before Megatron",
-                                            op="mindspeed.megatron_adaptor", after="import mindspeed.megatron_adaptor"))
-                return insert_statements(ctx, new, index, "import mindspeed.megatron_adaptor  # noqa: F401 - patches Megatron for NPU\n",
-                                         after=False)
+                ctx.findings.append(
+                    Finding(
+                        self.code,
+                        self.safety,
+                        line,
+                        line,
+                        "import mindspeed.megatron_adaptor before Megatron",
+                        op="mindspeed.megatron_adaptor",
+                        after="import mindspeed.megatron_adaptor",
+                    )
+                )
+                return insert_statements(
+                    ctx,
+                    new,
+                    index,
+                    "import mindspeed.megatron_adaptor  # noqa: F401 - patches Megatron for NPU\n",
+                    after=False,
+                )
         return new

@@ -13,7 +13,9 @@ from parabench.migrate.rules._py import PyRule, _join, cuda_refs, dotted, new_im
 class CudaApi(PyRule):
     code = "PY101"
     name = "cuda-api"
-    description = "torch.cuda.* call/attribute with a torch.npu twin -> torch.npu.* (also through import and variable aliases)"
+    description = (
+        "torch.cuda.* call/attribute with a torch.npu twin -> torch.npu.* (also through import and variable aliases)"
+    )
     safety = SAFE
     source = "docs/sources.md#npu-api-twins, docs/sources.md#class-a-safe, docs/sources.md#transfer-to-npu"
 
@@ -25,13 +27,23 @@ class CudaApi(PyRule):
                 self.change(use.node, _to_npu, f"{old} -> {_join('torch.npu', use.path)}", op=old)
             elif use.category == "replace":
                 new = parse_expr(use.data)
-                self.change(use.outer, lambda n, new=new: new, f"torch.cuda.{use.path} -> {use.data}", op=f"torch.cuda.{use.path}")
+                self.change(
+                    use.outer,
+                    lambda n, new=new: new,
+                    f"torch.cuda.{use.path} -> {use.data}",
+                    op=f"torch.cuda.{use.path}",
+                )
         for b in refs.bindings:
             if b.decision == "blocked" and not b.base and torch_bound(self.ctx.module):
                 # pattern 15: the alias stays for its unsupported uses; supported calls migrate one by one
                 for u in b.uses:
                     if u.category == "supported" and isinstance(u.node, cst.Name):
-                        self.change(u.node, lambda n: parse_expr("torch.npu"), f"{u.node.value}.{u.path} -> torch.npu.{u.path}", op=f"torch.cuda.{u.path}")
+                        self.change(
+                            u.node,
+                            lambda n: parse_expr("torch.npu"),
+                            f"{u.node.value}.{u.path} -> torch.npu.{u.path}",
+                            op=f"torch.cuda.{u.path}",
+                        )
                 continue
             if b.decision != "npu":
                 continue
@@ -50,6 +62,7 @@ class CudaApi(PyRule):
         # ImportFrom: `from torch import cuda` or `from torch.cuda[.sub] import X`
         mod = dotted(stmt.module) or ""
         if mod == "torch":
+
             def fn(n: cst.ImportAlias) -> cst.ImportAlias:
                 asname = n.asname or cst.AsName(name=cst.Name("cuda"))
                 return n.with_changes(name=cst.Name("npu"), asname=asname)
@@ -61,7 +74,12 @@ class CudaApi(PyRule):
                 return
             done.add(id(stmt))
             new_mod = new_import_module(mod)
-            self.change(stmt.module, lambda n, m=new_mod: parse_expr(m), f"from {mod} import ... -> from {new_mod} import ...", op=mod)
+            self.change(
+                stmt.module,
+                lambda n, m=new_mod: parse_expr(m),
+                f"from {mod} import ... -> from {new_mod} import ...",
+                op=mod,
+            )
 
 
 def _to_npu(node: cst.CSTNode) -> cst.CSTNode:

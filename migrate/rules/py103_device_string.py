@@ -38,7 +38,12 @@ class DeviceString(PyRule):
         if value is None or not DEVICE_RE.match(value) or "cuda" not in node.value:
             return
         if string_role(self.ctx, node) in ROLES:
-            self.change(node, lambda n: replace_in_simple_string(n, "cuda", "npu"), f"device '{value}' -> '{value.replace('cuda', 'npu')}'", op=value)
+            self.change(
+                node,
+                lambda n: replace_in_simple_string(n, "cuda", "npu"),
+                f"device '{value}' -> '{value.replace('cuda', 'npu')}'",
+                op=value,
+            )
 
     def visit_FormattedString(self, node: cst.FormattedString) -> None:
         if fstring_device(node) and string_role(self.ctx, node) in ROLES:

@@ -37,8 +37,13 @@ class BareDeviceLiteral(PyRule):
             return
         role = string_role(self.ctx, node)
         if role in ROLES:
-            self.change(node, lambda n: replace_in_simple_string(n, "cuda", "npu"), f"'{value}' ({role}) -> '{value.replace('cuda', 'npu')}'", op=value,
-                        tip="check this string names a device (user-facing choices change too)")
+            self.change(
+                node,
+                lambda n: replace_in_simple_string(n, "cuda", "npu"),
+                f"'{value}' ({role}) -> '{value.replace('cuda', 'npu')}'",
+                op=value,
+                tip="check this string names a device (user-facing choices change too)",
+            )
 
     def visit_FormattedString(self, node: cst.FormattedString) -> None:
         if fstring_device(node) and string_role(self.ctx, node) in ROLES:

@@ -25,6 +25,13 @@ class BareBackendLiteral(PyRule):
             return
         role = string_role(self.ctx, node)
         if value == "nccl" and "nccl" in node.value and role in ROLES:
-            self.change(node, lambda n: replace_in_simple_string(n, "nccl", "hccl"), f"'nccl' ({role}) -> 'hccl'", op="nccl")
+            self.change(
+                node, lambda n: replace_in_simple_string(n, "nccl", "hccl"), f"'nccl' ({role}) -> 'hccl'", op="nccl"
+            )
         elif BACKEND_COMPOUND_RE.match(value) and "cuda:nccl" in node.value and role in ROLES | {"backend"}:
-            self.change(node, lambda n: replace_in_simple_string(n, "cuda:nccl", "npu:hccl"), f"'{value}' -> '{value.replace('cuda:nccl', 'npu:hccl')}'", op=value)
+            self.change(
+                node,
+                lambda n: replace_in_simple_string(n, "cuda:nccl", "npu:hccl"),
+                f"'{value}' -> '{value.replace('cuda:nccl', 'npu:hccl')}'",
+                op=value,
+            )

@@ -22,6 +22,9 @@ class LegacyTensorType(PyRule):
             if use.category == "legacy":
                 tip = "NPU has no float64 matmul kernels for many ops" if "Double" in use.path else ""
                 self.change(
-                    use.node, lambda n: n.with_changes(attr=cst.Name("npu")),
-                    f"legacy type torch.cuda.{use.path} -> torch.npu.{use.path}", op=f"torch.cuda.{use.path}", tip=tip,
+                    use.node,
+                    lambda n: n.with_changes(attr=cst.Name("npu")),
+                    f"legacy type torch.cuda.{use.path} -> torch.npu.{use.path}",
+                    op=f"torch.cuda.{use.path}",
+                    tip=tip,
                 )

@@ -33,7 +33,9 @@ def rewrite_from_import(rule: PyRule, node: cst.ImportFrom, modules, mapping: di
             aliases.append(a.with_changes(name=cst.Name(new_name), asname=asname))
         return stmt.with_changes(module=parse_expr(new_mod), names=aliases)
 
-    rule.change(node, fn, f"from {mod} import {', '.join(names)} -> {', '.join(mapping[n] for n in names)}", op=mod, tip=tip)
+    rule.change(
+        node, fn, f"from {mod} import {', '.join(names)} -> {', '.join(mapping[n] for n in names)}", op=mod, tip=tip
+    )
 
 
 def rewrite_attribute(rule: PyRule, node: cst.Attribute, modules, mapping: dict[str, str], tip: str) -> None:

@@ -18,7 +18,9 @@ from parabench.migrate.rules.py111_apex_norm import rewrite_attribute, rewrite_f
 class ApexOptimizer(PyRule):
     code = "PY112"
     name = "apex-fused-optimizer"
-    description = "apex.optimizers FusedAdam -> torch.optim.AdamW (apex default adam_w_mode=True), FusedSGD -> torch.optim.SGD"
+    description = (
+        "apex.optimizers FusedAdam -> torch.optim.AdamW (apex default adam_w_mode=True), FusedSGD -> torch.optim.SGD"
+    )
     safety = REVIEW
     source = "docs/sources.md#class-s-review"
     needs_torch_npu = False

@@ -27,7 +27,9 @@ class Nvtx(PyRule):
             self.change(
                 nvtx_attr,
                 lambda n: n.with_changes(value=n.value.with_changes(attr=cst.Name("npu")), attr=cst.Name("mstx")),
-                f"torch.cuda.{use.path} -> torch.npu.mstx.{use.data}", op=f"torch.cuda.{use.path}", tip=self.tip,
+                f"torch.cuda.{use.path} -> torch.npu.mstx.{use.data}",
+                op=f"torch.cuda.{use.path}",
+                tip=self.tip,
             )
         for b in refs.bindings:
             if b.decision != "nvtx":
@@ -39,7 +41,18 @@ class Nvtx(PyRule):
                     alias = cst.ImportAlias(name=cst.Name("mstx"), asname=cst.AsName(name=cst.Name(local)))
                     return stmt.with_changes(module=cst.parse_expression("torch.npu"), names=[alias])
 
-                self.change(b.stmt, fn, f"from torch.cuda import nvtx -> from torch.npu import mstx as {local}", op="torch.cuda.nvtx", tip=self.tip)
+                self.change(
+                    b.stmt,
+                    fn,
+                    f"from torch.cuda import nvtx -> from torch.npu import mstx as {local}",
+                    op="torch.cuda.nvtx",
+                    tip=self.tip,
+                )
             elif isinstance(b.stmt, cst.Import):
-                self.change(b.alias.name, lambda n: cst.parse_expression("torch_npu.npu.mstx"),
-                            "import torch.cuda.nvtx -> torch_npu.npu.mstx", op="torch.cuda.nvtx", tip=self.tip)
+                self.change(
+                    b.alias.name,
+                    lambda n: cst.parse_expression("torch_npu.npu.mstx"),
+                    "import torch.cuda.nvtx -> torch_npu.npu.mstx",
+                    op="torch.cuda.nvtx",
+                    tip=self.tip,
+                )

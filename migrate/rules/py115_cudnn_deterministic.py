@@ -25,7 +25,11 @@ class CudnnDeterministic(PyRule):
     tip = "use_deterministic_algorithms(True) raises on nondeterministic ops; HCCL_DETERMINISTIC=true makes collectives deterministic"
 
     def visit_Assign(self, node: cst.Assign) -> None:
-        if len(node.targets) != 1 or QN not in self.ctx.qnames(node.targets[0].target) or not torch_bound(self.ctx.module):
+        if (
+            len(node.targets) != 1
+            or QN not in self.ctx.qnames(node.targets[0].target)
+            or not torch_bound(self.ctx.module)
+        ):
             return
 
         def fn(n: cst.Assign) -> cst.Expr:

@@ -39,8 +39,12 @@ class UnsupportedCudaApi(PyRule):
             bad = sorted({p for b in group for p in binding_problems(b)})
             what = self.ctx.code(stmt).strip().splitlines()[0]
             reason = ("uses " + ", ".join(bad)) if bad else "its rewrite rule is disabled"
-            self.manual(stmt, f"torch.cuda alias not migrated ({what}): {reason}", op="torch.cuda",
-                        tip="migrate or remove the unsupported uses, then rerun")
+            self.manual(
+                stmt,
+                f"torch.cuda alias not migrated ({what}): {reason}",
+                op="torch.cuda",
+                tip="migrate or remove the unsupported uses, then rerun",
+            )
 
     def _report(self, use) -> None:
         op = f"torch.cuda.{use.path}".rstrip(".")

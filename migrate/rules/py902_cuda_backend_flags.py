@@ -13,7 +13,9 @@ HANDLED = {
     "torch.backends.cudnn.allow_tf32": "PY114",
     "torch.backends.cudnn.deterministic": "PY115",
 }
-IGNORED = frozenset({"torch.backends.cudnn.benchmark", "torch.backends.cudnn.enabled", "torch.backends.cudnn.is_available"})
+IGNORED = frozenset(
+    {"torch.backends.cudnn.benchmark", "torch.backends.cudnn.enabled", "torch.backends.cudnn.is_available"}
+)
 TIPS = {
     "sdp": "SDPA on NPU dispatches to npu_fusion_attention; CUDA kernel switches have no effect: remove",
     "version": "cuDNN does not exist on NPU: gate on torch.npu.is_available() or a feature check",
@@ -39,5 +41,11 @@ class CudaBackendFlags(PyRule):
         full = f"{base}.{path}"
         if full in IGNORED or any(full.startswith(k) and v in self.ctx.active for k, v in HANDLED.items()):
             return
-        tip = TIPS["sdp"] if "sdp" in path else TIPS["version"] if path.startswith("version") else "CUDA backend switch: no NPU equivalent, remove or guard"
+        tip = (
+            TIPS["sdp"]
+            if "sdp" in path
+            else TIPS["version"]
+            if path.startswith("version")
+            else "CUDA backend switch: no NPU equivalent, remove or guard"
+        )
         self.manual(outer, f"{full}: CUDA backend switch", op=full, tip=tip)

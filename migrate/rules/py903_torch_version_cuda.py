@@ -19,5 +19,9 @@ class TorchVersionCuda(PyRule):
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
         if "torch.version.cuda" in self.ctx.qnames(node):
-            self.manual(node, "torch.version.cuda is None on NPU", op="torch.version.cuda",
-                        tip="decide bf16 with torch.npu.is_bf16_supported(); record torch_npu.__version__ instead")
+            self.manual(
+                node,
+                "torch.version.cuda is None on NPU",
+                op="torch.version.cuda",
+                tip="decide bf16 with torch.npu.is_bf16_supported(); record torch_npu.__version__ instead",
+            )

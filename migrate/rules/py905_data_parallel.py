@@ -8,7 +8,14 @@ from parabench.migrate.core import MANUAL
 from parabench.migrate.rules._base import register
 from parabench.migrate.rules._py import PyRule
 
-QNS = frozenset({"torch.nn.DataParallel", "torch.nn.parallel.DataParallel", "torch.nn.parallel.data_parallel.DataParallel", "torch.nn.parallel.data_parallel"})
+QNS = frozenset(
+    {
+        "torch.nn.DataParallel",
+        "torch.nn.parallel.DataParallel",
+        "torch.nn.parallel.data_parallel.DataParallel",
+        "torch.nn.parallel.data_parallel",
+    }
+)
 
 
 @register
@@ -21,5 +28,9 @@ class DataParallel(PyRule):
 
     def visit_Call(self, node: cst.Call) -> None:
         if self.ctx.qnames(node.func) & QNS:
-            self.manual(node, "nn.DataParallel is unsupported on NPU", op="torch.nn.DataParallel",
-                        tip="launch with torchrun and wrap in DistributedDataParallel (one process per NPU)")
+            self.manual(
+                node,
+                "nn.DataParallel is unsupported on NPU",
+                op="torch.nn.DataParallel",
+                tip="launch with torchrun and wrap in DistributedDataParallel (one process per NPU)",
+            )

@@ -16,7 +16,9 @@ TIP = "CUDA kernels do not build for NPU: port to AscendC (torch_npu custom ops)
 class CudaExtension(PyRule):
     code = "PY906"
     name = "cuda-extension"
-    description = "torch.utils.cpp_extension.CUDAExtension and load/load_inline with .cu sources or cuda_sources= (reported)"
+    description = (
+        "torch.utils.cpp_extension.CUDAExtension and load/load_inline with .cu sources or cuda_sources= (reported)"
+    )
     safety = MANUAL
     source = "docs/sources.md#class-m-manual"
 
@@ -25,7 +27,7 @@ class CudaExtension(PyRule):
         q = next((n for n in sorted(names) if n.startswith(EXT)), None)  # sorted: set order varies per process
         if q is None:
             return
-        name = q[len(EXT):]
+        name = q[len(EXT) :]
         if name == "CUDAExtension":
             self.manual(node, "CUDAExtension build", op=q, tip=TIP)
         elif name in ("load", "load_inline"):

@@ -10,7 +10,10 @@ from parabench.migrate.rules._base import register
 from parabench.migrate.rules._py import PyRule, dotted
 
 # apex imports migrated by other rules when those rules are active
-MIGRATED = ((api_map.APEX_NORM_MODULES, api_map.APEX_NORM, "PY111"), (api_map.APEX_OPTIM_MODULES, api_map.APEX_OPTIM, "PY112"))
+MIGRATED = (
+    (api_map.APEX_NORM_MODULES, api_map.APEX_NORM, "PY111"),
+    (api_map.APEX_OPTIM_MODULES, api_map.APEX_OPTIM, "PY112"),
+)
 
 
 @register
@@ -32,7 +35,11 @@ class CudaOnlyImport(PyRule):
         if node.relative or node.module is None:
             return
         mod = dotted(node.module) or ""
-        names = [] if isinstance(node.names, cst.ImportStar) else [a.name.value for a in node.names if isinstance(a.name, cst.Name)]
+        names = (
+            []
+            if isinstance(node.names, cst.ImportStar)
+            else [a.name.value for a in node.names if isinstance(a.name, cst.Name)]
+        )
         for modules, mapping, code in MIGRATED:
             if mod in modules and names and all(n in mapping for n in names) and code in self.ctx.active:
                 return

@@ -19,10 +19,18 @@ class TorchCompile(PyRule):
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
         if node.attr.value == "compile" and "torch.compile" in self.ctx.qnames(node):
-            self.manual(node, "torch.compile", op="torch.compile",
-                        tip="run eager, or compile with torchair's NPU backend (backend=torchair.get_npu_backend())")
+            self.manual(
+                node,
+                "torch.compile",
+                op="torch.compile",
+                tip="run eager, or compile with torchair's NPU backend (backend=torchair.get_npu_backend())",
+            )
 
     def visit_Name(self, node: cst.Name) -> None:
         if "torch.compile" in self.ctx.qnames(node) and not isinstance(self.ctx.parent(node), cst.ImportAlias):
-            self.manual(node, "torch.compile", op="torch.compile",
-                        tip="run eager, or compile with torchair's NPU backend (backend=torchair.get_npu_backend())")
+            self.manual(
+                node,
+                "torch.compile",
+                op="torch.compile",
+                tip="run eager, or compile with torchair's NPU backend (backend=torchair.get_npu_backend())",
+            )

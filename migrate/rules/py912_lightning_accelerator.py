@@ -13,12 +13,18 @@ from parabench.migrate.rules._py import PyRule, string_role, string_value
 class LightningAccelerator(PyRule):
     code = "PY912"
     name = "accelerator-allow-list"
-    description = "accelerator='cuda'/'gpu' keyword (Lightning allow-list): reported, an NPU accelerator plugin is needed"
+    description = (
+        "accelerator='cuda'/'gpu' keyword (Lightning allow-list): reported, an NPU accelerator plugin is needed"
+    )
     safety = MANUAL
     source = "docs/sources.md#pattern-13"
 
     def visit_SimpleString(self, node: cst.SimpleString) -> None:
         value = string_value(node)
         if value in ("cuda", "gpu") and string_role(self.ctx, node) == "accelerator":
-            self.manual(node, f"accelerator='{value}'", op="accelerator",
-                        tip="Lightning accepts only registered accelerators: install an NPU accelerator plugin, then use its name")
+            self.manual(
+                node,
+                f"accelerator='{value}'",
+                op="accelerator",
+                tip="Lightning accepts only registered accelerators: install an NPU accelerator plugin, then use its name",
+            )

@@ -37,4 +37,6 @@ class CudaOnlyPackages(TextRule):
                 tip = "CUDA runtime wheel"
             if tip:
                 start = offset + len(line) - len(line.lstrip())
-                doc.change(type(self), start, offset + len(line), f"{MARK} {line.strip()}", f"removed {name}", op=name, tip=tip)
+                doc.change(
+                    type(self), start, offset + len(line), f"{MARK} {line.strip()}", f"removed {name}", op=name, tip=tip
+                )

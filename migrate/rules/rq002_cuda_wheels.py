@@ -27,9 +27,23 @@ class CudaWheels(TextRule):
         for _lineno, offset, line, code in iter_requirements(doc):
             if INDEX.match(code):
                 start = offset + len(line) - len(line.lstrip())
-                doc.change(type(self), start, offset + len(line), f"{MARK} {line.strip()}", "CUDA wheel index removed", op="index-url",
-                           tip="install torch from PyPI (CPU/aarch64 wheel) and torch_npu from PyPI")
+                doc.change(
+                    type(self),
+                    start,
+                    offset + len(line),
+                    f"{MARK} {line.strip()}",
+                    "CUDA wheel index removed",
+                    op="index-url",
+                    tip="install torch from PyPI (CPU/aarch64 wheel) and torch_npu from PyPI",
+                )
                 continue
             if req_name(code) in ("torch", "torchvision", "torchaudio"):
                 for m in LOCAL.finditer(code):
-                    doc.change(type(self), offset + m.start(), offset + m.end(), "", f"local version {m.group(0)} removed", op=req_name(code))
+                    doc.change(
+                        type(self),
+                        offset + m.start(),
+                        offset + m.end(),
+                        "",
+                        f"local version {m.group(0)} removed",
+                        op=req_name(code),
+                    )

@@ -30,6 +30,13 @@ class AddTorchNpu(TextRule):
                 pin = PIN.search(code)
                 new = f"torch-npu=={pin.group(1)}.*" if pin else "torch-npu"
                 at = offset + len(line)
-                doc.change(type(self), at, at, "\n" + new, f"added {new}", op="torch-npu",
-                           tip="torch_npu must match the torch version exactly (post releases: 2.7.1.post4 for torch 2.7.1) and the CANN toolkit")
+                doc.change(
+                    type(self),
+                    at,
+                    at,
+                    "\n" + new,
+                    f"added {new}",
+                    op="torch-npu",
+                    tip="torch_npu must match the torch version exactly (post releases: 2.7.1.post4 for torch 2.7.1) and the CANN toolkit",
+                )
                 return

@@ -31,7 +31,11 @@ class TransferToNpu(ModuleRule):
         for index, stmt, mods in imports:
             if any(m == "torch" or m.startswith("torch.") for m in mods):
                 small = stmt.body[0]
-                plain = len(stmt.body) == 1 and isinstance(small, cst.Import) and all(dotted(a.name) == "torch" for a in small.names)
+                plain = (
+                    len(stmt.body) == 1
+                    and isinstance(small, cst.Import)
+                    and all(dotted(a.name) == "torch" for a in small.names)
+                )
                 at, after = (index + 1, True) if plain else (index, False)
                 break
         if at is None:  # no torch import: before the first third-party import, else after the imports
@@ -44,14 +48,28 @@ class TransferToNpu(ModuleRule):
                 at = imports[-1][0] + 1 if imports else _after_docstring(original)
                 after = at > 0
         line = ctx.body_line(at)
-        ctx.findings.append(Finding(self.code, self.safety, line, line, "import transfer_to_npu at the entry point",
-                                    op="torch_npu.contrib.transfer_to_npu", after=SHIM.splitlines()[1]))
+        ctx.findings.append(
+            Finding(
+                self.code,
+                self.safety,
+                line,
+                line,
+                "import transfer_to_npu at the entry point",
+                op="torch_npu.contrib.transfer_to_npu",
+                after=SHIM.splitlines()[1],
+            )
+        )
         return insert_statements(ctx, new, at, SHIM, after=after)
 
 
 def _after_docstring(module: cst.Module) -> int:
     i = 0
     body = module.body
-    if body and isinstance(body[0], cst.SimpleStatementLine) and isinstance(body[0].body[0], cst.Expr) and isinstance(body[0].body[0].value, cst.SimpleString):
+    if (
+        body
+        and isinstance(body[0], cst.SimpleStatementLine)
+        and isinstance(body[0].body[0], cst.Expr)
+        and isinstance(body[0].body[0].value, cst.SimpleString)
+    ):
         i = 1
     return i

@@ -39,4 +39,12 @@ class ShellNcclEnvDrop(TextRule):
                 doc.change(rule, start, end, f"{MARK} {stripped}", f"dropped {names}", op=names, tip=tip)
             else:
                 for m in matches:
-                    doc.change(rule, offset + m.start(), offset + m.end(), "", f"dropped {m.group(1)} from the command", op=m.group(1), tip=tip)
+                    doc.change(
+                        rule,
+                        offset + m.start(),
+                        offset + m.end(),
+                        "",
+                        f"dropped {m.group(1)} from the command",
+                        op=m.group(1),
+                        tip=tip,
+                    )

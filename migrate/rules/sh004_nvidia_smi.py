@@ -21,5 +21,10 @@ class ShellNvidiaSmi(TextRule):
     def apply(self, doc: TextDoc) -> None:
         for _lineno, offset, code in shell_code_lines(doc):
             for m in PAT.finditer(code):
-                doc.manual(type(self), offset + m.start(), "nvidia-smi call", op="nvidia-smi",
-                           tip="use `npu-smi info` (other flags/output); count devices with python -c 'import torch_npu, torch; print(torch.npu.device_count())'")
+                doc.manual(
+                    type(self),
+                    offset + m.start(),
+                    "nvidia-smi call",
+                    op="nvidia-smi",
+                    tip="use `npu-smi info` (other flags/output); count devices with python -c 'import torch_npu, torch; print(torch.npu.device_count())'",
+                )

@@ -9,7 +9,9 @@ from parabench.migrate.core import SAFE
 from parabench.migrate.rules._base import TextDoc, TextRule, register
 from parabench.migrate.rules._text import shell_code_lines
 
-PAT = re.compile(r"(?<![\w-])(" + "|".join(re.escape(f) for f in api_map.BACKEND_FLAGS) + r")(\s+|=)([\"']?)nccl\3(?![\w-])")
+PAT = re.compile(
+    r"(?<![\w-])(" + "|".join(re.escape(f) for f in api_map.BACKEND_FLAGS) + r")(\s+|=)([\"']?)nccl\3(?![\w-])"
+)
 
 
 @register

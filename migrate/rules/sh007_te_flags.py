@@ -16,7 +16,9 @@ IMPL = re.compile(r"(?<![\w-])--transformer-impl(\s+|=)([\"']?)transformer_engin
 class ShellTeFlags(TextRule):
     code = "SH007"
     name = "shell-te-flags"
-    description = "--transformer-impl transformer_engine -> local; --apply-rope-fusion -> --use-fused-rotary-pos-emb (MindSpeed)"
+    description = (
+        "--transformer-impl transformer_engine -> local; --apply-rope-fusion -> --use-fused-rotary-pos-emb (MindSpeed)"
+    )
     safety = REVIEW
     kind = "shell"
     targets = frozenset({"mindspeed"})
@@ -27,8 +29,15 @@ class ShellTeFlags(TextRule):
         for _lineno, offset, code in shell_code_lines(doc):
             for m in IMPL.finditer(code):
                 start = offset + m.end() - len(m.group(2)) - len("transformer_engine")
-                doc.change(rule, start, start + len("transformer_engine"), "local", "--transformer-impl transformer_engine -> local",
-                           op="--transformer-impl", tip="MindSpeed replaces TE layers with its local fused implementations")
+                doc.change(
+                    rule,
+                    start,
+                    start + len("transformer_engine"),
+                    "local",
+                    "--transformer-impl transformer_engine -> local",
+                    op="--transformer-impl",
+                    tip="MindSpeed replaces TE layers with its local fused implementations",
+                )
             for old, new in api_map.TE_FLAG_MAP.items():
                 if new in doc.text:
                     continue

@@ -27,10 +27,14 @@ class MindSpeedFusedFlags(TextRule):
             if value is None:
                 pat = re.compile(r"(?<![\w-])" + re.escape(flag) + r"(?![\w-])")
             else:
-                pat = re.compile(r"(?<![\w-])" + re.escape(flag) + r"(?:\s+|=)([\"']?)" + re.escape(value) + r"\1(?![\w-])")
+                pat = re.compile(
+                    r"(?<![\w-])" + re.escape(flag) + r"(?:\s+|=)([\"']?)" + re.escape(value) + r"\1(?![\w-])"
+                )
             for _lineno, offset, code in shell_code_lines(doc):
                 m = pat.search(code)
                 if m:
                     at = offset + m.end()
-                    doc.change(type(self), at, at, f" {fused}", f"add {fused} (MindSpeed fused kernel for {flag})", op=fused)
+                    doc.change(
+                        type(self), at, at, f" {fused}", f"add {fused} (MindSpeed fused kernel for {flag})", op=fused
+                    )
                     break

@@ -9,7 +9,11 @@ from parabench.migrate.core import MANUAL
 from parabench.migrate.rules._base import TextDoc, TextRule, register, rules_for
 from parabench.migrate.rules._text import shell_code_lines
 
-FLAGS = re.compile(r"(?<![\w-])(" + "|".join(re.escape(f) for f in sorted(api_map.TE_ONLY_FLAGS, key=len, reverse=True)) + r")(?![\w-])")
+FLAGS = re.compile(
+    r"(?<![\w-])("
+    + "|".join(re.escape(f) for f in sorted(api_map.TE_ONLY_FLAGS, key=len, reverse=True))
+    + r")(?![\w-])"
+)
 IMPL = re.compile(r"(?<![\w-])--transformer-impl(\s+|=)([\"']?)transformer_engine\2(?![\w-])")
 
 
@@ -25,11 +29,22 @@ class ShellTeOnlyFlags(TextRule):
     def apply(self, doc: TextDoc) -> None:
         for _lineno, offset, code in shell_code_lines(doc):
             for m in FLAGS.finditer(code):
-                doc.manual(type(self), offset + m.start(), f"{m.group(1)}: Transformer-Engine/FP8 only", op=m.group(1), tip=api_map.TE_ONLY_FLAGS[m.group(1)])
+                doc.manual(
+                    type(self),
+                    offset + m.start(),
+                    f"{m.group(1)}: Transformer-Engine/FP8 only",
+                    op=m.group(1),
+                    tip=api_map.TE_ONLY_FLAGS[m.group(1)],
+                )
             if doc.options.target != "mindspeed" or "SH007" not in _active(doc):
                 for m in IMPL.finditer(code):
-                    doc.manual(type(self), offset + m.start(), "--transformer-impl transformer_engine", op="--transformer-impl",
-                               tip="Transformer Engine does not exist on NPU: migrate with --to mindspeed (local impl)")
+                    doc.manual(
+                        type(self),
+                        offset + m.start(),
+                        "--transformer-impl transformer_engine",
+                        op="--transformer-impl",
+                        tip="Transformer Engine does not exist on NPU: migrate with --to mindspeed (local impl)",
+                    )
 
 
 def _active(doc: TextDoc) -> set[str]:

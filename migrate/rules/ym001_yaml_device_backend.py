@@ -29,8 +29,11 @@ class YamlDeviceBackend(TextRule):
         value = yaml_scalar(v)
         if value is None:
             return
-        for old, new, ok in (("cuda", "npu", DEVICE_RE.match(value)), ("nccl", "hccl", value == "nccl"),
-                             ("cuda:nccl", "npu:hccl", BACKEND_COMPOUND_RE.match(value))):
+        for old, new, ok in (
+            ("cuda", "npu", DEVICE_RE.match(value)),
+            ("nccl", "hccl", value == "nccl"),
+            ("cuda:nccl", "npu:hccl", BACKEND_COMPOUND_RE.match(value)),
+        ):
             if ok:
                 edit = yaml_replace(doc, v, old, new)
                 if edit:

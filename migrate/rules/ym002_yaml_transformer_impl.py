@@ -11,7 +11,9 @@ from parabench.migrate.rules._text import yaml_pairs, yaml_replace, yaml_scalar
 class YamlTransformerImpl(TextRule):
     code = "YM002"
     name = "yaml-transformer-impl"
-    description = "transformer_impl / transformer-impl: transformer_engine -> local (Transformer Engine does not exist on NPU)"
+    description = (
+        "transformer_impl / transformer-impl: transformer_engine -> local (Transformer Engine does not exist on NPU)"
+    )
     safety = REVIEW
     kind = "yaml"
     source = "docs/sources.md#mindspeed-flags"
@@ -22,5 +24,10 @@ class YamlTransformerImpl(TextRule):
             if key == "transformer_impl" and yaml_scalar(v) == "transformer_engine":
                 edit = yaml_replace(doc, v, "transformer_engine", "local")
                 if edit:
-                    doc.change(type(self), *edit, "transformer_impl: transformer_engine -> local", op="transformer_impl",
-                               tip="MindSpeed/Megatron local layers; fused kernels via MindSpeed flags")
+                    doc.change(
+                        type(self),
+                        *edit,
+                        "transformer_impl: transformer_engine -> local",
+                        op="transformer_impl",
+                        tip="MindSpeed/Megatron local layers; fused kernels via MindSpeed flags",
+                    )

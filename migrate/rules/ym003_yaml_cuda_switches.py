@@ -37,10 +37,18 @@ class YamlCudaSwitches(TextRule):
             value = yaml_scalar(v)
             offset = k.start_mark.index
             if key == "attn_implementation" and value and value.startswith("flash_attention"):
-                doc.manual(type(self), offset, f"attn_implementation: {value}", op=key, tip="use sdpa (or eager) on NPU")
+                doc.manual(
+                    type(self), offset, f"attn_implementation: {value}", op=key, tip="use sdpa (or eager) on NPU"
+                )
                 continue
             if key == "accelerator" and value in ("cuda", "gpu"):
-                doc.manual(type(self), offset, f"accelerator: {value}", op=key, tip="allow-list: use the NPU accelerator name your framework registers")
+                doc.manual(
+                    type(self),
+                    offset,
+                    f"accelerator: {value}",
+                    op=key,
+                    tip="allow-list: use the NPU accelerator name your framework registers",
+                )
                 continue
             if doc.options.target == "mindspeed" and key in MINDSPEED_OK:
                 continue

@@ -12,7 +12,9 @@ from parabench.migrate.rules._text import yaml_pairs, yaml_replace, yaml_scalar
 class YamlEnvKeys(TextRule):
     code = "YM004"
     name = "yaml-env-keys"
-    description = "CUDA_VISIBLE_DEVICES, PYTORCH_CUDA_ALLOC_CONF, NCCL_SOCKET_IFNAME ... as YAML keys -> Ascend/HCCL names"
+    description = (
+        "CUDA_VISIBLE_DEVICES, PYTORCH_CUDA_ALLOC_CONF, NCCL_SOCKET_IFNAME ... as YAML keys -> Ascend/HCCL names"
+    )
     safety = REVIEW
     kind = "yaml"
     source = "docs/sources.md#ascend-env-vars, docs/sources.md#class-a-safe, docs/sources.md#class-s-review"

@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 
-SOURCE = '''import torch
+SOURCE = """import torch
 
 
 def build(use_cuda):
@@ -25,7 +25,7 @@ def build(use_cuda):
         from torch.backends import cuda as flags
     flags.allow_tf32 = True
     return Ext(name="op", sources=["op.cpp"])
-'''
+"""
 
 PROBE = """
 import dataclasses, json, sys
@@ -40,7 +40,9 @@ def test_same_result_under_every_hash_seed():
     results = set()
     for seed in ("0", "1", "2", "3", "4"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        out = subprocess.run([sys.executable, "-c", PROBE], input=SOURCE, env=env, capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", PROBE], input=SOURCE, env=env, capture_output=True, text=True, check=True
+        )
         results.add(out.stdout)
     assert len(results) == 1, "findings depend on PYTHONHASHSEED"
     new, findings, reason = json.loads(results.pop())

@@ -138,7 +138,9 @@ def test_safe_only_and_select(project: Path, tmp_path: Path):
     assert data["summary"]["changes_by_safety"]["review"] == 0
     assert data["summary"]["review_not_applied"] > 0
     rep2 = tmp_path / "rep2"
-    assert main([str(project), "--check", "--select", "PY102,SH", "--ignore", "SH004", "--report", str(rep2), "-q"]) == 1
+    assert (
+        main([str(project), "--check", "--select", "PY102,SH", "--ignore", "SH004", "--report", str(rep2), "-q"]) == 1
+    )
     rules = {c["rule"] for c in json.loads((rep2 / "report.json").read_text())["changes"]}
     assert rules and all(r == "PY102" or r.startswith("SH") for r in rules) and "SH004" not in rules
 
@@ -196,7 +198,9 @@ def test_mindspeed_entry_script_and_te_flags(tmp_path: Path):
     (src / "pretrain_gpt.py").write_text(
         "import torch\nfrom megatron.training import pretrain\n\n\nif __name__ == '__main__':\n    pretrain()\n"
     )
-    (src / "run.sh").write_text("torchrun pretrain_gpt.py --transformer-impl transformer_engine --swiglu --distributed-backend nccl\n")
+    (src / "run.sh").write_text(
+        "torchrun pretrain_gpt.py --transformer-impl transformer_engine --swiglu --distributed-backend nccl\n"
+    )
     out = tmp_path / "out"
     assert main([str(src), "--to", "mindspeed", "--out", str(out), "-q"]) == 0
     py = (out / "pretrain_gpt.py").read_text()
@@ -210,12 +214,18 @@ def test_mindspeed_entry_script_and_te_flags(tmp_path: Path):
 def test_runtime_mode_entry_points_only(tmp_path: Path):
     src = tmp_path / "rt"
     src.mkdir()
-    (src / "train.py").write_text('"""doc"""\nimport os\nimport torch\n\ntorch.cuda.synchronize()\n\nif __name__ == "__main__":\n    pass\n')
+    (src / "train.py").write_text(
+        '"""doc"""\nimport os\nimport torch\n\ntorch.cuda.synchronize()\n\nif __name__ == "__main__":\n    pass\n'
+    )
     (src / "lib.py").write_text("import torch\n\ntorch.cuda.synchronize()\n")
     out = tmp_path / "out"
     assert main([str(src), "--mode", "runtime", "--out", str(out), "-q"]) == 0
-    assert (out / "train.py").read_text().startswith(
-        '"""doc"""\nimport os\nimport torch\nimport torch_npu\nfrom torch_npu.contrib import transfer_to_npu'
+    assert (
+        (out / "train.py")
+        .read_text()
+        .startswith(
+            '"""doc"""\nimport os\nimport torch\nimport torch_npu\nfrom torch_npu.contrib import transfer_to_npu'
+        )
     )
     assert "torch.cuda.synchronize()" in (out / "train.py").read_text()
     assert (out / "lib.py").read_text() == (src / "lib.py").read_text()

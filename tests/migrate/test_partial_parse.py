@@ -59,7 +59,7 @@ def train(model, x):
 {filler}''',
     # an import inside one function binds a name file-wide (no scope analysis); it decides the
     # role of the "nccl" string in another function
-    "nested_import_binds": '''import os
+    "nested_import_binds": """import os
 {filler}
 def setup():
     import torch.distributed as d
@@ -67,9 +67,9 @@ def setup():
 {filler}
 def init():
     d.init_process_group("nccl")
-''',
+""",
     # `c = torch.cuda` in one function, `c.synchronize()` in another
-    "assign_alias": '''import torch
+    "assign_alias": """import torch
 {filler}
 def a():
     c = torch.cuda
@@ -77,10 +77,10 @@ def a():
 {filler}
 def b():
     c.synchronize()
-''',
+""",
     # `import torch_npu` goes before `from torch.utils import data`, after a blanked function:
     # before or after it is only known from the whole file (the partial result is refused)
-    "insert_between_blanked": '''import os
+    "insert_between_blanked": """import os
 
 
 def early():
@@ -91,8 +91,8 @@ from torch.utils import data
 {filler}
 def f():
     torch.cuda.synchronize()
-''',
-    "insert_after_plain_torch": '''# licence header
+""",
+    "insert_after_plain_torch": """# licence header
 # second line
 
 import torch
@@ -106,13 +106,13 @@ def g():
 {filler}
 if __name__ == "__main__":
     g()
-''',
-    "no_trailing_newline": '''import torch
+""",
+    "no_trailing_newline": """import torch
 {filler}
 def f():
     return torch.cuda.is_available()
 {filler}
-x = 1''',
+x = 1""",
     "entry_script_megatron": '''"""Pretrain."""
 import torch
 from megatron.training import pretrain, get_args
@@ -124,7 +124,7 @@ def forward_step(data_iterator, model):
 if __name__ == "__main__":
     pretrain(forward_step, backend="nccl")
 ''',
-    "comments_between": '''import torch
+    "comments_between": """import torch
 {filler}
 # comment before a blanked function
 
@@ -133,7 +133,7 @@ def f():
     t = torch.zeros(3).cuda()
     return t
 # trailing comment
-''',
+""",
     # CUDA calls in two methods of a large class, a blanked method between them: the class is
     # parsed with only those members and patched member by member
     "class_members": '''import torch
@@ -161,7 +161,7 @@ class Trainer:
 {filler}''',
     # a class whose last members are blanked, followed by the statement before which
     # `import torch_npu` is inserted: where the class ends is not known from the partial parse
-    "insert_after_partial_class": '''import os
+    "insert_after_partial_class": """import os
 
 
 class Early:
@@ -173,9 +173,9 @@ class Early:
 
 
 from torch.utils import data
-{filler}''',
+{filler}""",
     # only the class header triggers: one member is parsed so the body is not empty
-    "class_header_only": '''import torch
+    "class_header_only": """import torch
 {filler}
 class Wrapper(torch.nn.DataParallel):
     def a(self):
@@ -183,21 +183,21 @@ class Wrapper(torch.nn.DataParallel):
 
     def b(self):
         return 2
-{filler}''',
+{filler}""",
     # found by an adversarial review (each differed between partial and whole-file parse)
     "backslash_joined_lines": "import torch; \\\nx = 1\n{filler}\ndef f():\n    torch.cuda.synchronize()\n{filler}"
-                              "\ny = 2; \\\nimport os\nif __name__ == '__main__':\n    f()\n",
+    "\ny = 2; \\\nimport os\nif __name__ == '__main__':\n    f()\n",
     "functional_data_parallel": "import torch\n{filler}\ndef f(m, x):\n    return torch.nn.parallel.data_parallel(m, x)\n"
-                                "{filler}\ndef g():\n    torch.cuda.synchronize()\n",
+    "{filler}\ndef g():\n    torch.cuda.synchronize()\n",
     "strings_the_rules_test": "import importlib, subprocess\n{filler}\ndef f():\n    subprocess.run(' nvidia-smi')\n"
-                              "    importlib.import_module('cupy')\n    importlib.import_module('torchao.float8')\n"
-                              "    return 'NCCL_DEBUG=INFO'\n{filler}\ndef g(t):\n    return t.cuda()\n",
+    "    importlib.import_module('cupy')\n    importlib.import_module('torchao.float8')\n"
+    "    return 'NCCL_DEBUG=INFO'\n{filler}\ndef g(t):\n    return t.cuda()\n",
     "form_feed_alias": "import torch\ncu = torch.cuda\x0c\n{filler}\ndef f():\n    cu.synchronize()\n{filler}"
-                       "\ndef g():\n    return cu.get_device_capability()\n",
+    "\ndef g():\n    return cu.get_device_capability()\n",
     "non_ascii_import_name": "def setup():\n    import torch.distributed as \u03c0d\n{filler}\ndef init():\n"
-                             "    \u03c0d.init_process_group('nccl')\n",
+    "    \u03c0d.init_process_group('nccl')\n",
     "megatron_and_torch_inserts": "from megatron.core import mpu\n{filler}\nimport torch\n{filler}\ndef f(t):\n"
-                                  "    return t.cuda()\nif __name__ == '__main__':\n    f()\n",
+    "    return t.cuda()\nif __name__ == '__main__':\n    f()\n",
     "parenthesized_decorator": "import torch\n{filler}\n@(\n    torch.cuda.amp.custom_fwd\n)\ndef f(x):\n    return x\n",
 }
 
@@ -214,14 +214,20 @@ def _fixture_files() -> list[Path]:
 
 def _generated() -> list[tuple[str, str]]:
     rng = random.Random(7)
-    return [(f"gen_{kind}_{i}", migrate_speed._module(rng, kind, i)) for kind in ("cuda", "prose", "plain") for i in range(6)]
+    return [
+        (f"gen_{kind}_{i}", migrate_speed._module(rng, kind, i))
+        for kind in ("cuda", "prose", "plain")
+        for i in range(6)
+    ]
 
 
 def _same(text: str, name: str, options: Options) -> None:
     part = pyfile.migrate_python(text, name, options)
     whole = pyfile.migrate_python(text, name, options, partial=False)
     assert part[0] == whole[0], f"{name}: output text differs from a whole-file parse"
-    assert [dataclasses.astuple(f) for f in part[1]] == [dataclasses.astuple(f) for f in whole[1]], f"{name}: findings differ"
+    assert [dataclasses.astuple(f) for f in part[1]] == [dataclasses.astuple(f) for f in whole[1]], (
+        f"{name}: findings differ"
+    )
     assert part[3] == whole[3], name
 
 
@@ -287,7 +293,11 @@ def test_runtime_mode_parses_imports_and_entry_only():
 
 
 def test_entry_script_without_imports_keeps_its_docstring_parsed():
-    text = '"""Entry."""\n' + "".join(FILLER.format(i=i) for i in range(3)) + '\nif __name__ == "__main__":\n    helper_0([1])\n'
+    text = (
+        '"""Entry."""\n'
+        + "".join(FILLER.format(i=i) for i in range(3))
+        + '\nif __name__ == "__main__":\n    helper_0([1])\n'
+    )
     options = OPTIONS["runtime"]
     plan = pyfile._prefilter(text, options)
     assert plan.partial and plan.parsed[0] == 0  # the shim goes after the docstring: it must be parsed
@@ -298,10 +308,16 @@ def test_entry_script_without_imports_keeps_its_docstring_parsed():
 
 def test_patch_refuses_to_replace_a_blanked_line():
     region = "# lead\nx = 1\ny = torch.cuda.foo()\n"
-    assert pyfile._replace_changed_lines(region, "# lead\nx = 1\ny = torch.cuda.foo()\n", "# lead\nx = 1\ny = torch.npu.foo()\n") == (
-        "# lead\nx = 1\ny = torch.npu.foo()\n")
+    assert pyfile._replace_changed_lines(
+        region, "# lead\nx = 1\ny = torch.cuda.foo()\n", "# lead\nx = 1\ny = torch.npu.foo()\n"
+    ) == ("# lead\nx = 1\ny = torch.npu.foo()\n")
     # line 2 was blanked for LibCST ("" in the parsed text): a change there cannot be spliced back
-    assert pyfile._replace_changed_lines(region, "# lead\n\ny = torch.cuda.foo()\n", "# lead\nz = 2\ny = torch.npu.foo()\n") is None
+    assert (
+        pyfile._replace_changed_lines(
+            region, "# lead\n\ny = torch.cuda.foo()\n", "# lead\nz = 2\ny = torch.npu.foo()\n"
+        )
+        is None
+    )
 
 
 def test_class_members_are_blanked_and_patched_one_by_one():
@@ -343,7 +359,9 @@ def _installed_sources(package: str, limit: int) -> list[Path]:
     import importlib.util
 
     spec = importlib.util.find_spec(package)
-    assert spec is not None and spec.submodule_search_locations, f"{package} is a test dependency (./dev test installs it)"
+    assert spec is not None and spec.submodule_search_locations, (
+        f"{package} is a test dependency (./dev test installs it)"
+    )
     root = Path(list(spec.submodule_search_locations)[0])
     files = [p for p in sorted(root.rglob("*.py")) if "cuda" in p.read_text(encoding="utf-8", errors="replace")]
     return files[:: max(1, len(files) // limit)][:limit]
@@ -371,7 +389,10 @@ def test_review_findings_are_fixed():
     assert {"PY908", "PY910", "PY911"} <= {f.rule for f in findings}
     # two inserts: `import torch_npu` right after `import torch` even after MS001 inserted first
     new, _, _, _ = pyfile.migrate_python(_case_text("megatron_and_torch_inserts"), "x.py", ms)
-    assert "import mindspeed.megatron_adaptor  # noqa: F401 - patches Megatron for NPU\nfrom megatron.core import mpu\n" in new
+    assert (
+        "import mindspeed.megatron_adaptor  # noqa: F401 - patches Megatron for NPU\nfrom megatron.core import mpu\n"
+        in new
+    )
     assert "\nimport torch\nimport torch_npu\n" in new
     # the '@' of a parenthesized decorator starts the statement (the expression is a line later)
     new, _, _, reason = pyfile.migrate_python(_case_text("parenthesized_decorator"), "x.py", npu)

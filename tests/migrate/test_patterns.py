@@ -20,7 +20,9 @@ REGEN = os.environ.get("BENCH_MIGRATE_REGEN") == "1"
 
 
 def _describe(findings) -> str:
-    return "".join(f"{f.line} {f.rule} {f.safety} {'applied' if f.applied else 'manual'}: {f.message}\n" for f in findings)
+    return "".join(
+        f"{f.line} {f.rule} {f.safety} {'applied' if f.applied else 'manual'}: {f.message}\n" for f in findings
+    )
 
 
 def _run(name: str):
@@ -60,7 +62,7 @@ def test_p01_test_moves_with_device():
 
 def test_p03_backend_checks_reported_not_renamed():
     before, new, findings = _run("p03_backend_equals_nccl")
-    assert new.count("== \"nccl\"") == 1 and "== 'nccl'" in new
+    assert new.count('== "nccl"') == 1 and "== 'nccl'" in new
     assert sum(f.rule == "PY904" for f in findings) == 2
 
 
@@ -78,7 +80,14 @@ def test_p05_capability_flagged_not_renamed():
 
 def test_p10_public_names_untouched():
     before, new, _ = _run("p10_public_cuda_names")
-    for name in ("get_cuda_rng_tracker", "model_parallel_cuda_manual_seed", '"--no_cuda"', '"cuda_rng_state"', '"use_cuda"', "help=\"disable cuda\""):
+    for name in (
+        "get_cuda_rng_tracker",
+        "model_parallel_cuda_manual_seed",
+        '"--no_cuda"',
+        '"cuda_rng_state"',
+        '"use_cuda"',
+        'help="disable cuda"',
+    ):
         assert before.count(name) == new.count(name) > 0, name
 
 

@@ -11,7 +11,9 @@ from parabench.migrate.rules import _base
 from parabench.migrate.rules._py import PyRule
 
 SOURCE = "import torch\n\nx = torch.zeros(2).cuda()\ntorch.cuda.synchronize()\n"
-NOTHING_ELSE = "def wait(cuda_stream):\n    cuda_stream.synchronize()\n"  # passes the pre-filter; no other rule has work here
+NOTHING_ELSE = (
+    "def wait(cuda_stream):\n    cuda_stream.synchronize()\n"  # passes the pre-filter; no other rule has work here
+)
 
 
 class RaisingRule(PyRule):

@@ -374,7 +374,7 @@ def test_not_applied_at_import():
 
 # --- Megatron-Core 0.16.1 on the cpu (docs/sources.md#megatron-on-cpu) -------------------------------
 
-_MEGATRON_BUILD = '''
+_MEGATRON_BUILD = """
 import torch, torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -407,9 +407,11 @@ def batch():
     labels = torch.randint(0, 128, (2, 16), generator=g).cuda()
     pos = torch.arange(16, device="cuda").unsqueeze(0).expand(2, -1)
     return tokens, pos, labels
-'''
+"""
 
-_MEGATRON_RUN = _MEGATRON_BUILD + '''
+_MEGATRON_RUN = (
+    _MEGATRON_BUILD
+    + '''
 import json, sys
 import torch.multiprocessing as mp
 from parabench.redirect import current, redirect
@@ -468,6 +470,7 @@ if __name__ == "__main__":
         out[world] = [q.get() for _ in range(world)]
     print(json.dumps(out))
 '''
+)
 
 
 @pytest.fixture(scope="module")
