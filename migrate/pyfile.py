@@ -17,7 +17,7 @@ import re
 
 from parabench.migrate import api_map
 from parabench.migrate.core import Finding, Options
-from parabench.migrate.rules._base import rules_for
+from parabench.migrate.rules._base import rules_for, statement_first_line
 
 # Words that any static Python rule can react to (case-insensitive, in identifiers or strings).
 _STATIC_WORDS = (
@@ -224,21 +224,6 @@ def _bindings(nodes) -> list[tuple[str, str]]:
     return out
 
 
-def first_line(stmt, lines: list[str] | None) -> int:
-    """First line of a statement: the line of its first decorator's ``@`` (the ast gives the
-    decorator expression's line, a later one for ``@(`` + newline + expression), else its own."""
-    decorators = getattr(stmt, "decorator_list", None)
-    if not decorators:
-        return stmt.lineno
-    d = decorators[0]
-    if lines is not None:
-        for k in range(d.lineno, max(0, d.lineno - 20), -1):
-            text = lines[k - 1] if k != d.lineno else lines[k - 1].encode()[: d.col_offset].decode("utf-8", "ignore")
-            if text.lstrip().startswith("@"):
-                return k
-    return d.lineno
-
-
 def _joined(prev, nxt, lines: list[str]) -> bool:
     """Are two consecutive statements one line for LibCST (``a; b``, also across a ``\\``)?"""
     if nxt.lineno == prev.end_lineno:
@@ -258,7 +243,7 @@ def _group(stmts: list, lines: list[str]) -> list[tuple[int, int, int]]:
         j = i + 1
         while j < n and _joined(stmts[j - 1], stmts[j], lines):
             j += 1
-        out.append((first_line(stmts[i], lines), i, j))
+        out.append((statement_first_line(stmts[i], lines), i, j))
         i = j
     return out
 

@@ -74,13 +74,7 @@ HEAVY = {
 }
 
 # (importer, imported): an exception to the rules above, each with the reason it must stay.
-ALLOWED: dict[tuple[str, str], str] = {
-    ("parabench.migrate.pyfile", "parabench.migrate.rules._py"): (
-        "cycle: pyfile runs the Python rules (migrate_python imports rules._py lazily) and rules._py "
-        "uses pyfile's statement selection (_select, first_line). Breaking it means moving the rule "
-        "runner out of pyfile; until then the lazy import keeps the cycle out of import time."
-    ),
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True)

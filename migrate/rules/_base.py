@@ -135,3 +135,18 @@ class TextRule(Rule):
 # --- Python rules ----------------------------------------------------------------------------
 
 Edit = Callable[[object], object]
+
+
+def statement_first_line(stmt, lines: list[str] | None) -> int:
+    """First line of a statement: the line of its first decorator's ``@`` (the ast gives the
+    decorator expression's line, a later one for ``@(`` + newline + expression), else its own."""
+    decorators = getattr(stmt, "decorator_list", None)
+    if not decorators:
+        return stmt.lineno
+    d = decorators[0]
+    if lines is not None:
+        for k in range(d.lineno, max(0, d.lineno - 20), -1):
+            text = lines[k - 1] if k != d.lineno else lines[k - 1].encode()[: d.col_offset].decode("utf-8", "ignore")
+            if text.lstrip().startswith("@"):
+                return k
+    return d.lineno

@@ -15,9 +15,9 @@ from typing import ClassVar
 
 import libcst as cst
 
-from parabench.migrate import api_map, pyfile
+from parabench.migrate import api_map
 from parabench.migrate.core import MANUAL, REVIEW, Finding, Options
-from parabench.migrate.rules._base import Rule
+from parabench.migrate.rules._base import Rule, statement_first_line
 from parabench.migrate.rules._walk import walk
 
 DEVICE_RE = re.compile(r"^cuda(:\d+)?$")
@@ -364,7 +364,7 @@ class Layout:
                 if decorators:
                     if not first.decorator_list:
                         return None
-                    first_line = pyfile.first_line(first, lines)
+                    first_line = statement_first_line(first, lines)
                     before += len(decorators[0].leading_lines)
                     region.append(first_line - before)
                     continue
