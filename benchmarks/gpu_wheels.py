@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ALWAYS_ON_TARGET = re.compile(r"^(torch|triton|nvidia-.*|setuptools|pip|wheel)$")  # the target's own
 PLATFORMS = [
@@ -34,18 +35,14 @@ PLATFORMS = [
 ]
 
 
-def canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def closure(root: str, extras: set[str]) -> dict[str, str]:
     """name -> installed version of root and everything it needs (with extras), from metadata."""
-    dists = {canonical(d.metadata["Name"]): d for d in md.distributions()}
+    dists = {canonicalize_name(d.metadata["Name"]): d for d in md.distributions()}
     found: dict[str, str] = {}
     todo = [(root, extras)]
     while todo:
         name, wanted = todo.pop()
-        key = canonical(name)
+        key = canonicalize_name(name)
         if key in found:
             continue
         if key not in dists:
@@ -115,7 +112,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", type=Path, default=Path(".whl"))
     args = p.parse_args(argv)
     have = {
-        canonical(line.split("==")[0].strip())
+        canonicalize_name(line.split("==")[0].strip())
         for line in args.have.read_text().splitlines()
         if line.strip() and not line.startswith("#")
     }
