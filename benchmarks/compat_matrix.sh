@@ -39,17 +39,8 @@ pipq() {  # $1 venv, then pip install arguments; pip's own output minus the loca
   return "$rc"
 }
 
-# torch's identity without importing it: version, a hash of its RECORD (every file's hash) and the
-# inode + mtime of its core library, so a reinstall of the same version is caught too.
-fingerprint() {
-  "$1/bin/python" - <<'PY'
-import hashlib, importlib.metadata as md, os
-d = md.distribution("torch")
-lib = next(f for f in d.files if f.name.startswith("libtorch_cpu"))
-st = os.stat(d.locate_file(lib))
-print(d.version, hashlib.sha256(d.read_text("RECORD").encode()).hexdigest()[:16], st.st_ino, int(st.st_mtime))
-PY
-}
+# torch's identity without importing it (benchmarks/torch_fingerprint.py, shared with gpu_check.sh).
+fingerprint() { "$1/bin/python" "$REPO/benchmarks/torch_fingerprint.py"; }
 
 # $1 venv, $2 python, $3 torch requirement: a venv holding that torch (kept if it is already there)
 venv_with_torch() {

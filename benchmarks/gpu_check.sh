@@ -67,17 +67,14 @@ step() {  # step NAME TIMEOUT_S CMD...: run, log, record status and seconds; nev
   say "step $name: $status in $(( $(date +%s) - t0 ))s"
 }
 
-torch_fingerprint() {  # version, file and a hash of torch's installed RECORD: changes if pip touched it
-  "$PY" - <<'PY'
-import hashlib, importlib.metadata as md, torch
-record = md.distribution("torch").read_text("RECORD") or ""
-print(torch.__version__, torch.__file__, hashlib.sha256(record.encode()).hexdigest()[:16])
-PY
+torch_fingerprint() {  # version, RECORD hash, core library's inode + mtime: changes if pip touched torch
+  "$PY" "$REPO/benchmarks/torch_fingerprint.py"
 }
 
 install() {
   local before after
-  before=$(torch_fingerprint) || { say "no importable torch for $PY: the check needs a preinstalled torch"; return 1; }
+  "$PY" -c "import torch" || { say "no importable torch for $PY: the check needs a preinstalled torch"; return 1; }
+  before=$(torch_fingerprint) || return 1
   say "torch before install: $before"
   if [ -n "$WHEELS" ]; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl || return 1
