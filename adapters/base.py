@@ -41,6 +41,19 @@ class Capabilities:
     shards_model_states: bool = False  # ZeRO/FSDP-style sharding of params/grads/optimizer states
     multi_node: bool = True
     model_features: frozenset[str] = frozenset()  # optional model parts it implements (spec.MODEL_FEATURES)
+    checkpoint: CheckpointSupport | None = None  # None: run.checkpoint / run.resume are refused before launch
+
+
+@dataclass(frozen=True)
+class CheckpointSupport:
+    """How a backend checkpoints (docs/resilience.md): checked against ``run.checkpoint``/``run.resume``
+    before launch."""
+
+    format: str  # "dcp" | "deepspeed" | "megatron-dist" | "mindspore-ckpt"
+    async_save: str | None = "not implemented"  # None: run.checkpoint.async works; else why it is refused
+    # Layout keys that may differ between the saving and the resuming job ("world_size", "dp", "tp"...);
+    # any other difference is refused before launch, naming the key.
+    reshard: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -173,6 +186,19 @@ class Engine(ABC):
     def artifacts(self) -> dict[str, Any]:
         """Backend-specific documents for rank 0 to log (e.g. the effective DeepSpeed config)."""
         return {}
+
+    def save_checkpoint(self, directory: Path, *, async_save: bool = False) -> None:
+        """Collective (every rank calls it): write model + optimizer state in the backend's native
+        format into ``directory`` (created by the harness under a temporary name). With
+        ``async_save`` it may return before the files are written; ``finish_checkpoint`` waits."""
+        raise NotImplementedError(f"{type(self).__name__} does not checkpoint")
+
+    def finish_checkpoint(self) -> None:  # noqa: B027 - optional hook: saves are synchronous by default
+        """Block until the last ``save_checkpoint(async_save=True)`` is fully written."""
+
+    def load_checkpoint(self, directory: Path) -> None:
+        """Collective: restore model + optimizer state from ``directory`` (native format)."""
+        raise NotImplementedError(f"{type(self).__name__} does not checkpoint")
 
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         pass
