@@ -47,6 +47,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "parabench.devices",
             "parabench.redirect",
             "parabench.flops",
+            "parabench.commvolume",
             "parabench.metrics",
             "parabench.tracking",
             "parabench.plots",
