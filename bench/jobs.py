@@ -22,6 +22,7 @@ from parabench.spec import (
     BackendSpec,
     DataSpec,
     DeviceSpec,
+    FaultSpec,
     JobSpec,
     LaunchSpec,
     ModelSpec,
@@ -32,9 +33,10 @@ from parabench.spec import (
     build,
     validate_common,
     validate_parallel,
+    validate_resilience,
 )
 
-_TOP_LEVEL = {"model", "data", "optim", "device", "launcher", "run", "tracking", "backend", "experiment"}
+_TOP_LEVEL = {"model", "data", "optim", "device", "launcher", "run", "tracking", "backend", "experiment", "fault"}
 
 
 def from_config(cfg: Mapping[str, Any]) -> JobSpec:
@@ -53,6 +55,7 @@ def from_config(cfg: Mapping[str, Any]) -> JobSpec:
     launch = build(LaunchSpec, cfg.get("launcher"), "launcher")
     run = build(RunSpec, cfg.get("run"), "run")
     tracking = build(TrackingSpec, cfg.get("tracking"), "tracking")
+    fault = build(FaultSpec, cfg.get("fault"), "fault")
 
     backend_node = dict(cfg.get("backend") or {})
     name = backend_node.pop("name", None)
@@ -65,6 +68,7 @@ def from_config(cfg: Mapping[str, Any]) -> JobSpec:
         raise SpecError(extra[0], "unknown top-level key")
 
     validate_common(model, data, optim, device, launch, run)
+    validate_resilience(run, launch, fault)
     parallel = adapter.parallel_dims(options, launch.world_size, model)
     validate_parallel(parallel, model, data)
     return JobSpec(
@@ -78,6 +82,7 @@ def from_config(cfg: Mapping[str, Any]) -> JobSpec:
         backend=BackendSpec(name, options),
         parallel=parallel,
         experiment=cfg.get("experiment") if isinstance(cfg.get("experiment"), str) else None,
+        fault=fault,
     )
 
 
@@ -108,6 +113,7 @@ def job_from_json(text: str) -> JobSpec:
         backend=BackendSpec(backend_raw["name"], build(adapter.Options, backend_raw["options"], "backend")),
         parallel=build(ParallelDims, raw["parallel"], "parallel"),
         experiment=raw.get("experiment"),
+        fault=build(FaultSpec, raw.get("fault"), "fault"),
     )
 
 

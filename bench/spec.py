@@ -94,23 +94,24 @@ def build(cls: type[_Spec], node: Mapping[str, Any] | None, prefix: str) -> _Spe
     node = dict(node or {})
     hints = typing.get_type_hints(cls)
     kwargs = {}
-    names = [f.name for f in dataclasses.fields(cls) if f.init]
-    for name in names:
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    names = [f.metadata.get("key", f.name) for f in fields]  # the config key (e.g. async for async_)
+    for f, name in zip(fields, names, strict=True):
         if name in node:
-            kwargs[name] = _coerce(node.pop(name), hints[name], f"{prefix}.{name}")
+            kwargs[f.name] = _coerce(node.pop(name), hints[f.name], f"{prefix}.{name}")
     if node:
         unknown = sorted(node)[0]
         raise SpecError(f"{prefix}.{unknown}", f"unknown key (valid keys: {', '.join(names)})")
     try:
         return cls(**kwargs)
     except TypeError as exc:  # a required field is missing
-        missing = [n for n in names if n not in kwargs]
+        missing = [n for f, n in zip(fields, names, strict=True) if f.name not in kwargs]
         raise SpecError(f"{prefix}.{missing[0] if missing else ''}", f"required ({exc})") from None
 
 
 def to_dict(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {f.metadata.get("key", f.name): to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, tuple):
         return [to_dict(v) for v in obj]
     return obj
@@ -253,10 +254,32 @@ class LaunchSpec:
     collective_timeout_s: float = 180.0  # process-group timeout: a hung collective fails after this
     setup_timeout_s: float = 1800.0  # runner watchdog until the first step (imports, JIT op builds)
     hang_timeout_s: float = 600.0  # runner watchdog: no progress for this long -> kill, FAILED
+    max_restarts: int = 0  # restart failed workers this often (torchrun --max-restarts); they resume
 
     @property
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """``run.checkpoint.*``: step-level checkpoints in the backend's native format (docs/resilience.md)."""
+
+    every: int = 0  # save after every N-th step; 0 = off
+    dir: str | None = None  # None: <run dir>/checkpoints
+    keep: int = 2  # complete checkpoints kept (older ones pruned once a newer one is complete); 0 = all
+    # ``async`` is a Python keyword: the config key run.checkpoint.async maps to this field
+    async_: bool = dataclasses.field(default=False, metadata={"key": "async"})
+    on_signal: bool = False  # SIGINT/SIGTERM to `bench run`: write a last checkpoint before stopping
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """``fault.*``: one injected failure per run directory, to measure recovery (parabench.faults)."""
+
+    kind: typing.Literal["none", "kill", "hang", "exception"] = "none"
+    rank: int = 0
+    step: int = 0  # fires before this 0-based step runs, i.e. after `step` completed steps
 
 
 @dataclass(frozen=True)
@@ -269,6 +292,8 @@ class RunSpec:
     checksum: bool = True  # gather the loaded weights and checksum them (identical start proof)
     repeats: int = 1  # run the job this many times (separate MLflow runs, tag `repeat`) for noise bands
     results_dir: str = "results"
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    resume: str = "auto"  # auto: newest complete checkpoint of run.checkpoint.dir | never | a checkpoint path
 
 
 @dataclass(frozen=True)
@@ -308,6 +333,7 @@ class JobSpec:
     backend: BackendSpec
     parallel: ParallelDims
     experiment: str | None = None  # +experiment=NAME, when one was used
+    fault: FaultSpec = FaultSpec()
 
     @property
     def grad_accum(self) -> int:
@@ -442,6 +468,34 @@ def _validate_data(data: DataSpec, model: ModelSpec) -> None:
         raise SpecError("model.vocab_size", "the byte-level tokenizer needs vocab_size >= 256")
 
 
+def validate_resilience(run: RunSpec, launch: LaunchSpec, fault: FaultSpec) -> None:
+    """``run.checkpoint.*``, ``run.resume``, ``fault.*`` and ``launcher.max_restarts`` on their own
+    (what the backend supports is checked by parabench.checkpoint.check_support)."""
+    ckpt = run.checkpoint
+    for key, value in (
+        ("run.checkpoint.every", ckpt.every),
+        ("run.checkpoint.keep", ckpt.keep),
+        ("launcher.max_restarts", launch.max_restarts),
+        ("fault.rank", fault.rank),
+        ("fault.step", fault.step),
+    ):
+        if value < 0:
+            raise SpecError(key, f"must be >= 0, got {value}")
+    if ckpt.async_ and not ckpt.every:
+        raise SpecError("run.checkpoint.async", "asynchronous saving needs run.checkpoint.every > 0")
+    if ckpt.dir is not None and not ckpt.dir.strip():
+        raise SpecError("run.checkpoint.dir", "empty path (null = <run dir>/checkpoints)")
+    if not run.resume.strip():
+        raise SpecError("run.resume", "empty: auto, never or the path of a checkpoint")
+    if fault.kind == "none":
+        return
+    if fault.rank >= launch.world_size:
+        raise SpecError("fault.rank", f"{fault.rank} is not a rank of this job (world size {launch.world_size})")
+    total = run.warmup_steps + run.steps
+    if fault.step >= total:
+        raise SpecError("fault.step", f"{fault.step} is not before the last step (the job runs {total} steps)")
+
+
 def validate_parallel(parallel: ParallelDims, model: ModelSpec, data: DataSpec) -> None:
     """The batch geometry against the parallel dimensions the backend derived."""
     per_step = data.micro_batch_size * parallel.dp
@@ -466,8 +520,10 @@ def resolve_device(job: JobSpec, device_type: typing.Literal["cpu", "cuda", "npu
 
 __all__ = [
     "BackendSpec",
+    "CheckpointSpec",
     "DataSpec",
     "DeviceSpec",
+    "FaultSpec",
     "JobSpec",
     "LaunchSpec",
     "ModelSpec",
@@ -480,6 +536,7 @@ __all__ = [
     "build",
     "validate_common",
     "validate_parallel",
+    "validate_resilience",
     "resolve_device",
     "to_dict",
     "tracking_from_config",
