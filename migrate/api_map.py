@@ -141,7 +141,8 @@ ENV_MAP: dict[str, tuple[str | None, str, str]] = {
         "ASCEND_LAUNCH_BLOCKING=1 also disables the task queue",
     ),
 }
-# NCCL tuning variables with no HCCL equivalent: dropped with a warning (docs/sources.md#ascend-env-vars).
+# NCCL tuning variables with no HCCL equivalent (docs/sources.md#ascend-env-vars): shell assignments are
+# commented out (SH003), Python uses are reported and left in place (PY911); the tips say neither.
 ENV_DROP_PREFIXES: tuple[str, ...] = ("NCCL_", "TORCH_NCCL_")
 ENV_DROP_TIPS: dict[str, str] = {
     "NCCL_IB_": "InfiniBand tuning has no HCCL equivalent (HCCL uses RoCE; see HCCL_* docs)",
@@ -159,7 +160,7 @@ def env_drop_tip(name: str) -> str:
     for prefix, tip in ENV_DROP_TIPS.items():
         if name.startswith(prefix):
             return tip
-    return "no HCCL equivalent known: dropped"
+    return "no HCCL equivalent known"
 
 
 def is_droppable_env(name: str) -> bool:

@@ -61,3 +61,15 @@ class FileResult:
     findings: list[Finding] = dataclasses.field(default_factory=list)
     diff: str = ""
     full_parse: bool = False
+    # where source lines moved in the output, when lines were added or removed: (first source line,
+    # output line - source line) from that line on; empty = the same line numbers (engine.line_shifts)
+    line_shifts: tuple[tuple[int, int], ...] = ()
+
+    def output_line(self, line: int) -> int:
+        """The output line that source line ``line`` became (its first line when it was replaced)."""
+        shift = 0
+        for first, delta in self.line_shifts:
+            if first > line:
+                break
+            shift = delta
+        return line + shift

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import errno
 import os
 import shutil
 import stat
@@ -25,6 +26,10 @@ SKIP_DIRS = frozenset(
 SHELL_EXT = frozenset({".sh", ".bash", ".zsh", ".slurm", ".sbatch"})
 YAML_EXT = frozenset({".yaml", ".yml"})
 CUDA_EXT = frozenset({".cu", ".cuh"})
+SYMLINK_SKIPS = {
+    "symlink-out": "symlink points outside the source tree: not followed",
+    "symlink-loop": "symlink loop (it points to itself, directly or through other links): not followed",
+}
 SERIAL_BELOW = 48  # fewer files than this: no process pool (start-up costs more than it saves)
 
 
@@ -43,6 +48,7 @@ class RunResult:
     roots: list[str]
     out: str | None
     files: list[FileResult]
+    in_place: bool = False  # the sources were rewritten: their lines are the output's
 
     @property
     def findings(self) -> list[Finding]:
@@ -79,7 +85,7 @@ def classify(path: Path) -> str:
 
 
 def discover(roots: list[Path]) -> list[tuple[Path, Path, str, str]]:
-    """-> [(root, path, rel, how)]; how: file | symlink-in | symlink-out. Deterministic order."""
+    """-> [(root, path, rel, how)]; how: file | symlink-in | symlink-out | symlink-loop. Deterministic order."""
     multi = len(roots) > 1
     found = []
     for root in roots:
@@ -98,8 +104,11 @@ def discover(roots: list[Path]) -> list[tuple[Path, Path, str, str]]:
                 if p.is_symlink():
                     try:
                         target = p.resolve(strict=False)
-                    except (OSError, RuntimeError):
-                        found.append((root, p, rel, "symlink-out"))
+                    except RuntimeError:  # "Symlink loop" (Python < 3.13)
+                        found.append((root, p, rel, "symlink-loop"))
+                        continue
+                    except OSError as exc:  # ELOOP from Python 3.13 on
+                        found.append((root, p, rel, "symlink-loop" if exc.errno == errno.ELOOP else "symlink-out"))
                         continue
                     found.append((root, p, rel, "symlink-in" if target.is_relative_to(real_root) else "symlink-out"))
                 else:
@@ -163,6 +172,7 @@ def process(task: Task, options: Options) -> FileResult:
         _copy(task)
         return res
     res.status = "changed"
+    res.line_shifts = line_shifts(text, new)
     if task.diff:
         res.diff = "".join(
             difflib.unified_diff(
@@ -172,6 +182,19 @@ def process(task: Task, options: Options) -> FileResult:
     if task.dest is not None:
         _write(task, new)
     return res
+
+
+def line_shifts(old: str, new: str) -> tuple[tuple[int, int], ...]:
+    """Where the lines of ``old`` lie in ``new`` (see FileResult.line_shifts). Rewrites keep line
+    counts unless a rule inserts or removes lines, so the alignment runs only when counts differ."""
+    a, b = old.split("\n"), new.split("\n")
+    if len(a) == len(b):
+        return ()
+    out: list[tuple[int, int]] = []
+    for _tag, i1, i2, j1, _j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+        if i2 > i1 and (out[-1][1] if out else 0) != j1 - i1:
+            out.append((i1 + 1, j1 - i1))
+    return tuple(out)
 
 
 def _copy(task: Task) -> None:
@@ -212,10 +235,8 @@ def run(
     tasks: list[Task] = []
     results: list[FileResult] = []
     for _root, path, rel, how in entries:
-        if how == "symlink-out":
-            results.append(
-                FileResult(rel, "symlink", "skipped", "symlink points outside the source tree: not followed")
-            )
+        if how in SYMLINK_SKIPS:
+            results.append(FileResult(rel, "symlink", "skipped", SYMLINK_SKIPS[how]))
             continue
         if how == "symlink-in":
             results.append(FileResult(rel, "symlink", "copied", "symlink inside the tree: recreated"))
@@ -243,7 +264,7 @@ def run(
                 shutil.copy2(t.src, t.src + backup)
     results.extend(_map(tasks, options, jobs, progress))
     results.sort(key=lambda r: r.path)
-    return RunResult(options, [str(r) for r in roots], str(out) if out else None, results)
+    return RunResult(options, [str(r) for r in roots], str(out) if out else None, results, in_place)
 
 
 def _map(tasks: list[Task], options: Options, jobs: int | None, progress: bool | None) -> list[FileResult]:

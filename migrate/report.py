@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 
 from parabench.migrate import api_map
-from parabench.migrate.core import MANUAL, REVIEW, SAFE, Finding
+from parabench.migrate.core import MANUAL, REVIEW, SAFE, FileResult, Finding
 from parabench.migrate.engine import RunResult
 from parabench.migrate.rules._base import all_rules
 
@@ -220,16 +220,24 @@ def write_report(result: RunResult, report_dir: Path, link_root: Path | None) ->
     return written
 
 
-def _link(f: Finding, report_dir: Path, link_root: Path | None) -> str:
+def _link(f: Finding, report_dir: Path, link_root: Path | None, moved: dict[str, FileResult]) -> str:
+    """``file:line`` linked to that line. Findings carry source lines; where the file was written
+    with lines added or removed (``moved``), the link and its label give the output file's line
+    and say which source line it was."""
     label = f"{f.file}:{f.line}"
     if link_root is None:
         return label
+    line = moved[f.file].output_line(f.line) if f.file in moved else f.line
+    if line != f.line:
+        label = f"{f.file}:{line} (source line {f.line})"
     target = os.path.relpath(Path(link_root) / f.file, report_dir)
-    return f"[{label}]({Path(target).as_posix()}#L{f.line})"
+    return f"[{label}]({Path(target).as_posix()}#L{line})"
 
 
 def checklist(result: RunResult, report_dir: Path, link_root: Path | None) -> str:
     changes, manual = _split(result)
+    written = result.out is not None or result.in_place
+    moved = {r.path: r for r in result.files if r.line_shifts} if written else {}
     o = result.options
     out = [
         "# Manual migration checklist",
@@ -245,14 +253,14 @@ def checklist(result: RunResult, report_dir: Path, link_root: Path | None) -> st
         out.append("Nothing left.")
     for f in manual:
         tip = f" -- {f.tip}" if f.tip else ""
-        out.append(f"- [ ] {_link(f, report_dir, link_root)} `{f.rule}` {f.message}{tip}")
+        out.append(f"- [ ] {_link(f, report_dir, link_root, moved)} `{f.rule}` {f.message}{tip}")
     out += ["", "## Applied rewrites to review", ""]
     reviews = [f for f in changes if f.safety == REVIEW]
     if not reviews:
         out.append("None.")
     for f in reviews:
         tip = f" -- {f.tip}" if f.tip else ""
-        out.append(f"- [ ] {_link(f, report_dir, link_root)} `{f.rule}` {f.message}{tip}")
+        out.append(f"- [ ] {_link(f, report_dir, link_root, moved)} `{f.rule}` {f.message}{tip}")
     skipped = [r for r in result.files if r.status == "skipped"]
     if skipped:
         out += ["", "## Files not migrated", ""]

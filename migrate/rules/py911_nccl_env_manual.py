@@ -28,4 +28,9 @@ class NcclEnvManual(PyRule):
             and value.isupper()
             and string_role(self.ctx, node) not in ("prose", "concat")
         ):
-            self.manual(node, f"{value}: no HCCL equivalent", op=value, tip=api_map.env_drop_tip(value))
+            self.manual(
+                node,
+                f"{value}: no HCCL equivalent; left in place (HCCL does not read it): remove or replace it by hand",
+                op=value,
+                tip=api_map.env_drop_tip(value),
+            )

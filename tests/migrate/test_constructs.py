@@ -1,0 +1,76 @@
+"""Issue 13, constructs real code contains: report wording and links (class 10), tensor type strings (3),
+profiler (6), NVTX (7) and runtime entry points (8). Each test has a must-change and a must-not-change half."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from parabench.migrate.cli import main
+from parabench.migrate.core import Options
+from parabench.migrate.engine import migrate_text, run
+
+
+def _write(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return root
+
+
+# --- class 10: symlink loops, NCCL wording, manual.md line links -----------------------------------
+
+
+def test_symlink_loop_is_named_a_loop_and_outside_link_stays_outside(tmp_path: Path):
+    src = _write(tmp_path / "src", {"a.py": "x = 1\n"})
+    (src / "self_link").symlink_to("self_link")
+    (src / "ping").symlink_to("pong")
+    (src / "pong").symlink_to("ping")
+    (src / "outside").symlink_to("/etc/hostname")
+    reasons = {r.path: r.reason for r in run([src], Options(), None, jobs=1, progress=False).files}
+    for loop in ("self_link", "ping", "pong"):
+        assert reasons[loop].startswith("symlink loop"), reasons[loop]
+        assert "outside" not in reasons[loop]
+    assert reasons["outside"] == "symlink points outside the source tree: not followed"
+
+
+def test_nccl_variable_wording_matches_what_happened():
+    py = 'import os\nos.environ["NCCL_IB_DISABLE"] = "1"\nos.environ["NCCL_NVLS_ENABLE"] = "0"\n'
+    new, findings, _ = migrate_text("python", py, "t.py", Options())
+    assert new == py  # Python: reported, the lines stay
+    mine = [f for f in findings if f.rule == "PY911"]
+    assert len(mine) == 2
+    for f in mine:
+        assert not f.applied and "left in place" in f.message
+        assert "dropped" not in f.message + f.tip
+    sh = "export NCCL_NVLS_ENABLE=0\ntorchrun train.py\n"
+    new, findings, _ = migrate_text("shell", sh, "run.sh", Options())
+    assert new.startswith("# [bench migrate] dropped")  # shell: really dropped (commented out)
+    (f,) = [f for f in findings if f.rule == "SH003"]
+    assert f.applied and f.message.startswith("dropped")
+
+
+_MD_LINK = re.compile(r"\[(?P<label>[^\]]+)\]\((?P<target>[^)#]+)#L(?P<line>\d+)\)")
+
+
+def _links(md: str, rule: str) -> list[re.Match]:
+    return [m for line in md.splitlines() if f"`{rule}`" in line for m in [_MD_LINK.search(line)] if m]
+
+
+def test_manual_md_links_point_at_the_output_line(tmp_path: Path):
+    code = "import os\nimport torch\n\nmodel = torch.nn.Linear(2, 2).cuda()\nmodel = torch.compile(model)\n"
+    src = _write(tmp_path / "src", {"train.py": code})
+    out, rep = tmp_path / "out", tmp_path / "rep"
+    assert main([str(src), "--out", str(out), "--report", str(rep), "-q"]) == 0
+    out_lines = (out / "train.py").read_text().split("\n")
+    assert "import torch_npu" in out_lines  # an inserted line moves everything below it
+    (m,) = _links((rep / "manual.md").read_text(), "PY909")
+    line = int(m["line"])
+    assert "torch.compile" in out_lines[line - 1]
+    assert m["label"] == f"train.py:{line} (source line 5)" and (rep / m["target"]).resolve() == out / "train.py"
+    # must not change: nothing written (--check) -> the links are the source's own lines
+    rep2 = tmp_path / "rep2"
+    assert main([str(src), "--check", "--report", str(rep2), "-q"]) == 1
+    (m,) = _links((rep2 / "manual.md").read_text(), "PY909")
+    assert m["label"] == "train.py:5" and m["line"] == "5"
