@@ -11,6 +11,7 @@ import os
 import shlex
 import shutil
 import sys
+from collections.abc import Sequence
 from typing import ClassVar
 
 from parabench.adapters.registry import get_adapter
@@ -33,7 +34,10 @@ class Launcher:
     name: ClassVar[str]
 
     @classmethod
-    def command(cls, job: JobSpec, port: int, run_dir: str, python: str = sys.executable) -> list[str]:
+    def command(
+        cls, job: JobSpec, port: int, run_dir: str, python: str = sys.executable, entry: Sequence[str] = WORKER
+    ) -> list[str]:
+        """The command line; ``entry`` is the per-rank module (``bench comm`` starts its own)."""
         raise NotImplementedError
 
     @classmethod
@@ -53,13 +57,15 @@ class Torchrun(Launcher):
     @staticmethod
     def _args(job: JobSpec, port: int) -> list[str]:
         la = job.launch
-        args = [f"--nnodes={la.nnodes}", f"--nproc-per-node={la.nproc_per_node}", "--max-restarts=0"]
+        args = [f"--nnodes={la.nnodes}", f"--nproc-per-node={la.nproc_per_node}", f"--max-restarts={la.max_restarts}"]
         if la.rdzv_backend == "c10d":  # elastic rendezvous: every node names the same endpoint and id
             return args + ["--rdzv-backend=c10d", f"--rdzv-id={la.rdzv_id}"]
         return args + [f"--master-port={port}"]
 
     @classmethod
-    def command(cls, job: JobSpec, port: int, run_dir: str, python: str = sys.executable) -> list[str]:
+    def command(
+        cls, job: JobSpec, port: int, run_dir: str, python: str = sys.executable, entry: Sequence[str] = WORKER
+    ) -> list[str]:
         la = job.launch
         where = (
             [f"--rdzv-endpoint={la.master_addr}:{port}"]
@@ -72,7 +78,7 @@ class Torchrun(Launcher):
             "torch.distributed.run",
             *cls._args(job, port),
             *where,
-            *WORKER,
+            *entry,
             run_dir,
             *_worker_args(job),
         ]
@@ -108,7 +114,6 @@ class Msrun(Launcher):
     """
 
     name = "msrun"
-    ENTRY = WORKER
 
     @staticmethod
     def _args(job: JobSpec, port: int) -> list[str]:
@@ -121,7 +126,9 @@ class Msrun(Launcher):
         ]
 
     @classmethod
-    def command(cls, job: JobSpec, port: int, run_dir: str, python: str = sys.executable) -> list[str]:
+    def command(
+        cls, job: JobSpec, port: int, run_dir: str, python: str = sys.executable, entry: Sequence[str] = WORKER
+    ) -> list[str]:
         la = job.launch
         msrun = os.path.join(os.path.dirname(python), "msrun")
         if not os.access(msrun, os.X_OK):
@@ -133,7 +140,7 @@ class Msrun(Launcher):
             f"--master_addr={la.master_addr}",
             f"--log_dir={os.path.join(run_dir, 'logs')}",
             "python",
-            *cls.ENTRY,
+            *entry,
             run_dir,
             *_worker_args(job),
         ]

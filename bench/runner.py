@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from parabench import __version__, envreport
 from parabench.adapters.base import check_capabilities
@@ -30,7 +30,7 @@ from parabench.flops import FORMULA, Peak, flops_per_token
 from parabench.jobs import from_config
 from parabench.launchers import get_launcher, slurm_placement
 from parabench.metrics import summarize
-from parabench.spec import JobSpec, resolve_device, to_dict
+from parabench.spec import JobSpec, LaunchSpec, resolve_device, to_dict
 from parabench.tracking import JobRun, flatten, git_sha, is_secret, store_uri
 
 POLL_S = 0.2
@@ -55,6 +55,15 @@ def prepare(plain: dict[str, Any]) -> JobSpec:
         job = resolve_device(job, kind)
         adapter.validate(job)
         return job
+    job = resolve_device(job, usable_device(adapter, job.device.type, job.launch))
+    check_capabilities(adapter, job)
+    adapter.validate(job)
+    return job
+
+
+def usable_device(adapter, kind: str, launch: LaunchSpec) -> Literal["cpu", "cuda", "npu"]:
+    """The device kind a job runs on here (``auto``: cuda > npu > cpu, among what this backend
+    supports and sees), or SpecError with ``bench env``'s reason why the backend or device cannot run."""
     available = adapter.availability()
     if not available.available:
         raise SpecError(
@@ -62,8 +71,7 @@ def prepare(plain: dict[str, Any]) -> JobSpec:
             f"{adapter.name} cannot run here: {available.reason} "
             "(launcher.dry_run=true writes the launch bundle without running)",
         )
-    kind = job.device.type
-    if kind == "auto":  # cuda > npu > cpu, among what this backend supports and sees
+    if kind == "auto":
         kind = next(
             (k for k in ("cuda", "npu") if k in adapter.capabilities.devices and adapter.device_presence(k).available),
             "cpu",
@@ -75,14 +83,9 @@ def prepare(plain: dict[str, Any]) -> JobSpec:
             f"{kind} requested but not usable here: {presence.reason} "
             "(launcher.dry_run=true writes the launch bundle for a machine that has it)",
         )
-    if job.launch.nnodes == 1 and kind != "cpu" and job.launch.nproc_per_node > presence.count:
-        raise SpecError(
-            "launcher.nproc_per_node", f"{job.launch.nproc_per_node} ranks but only {presence.count} {kind} device(s)"
-        )
-    job = resolve_device(job, kind)
-    check_capabilities(adapter, job)
-    adapter.validate(job)
-    return job
+    if launch.nnodes == 1 and kind != "cpu" and launch.nproc_per_node > presence.count:
+        raise SpecError("launcher.nproc_per_node", f"{launch.nproc_per_node} ranks but only {presence.count} {kind} device(s)")
+    return kind  # type: ignore[return-value]
 
 
 def _slurm_placement(launcher: dict[str, Any]) -> dict[str, Any]:
