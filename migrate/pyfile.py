@@ -434,6 +434,8 @@ def _keep_linked_spans(spans: list[_Span], keep: list[bool], triggered: list[int
                         and x.value.attr == "cuda"
                     ):
                         special.add(x.targets[0].id)
+        if "torch.cuda." in spans[k].text:
+            special.update(_type_string_collections(spans[k].nodes))
     if special:
         uses = re.compile(r"\b(?:" + "|".join(sorted(map(re.escape, special))) + r")\b").search
         for k, g in enumerate(spans):
@@ -454,6 +456,25 @@ def _keep_linked_spans(spans: list[_Span], keep: list[bool], triggered: list[int
                     mentioned.update(_IDENT_RE.findall(spans[k].text))
                     del pending[k]
                     changed = True
+
+
+def _type_string_collections(nodes) -> set[str]:
+    """Names bound to a list/tuple/set holding a 'torch.cuda.*Tensor' string: PY120 rewrites them
+    where the name is tested with ``x.type() in NAME``, which may lie in another statement."""
+    found = set()
+    for node in nodes:
+        for x in ast.walk(node):
+            if type(x) in (ast.Assign, ast.AnnAssign) and x.value is not None:
+                value = x.value.args[0] if type(x.value) is ast.Call and len(x.value.args) == 1 else x.value
+                if type(value) in (ast.List, ast.Tuple, ast.Set) and any(
+                    type(e) is ast.Constant and type(e.value) is str and e.value.startswith("torch.cuda.")
+                    for e in value.elts
+                ):
+                    for t in x.targets if type(x) is ast.Assign else [x.target]:
+                        name = t.id if type(t) is ast.Name else t.attr if type(t) is ast.Attribute else None
+                        if name:
+                            found.add(name)
+    return found
 
 
 _PARTIAL_MAX = 0.8  # parse the whole file when the statements that matter hold more of its text

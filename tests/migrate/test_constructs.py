@@ -74,3 +74,27 @@ def test_manual_md_links_point_at_the_output_line(tmp_path: Path):
     assert main([str(src), "--check", "--report", str(rep2), "-q"]) == 1
     (m,) = _links((rep2 / "manual.md").read_text(), "PY909")
     assert m["label"] == "train.py:5" and m["line"] == "5"
+
+
+# --- class 3: tensor type strings --------------------------------------------------------------------
+
+
+def test_type_string_collection_used_in_another_statement_partial_parse():
+    """``x.type() in NAME`` far from ``NAME = [...]``: the pre-filter keeps both statements."""
+    from parabench.migrate import pyfile
+
+    filler = "".join(f"def helper_{i}(a, b):\n    return a + b * {i}\n\n\n" for i in range(40))
+    text = (
+        'import torch\n\n_HALF = ["torch.cuda.HalfTensor", "torch.cuda.BFloat16Tensor"]\n\n\n'
+        + filler
+        + "def is_half(p):\n    return p.type() in _HALF\n"
+    )
+    plan = pyfile._prefilter(text, Options())
+    assert plan.partial
+    partial = pyfile.migrate_python(text, "m.py", Options())
+    whole = pyfile.migrate_python(text, "m.py", Options(), partial=False)
+    assert partial[0] == whole[0]
+    assert '_HALF = ["torch.npu.HalfTensor", "torch.npu.BFloat16Tensor"]' in partial[0]
+    # must not change: the same list never compared with a tensor's type
+    unused = text.replace("return p.type() in _HALF", "return p.dtype in (torch.half,)")
+    assert pyfile.migrate_python(unused, "m.py", Options())[0].count("torch.cuda.HalfTensor") == 1
