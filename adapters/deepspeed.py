@@ -39,6 +39,7 @@ from parabench.adapters.base import (
     Adapter,
     Availability,
     Capabilities,
+    CheckpointSupport,
     Engine,
     ModelStateBytes,
     StateFormula,
@@ -270,6 +271,17 @@ class DeepSpeedAdapter(Adapter):
         precisions=frozenset({"fp32", "bf16", "fp16"}),
         shards_model_states=True,
         model_features=MODEL_FEATURES,
+        checkpoint=CheckpointSupport(
+            format="deepspeed",
+            async_save=(
+                "DeepSpeed writes asynchronously only through its FastPersist writers (checkpoint.writer, "
+                "the async_io op: libaio or GPUDirect Storage), which do not build on a CPU host; parabench "
+                "does not wire them"
+            ),
+            # ZeRO files hold per-data-parallel-rank partitions: another world size needs DeepSpeed's
+            # offline ds_to_universal.py conversion first (docs/resilience.md#deepspeed).
+            reshard=frozenset(),
+        ),
     )
     Options = DeepSpeedOptions
 
@@ -484,6 +496,22 @@ class DeepSpeedEngine(Engine):
                 full = p if full is None else full
             out[name] = full.detach().float().cpu().reshape(p.ds_shape if hasattr(p, "ds_shape") else p.shape).clone()
         return out
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def save_checkpoint(self, directory: Path, *, async_save: bool = False) -> None:
+        """DeepSpeed's own layout: ``<directory>/global_step<N>/`` with the module states
+        (``mp_rank_00_model_states.pt``), one ZeRO optimizer partition per rank
+        (``*_optim_states.pt``: fp32 masters, Adam moments and step) and ``latest`` naming the tag."""
+        if async_save:
+            raise RuntimeError(f"deepspeed: {DeepSpeedAdapter.capabilities.checkpoint.async_save}")
+        self.engine.save_checkpoint(str(directory))
+
+    def load_checkpoint(self, directory: Path) -> None:
+        """Everything save_checkpoint wrote; the working weights come from the fp32 masters
+        (``load_from_fp32_weights``, DeepSpeed's default), so a bf16 resume is exact too."""
+        path, _ = self.engine.load_checkpoint(str(directory), load_optimizer_states=True, load_lr_scheduler_states=False)
+        if path is None:
+            raise RuntimeError(f"deepspeed found no checkpoint in {directory} (no 'latest' tag file)")
 
     # -- accounting -------------------------------------------------------------------------
     def _grad_bytes(self) -> dict[str, int]:
