@@ -529,6 +529,10 @@ def _migrate(text: str, path: str, options: Options, plan: Plan) -> tuple[str, l
     visitors = [r(ctx) for r in rules if issubclass(r, PyRule)]
     if visitors:
         _dispatch(ctx.order, visitors)
+    if ctx.edits:  # a CUDA check is migrated only with everything it guards (rules/_guard.py)
+        from parabench.migrate.rules._guard import keep_unsafe_guards
+
+        keep_unsafe_guards(ctx)
     origin: dict = {}
     new = module.visit(_edit_applier(ctx.edits, _ancestors(ctx), origin)) if ctx.edits else module
     ctx.origin = origin

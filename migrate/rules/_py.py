@@ -126,6 +126,9 @@ class PyContext:
         self._qcache: dict[cst.CSTNode, set[str]] = {}
         self.edits: dict[cst.CSTNode, list[Callable]] = {}
         self.findings: list[Finding] = []
+        # (node, finding) of every change and manual item: the guard analysis (rules/_guard.py)
+        # finds what stays CUDA-only inside a guarded branch and withdraws unsafe guard edits
+        self.finding_nodes: list[tuple[cst.CSTNode, Finding]] = []
         self.applied_codes: set[str] = set()
         self.needs_npu = False
         self.inserted: dict[
@@ -241,11 +244,13 @@ class PyContext:
             self.needs_npu = self.needs_npu or bool(getattr(rule, "needs_torch_npu", False))
         msg = message if applied else f"not applied (--safe-only): {message}"
         self.findings.append(Finding(rule.code, rule.safety, start, end, msg, op, tip, before, after[:200], applied))
+        self.finding_nodes.append((node, self.findings[-1]))
         return applied
 
     def manual(self, rule: type[Rule], node: cst.CSTNode, message: str, op: str = "", tip: str = "") -> None:
         start, end = self.lines(node)
         self.findings.append(Finding(rule.code, MANUAL, start, end, message, op, tip, applied=False))
+        self.finding_nodes.append((node, self.findings[-1]))
 
 
 _BUILTINS = frozenset(dir(builtins))
