@@ -25,6 +25,8 @@ commands:
               bench run -m +model=llama backend=ddp,fsdp
               bench run +model=llama --cfg job      (print the composed config)
   compare   tables and an HTML report comparing recorded runs: bench compare --help
+  plan      which backend and layout for a model on a cluster, predicted and explained:
+              bench plan +model=llama3-70b cluster=h100-sxm plan.devices=64 run.precision=bf16
   env       list every backend and device, available or not, and why; the versions that matter
   migrate   migrate CUDA PyTorch code to Ascend (torch_npu / MindSpeed): bench migrate --help
   smoke     run a migrated (NPU) program on this CPU, NPU calls redirected: bench smoke --help
@@ -175,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         from parabench.compare import main as compare_main
 
         return compare_main(rest)
+    if command == "plan":
+        from parabench.plan.command import main as plan_main
+
+        return plan_main(rest)
     if command == "env":
         from parabench.envreport import main as env_main
 
@@ -188,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return smoke_main(rest)
     print(
-        f"bench: error: unknown command {command!r} (choose from run, compare, env, migrate, smoke; see bench --help)",
+        f"bench: error: unknown command {command!r} (choose from run, compare, plan, env, migrate, smoke; see bench --help)",
         file=sys.stderr,
     )
     return 2

@@ -33,7 +33,14 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("command line", ("parabench.cli", "parabench.__main__")),
     (
         "commands",
-        ("parabench.runner", "parabench.compare", "parabench.sweep", "parabench.envreport", "parabench.migrate"),
+        (
+            "parabench.runner",
+            "parabench.compare",
+            "parabench.sweep",
+            "parabench.envreport",
+            "parabench.migrate",
+            "parabench.plan",
+        ),
     ),
     ("processes", ("parabench.launchers", "parabench.worker", "parabench.loop", "parabench.jobs")),
     ("backends", ("parabench.adapters",)),

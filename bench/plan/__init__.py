@@ -1,0 +1,1 @@
+"""``bench plan``: the planner (cluster files, memory and time model, search, calibration)."""

@@ -1,0 +1,133 @@
+"""``bench plan --calibrate EXPERIMENT``: fit the planner's free parameters to recorded runs.
+
+Two parameters per ``backend/device kind``, each fitted as the median over that backend's runs:
+* efficiency: the share of the peak the compute reaches, from the measured step time minus the
+  predicted exposed communication: eff = C (1 + bubble) / (T - E), C the model FLOPs of a device's
+  step at the peak, E the predicted exposed communication;
+* overhead: measured peak memory minus the predicted model states, activations and buffers
+  (runtime, framework, allocator caching; on CPU the process's libraries).
+``*/<kind>`` holds the median over all backends, used for a backend without runs of its own.
+The fit error (median |predicted - measured| / measured over the fitted runs) goes with the
+calibration, and every plan made with it prints it.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from parabench.errors import UserError
+from parabench.jobs import job_from_json
+from parabench.plan import cluster as clusters
+from parabench.plan.estimate import Calibration, estimate
+from parabench.spec import JobSpec
+
+STORE = Path("results") / "plan"  # fitted calibrations, <name>.json
+
+
+@dataclass(frozen=True)
+class Record:
+    """One recorded run, as the fit needs it."""
+
+    run_id: str
+    job: JobSpec
+    step_s: float  # measured: median over steps of the slowest rank's step time
+    peak_bytes: float  # measured: max over ranks of the peak memory
+    peak_tflops: float  # the peak the run's MFU used
+    kind: str
+
+
+def records(experiment: str, tracking_uri: str | None) -> list[Record]:
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri or f"sqlite:///{Path('results').resolve() / 'mlflow.db'}")
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        raise UserError(f"--calibrate: no experiment {experiment!r} in {client.tracking_uri}")
+    out = []
+    for run in client.search_runs([exp.experiment_id], "attributes.status = 'FINISHED'", max_results=5000):
+        m = run.data.metrics
+        if "step_time_median_s" not in m or not m.get("peak_tflops_per_device"):
+            continue  # a sweep's parent run, a plan, or a run without a known peak
+        spec = mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="spec.json",
+                                                   tracking_uri=client.tracking_uri)  # fmt: skip
+        job = job_from_json(Path(spec).read_text())
+        out.append(Record(run.info.run_id, job, m["step_time_median_s"], m["peak_memory_bytes_max"],
+                          m["peak_tflops_per_device"], job.device.type))  # fmt: skip
+    if not out:
+        raise UserError(f"--calibrate: experiment {experiment!r} holds no finished run with a step time and a peak")
+    return out
+
+
+def cluster_for(kind: str) -> clusters.Cluster:
+    """The cluster whose links a recorded run's communication is predicted over."""
+    for name in clusters.available():
+        c = clusters.load(name)
+        if c.device_kind == kind:
+            return c
+    raise UserError(f"--calibrate: no conf/cluster file for device kind {kind}")
+
+
+def _parts(r: Record) -> tuple[float, float, float, float]:
+    """(compute at the peak x (1 + bubble), exposed comm, memory without overhead, step at eff 1)."""
+    key = f"{r.job.backend.name}/{r.kind}"
+    e = estimate(r.job, cluster_for(r.kind), r.peak_tflops, Calibration(efficiency={key: 1.0}, overhead={key: 0.0}))
+    return e.compute_s + e.bubble_s, e.exposed_comm_s, e.device_bytes, e.step_s
+
+
+def fit_records(recs: list[Record], name: str) -> Calibration:
+    eff: dict[str, list[float]] = {}
+    over: dict[str, list[float]] = {}
+    for r in recs:
+        compute, exposed, memory, _ = _parts(r)
+        for key in (f"{r.job.backend.name}/{r.kind}", f"*/{r.kind}"):
+            if r.step_s > exposed:
+                eff.setdefault(key, []).append(compute / (r.step_s - exposed))
+            over.setdefault(key, []).append(r.peak_bytes - memory)
+    cal = Calibration(
+        name,
+        {k: statistics.median(v) for k, v in eff.items()},
+        {k: statistics.median(v) for k, v in over.items()},
+        runs=len(recs),
+    )
+    t_err = [abs(predict(r, cal)[0] - r.step_s) / r.step_s for r in recs]
+    m_err = [abs(predict(r, cal)[1] - r.peak_bytes) / r.peak_bytes for r in recs]
+    return Calibration(
+        name, cal.efficiency, cal.overhead, statistics.median(t_err), statistics.median(m_err), len(recs)
+    )
+
+
+def predict(r: Record, cal: Calibration) -> tuple[float, float]:
+    """(step time, peak memory per device) the calibration predicts for a recorded run's job."""
+    e = estimate(r.job, cluster_for(r.kind), r.peak_tflops, cal)
+    return e.step_s, e.device_bytes
+
+
+def fit(experiment: str, tracking_uri: str | None) -> Calibration:
+    cal = fit_records(records(experiment, tracking_uri), experiment)
+    STORE.mkdir(parents=True, exist_ok=True)
+    (STORE / f"{experiment}.json").write_text(json.dumps(asdict(cal), indent=2, sort_keys=True))
+    return cal
+
+
+def load(name: str, tracking_uri: str | None = None) -> Calibration:
+    path = STORE / f"{name}.json"
+    if not path.is_file():
+        raise UserError(
+            f"plan.calibration: no calibration {name!r} in {STORE} (make it: bench plan --calibrate {name})"
+        )
+    return Calibration(**json.loads(path.read_text()))
+
+
+def describe(cal: Calibration) -> str:
+    lines = [f"calibration {cal.name}: {cal.runs} runs, stored in {STORE / (cal.name + '.json')}"]
+    lines += [f"  efficiency {k}: {100 * v:.1f}% of peak" for k, v in sorted(cal.efficiency.items())]
+    lines += [f"  overhead   {k}: {v / 2**20:.0f} MiB" for k, v in sorted(cal.overhead.items())]
+    lines.append(
+        f"  fit error (median over the runs): step time {100 * (cal.time_error or 0):.1f}%, "
+        f"peak memory {100 * (cal.memory_error or 0):.1f}%"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,158 @@
+"""Memory and step time of one job on one cluster (docs/plan.md has the model and its sources).
+
+Memory per device: model states (``profiles``: the adapter's published formula split into params,
+grads and optimizer states, plus the backend's padding; offloaded states counted as host memory),
+activations (Korthikanti et al. 2022, Table 2; docs/sources.md#activation-memory) times the
+micro-batches a pipeline stage keeps in flight, communication buffers, and a framework overhead
+that comes from a calibration.
+
+Step time: compute = the harness's model FLOPs (``flops.flops_per_token``, PaLM) / (peak x
+calibrated efficiency), x 4/3 with full recomputation (one more forward); communication =
+``commvolume`` over the cluster's links (alpha-beta), data-parallel communication hidden behind
+the backward as far as the backend overlaps it (``profiles``; docs/sources.md#plan-overlap);
+pipeline bubble (p - 1) / (v m) of the compute (docs/sources.md#pipeline-bubble).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from parabench.commvolume import Batch, StepComm, step_comm
+from parabench.flops import flops_per_token
+from parabench.plan.cluster import Cluster
+from parabench.plan.profiles import PROFILES, States
+from parabench.spec import JobSpec
+
+GIB = 1024**3
+DEFAULT_EFFICIENCY = {"cpu": 0.5, "cuda": 0.45, "npu": 0.4}  # uncalibrated share of peak (docs/plan.md)
+DEFAULT_OVERHEAD = {"cpu": 0.6 * GIB, "cuda": 2.0 * GIB, "npu": 3.0 * GIB}  # runtime + framework, uncalibrated
+DEFAULT_UNCERTAINTY = 0.5  # relative width of an uncalibrated step-time prediction (docs/plan.md)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Fitted per ``backend/device kind``; missing keys fall back to the defaults above."""
+
+    name: str = "defaults"
+    efficiency: dict[str, float] = field(default_factory=dict)
+    overhead: dict[str, float] = field(default_factory=dict)
+    time_error: float | None = None  # median |predicted - measured| / measured over the fitted runs
+    memory_error: float | None = None
+    runs: int = 0
+
+    def eff(self, backend: str, kind: str) -> float:
+        key = f"{backend}/{kind}"
+        return self.efficiency.get(key, self.efficiency.get(f"*/{kind}", DEFAULT_EFFICIENCY[kind]))
+
+    def over(self, backend: str, kind: str) -> float:
+        key = f"{backend}/{kind}"
+        return self.overhead.get(key, self.overhead.get(f"*/{kind}", DEFAULT_OVERHEAD[kind]))
+
+    def calibrated(self, backend: str, kind: str) -> bool:
+        return f"{backend}/{kind}" in self.efficiency
+
+
+@dataclass(frozen=True)
+class Estimate:
+    job: JobSpec
+    states: States
+    activations: float
+    buffers: float
+    overhead: float
+    device_bytes: float
+    host_bytes: float
+    memory_bytes: float  # the device's memory
+    compute_s: float
+    comm_s: float  # all communication, before overlap
+    exposed_comm_s: float
+    bubble_s: float
+    step_s: float
+    tokens_per_s_per_device: float
+    mfu: float | None
+    comm: StepComm
+
+    @property
+    def margin_bytes(self) -> float:
+        return self.memory_bytes - self.device_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.margin_bytes >= 0
+
+    @property
+    def comm_share(self) -> float:
+        return self.exposed_comm_s / self.step_s
+
+    @property
+    def bubble_share(self) -> float:
+        return self.bubble_s / self.step_s
+
+
+def activation_bytes(job: JobSpec, recompute: str, fused_attention: bool = False) -> float:
+    """Activations a device holds at its peak (Korthikanti et al. 2022, Table 2, for 2-byte
+    activations; fp32 doubles them) plus the fp32 logits and their gradient of the last stage."""
+    m, d, o = job.model, job.data, job.backend.options
+    s, b, h, a = d.seq_len, d.micro_batch_size, m.hidden_size, m.num_attention_heads
+    t, p = getattr(o, "tp", 1), getattr(o, "pp", 1)
+    v, sp = getattr(o, "vpp", 1), getattr(o, "sequence_parallel", False)
+    s //= getattr(o, "cp", 1)
+    attn = 0.0 if fused_attention else 5 * a * s / (h * t)
+    per_layer = s * b * h * ((34 / t if sp else 10 + 24 / t) + attn) if t > 1 else s * b * h * (34 + attn)
+    width = (4 if job.run.precision == "fp32" else 2) / 2
+    layers = m.num_hidden_layers / p
+    if recompute == "full":  # layer inputs kept; one layer's activations live during its recompute
+        stored = 2 * s * b * h * layers + per_layer
+    else:
+        stored = per_layer * layers
+    in_flight = min(p, job.grad_accum)
+    if v > 1:  # interleaved 1F1B: the first stage holds (1 + (p - 1) / (p v)) x p micro-batches
+        in_flight = in_flight * (1 + (p - 1) / (p * v))
+    logits = 2 * s * b * m.vocab_size / t * 4
+    return stored * width * in_flight + logits
+
+
+def estimate(job: JobSpec, cluster: Cluster, peak_tflops: float | None, cal: Calibration) -> Estimate:
+    prof = PROFILES[job.backend.name]
+    states = prof.states(job)
+    recompute = prof.recompute(job)
+    acts = activation_bytes(job, recompute, prof.fused_attention(job))
+    buffers = prof.buffers(job)
+    overhead = cal.over(job.backend.name, cluster.device_kind)
+    device = states.total - states.host + acts + buffers + overhead
+    flops = flops_per_token(job.model, job.data.seq_len) * job.tokens_per_step / job.parallel.world_size
+    if recompute == "full":
+        flops *= 4 / 3
+    eff = cal.eff(job.backend.name, cluster.device_kind)
+    compute = flops / (peak_tflops * 1e12 * eff) if peak_tflops else float("nan")
+    comm = step_comm(
+        job.model,
+        prof.layout(job),
+        Batch(job.data.seq_len, job.data.micro_batch_size, job.grad_accum),
+        prof.widths(job),
+        dp_elements=states.elements,
+    )
+    spans = _spans(job)
+    times = {g: sum(c.seconds(*_link(cluster, spans[g])) for c in comm.collectives if c.group == g) for g in spans}
+    dp_hidden = prof.overlap(job) * min(times["dp"], compute * 2 / 3)
+    exposed = sum(times.values()) - dp_hidden
+    o = job.backend.options
+    p, v = getattr(o, "pp", 1), getattr(o, "vpp", 1)
+    bubble = compute * (p - 1) / (v * job.grad_accum)
+    step = compute + bubble + exposed
+    per_device = job.tokens_per_step / step / job.parallel.world_size
+    mfu = per_device * flops_per_token(job.model, job.data.seq_len) / (peak_tflops * 1e12) if peak_tflops else None
+    return Estimate(
+        job, states, acts, buffers, overhead, device, states.host, cluster.memory_bytes,
+        compute, sum(times.values()), exposed, bubble, step, per_device, mfu, comm,
+    )  # fmt: skip
+
+
+def _spans(job: JobSpec) -> dict[str, int]:
+    """Consecutive devices each group spans (Megatron's rank order: tp fastest, then cp, dp, pp)."""
+    par = job.parallel
+    return {"tp": par.tp, "cp": par.tp * par.cp, "dp": par.tp * par.cp * par.dp, "pp": par.world_size}
+
+
+def _link(cluster: Cluster, span: int) -> tuple[float, float]:
+    link = cluster.link(span)
+    return link.latency_s, link.bytes_per_s

@@ -1,0 +1,148 @@
+"""Every backend x layout x micro-batch size the harness accepts, estimated and ranked.
+
+A candidate is a plain job config (the user's composed config with the backend's options and the
+cluster's placement set), validated by exactly what ``bench run`` validates (``runner.prepare``
+with ``launcher.dry_run``: the spec checks, the backend's ``parallel_dims`` and ``validate``), so a
+row the plan shows is a row ``bench run`` accepts, and its overrides are printed with it.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from parabench.confutil import compose, to_plain
+from parabench.errors import SpecError, UserError
+from parabench.plan.cluster import Cluster
+from parabench.plan.estimate import Calibration, Estimate, estimate
+from parabench.plan.profiles import PROFILES
+from parabench.runner import execute, prepare
+
+GIB = 1024**3
+
+
+@dataclass
+class Searched:
+    ranked: list[Estimate] = field(default_factory=list)  # fit, best first
+    unfit: list[Estimate] = field(default_factory=list)  # valid but over the device memory, least over first
+    invalid: dict[str, int] = field(default_factory=dict)  # reason -> how many layouts it rejected
+    overrides: dict[int, list[str]] = field(default_factory=dict)  # id(estimate) -> bench run overrides
+    plains: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+def backend_defaults(backends: list[str], user: list[str]) -> dict[str, dict[str, Any]]:
+    """Each backend's composed config group (its name and option defaults)."""
+    out = {}
+    for name in backends:
+        if name not in PROFILES:
+            raise SpecError("plan.backends", f"unknown backend {name!r} (plannable: {', '.join(sorted(PROFILES))})")
+        out[name] = to_plain(compose([*user, f"backend={name}"]))
+    return out
+
+
+def candidates(base: dict[str, dict[str, Any]], cluster: Cluster, world: int, mbs: list[int]):
+    """(plain config, bench run overrides) for every layout of every backend (not yet validated)."""
+    per_node = min(world, cluster.devices_per_node)
+    nnodes = world // per_node
+    place = [f"device={cluster.device_kind}", f"launcher.nproc_per_node={per_node}"]
+    if nnodes > 1:
+        place += [f"launcher.nnodes={nnodes}", "launcher.master_port=29500"]
+    for name, plain in base.items():
+        for options in PROFILES[name].layouts(world, cluster.devices_per_node):
+            for b in mbs:
+                cfg = copy.deepcopy(plain)
+                cfg["backend"].update(options)
+                cfg["data"]["micro_batch_size"] = b
+                cfg["device"]["type"] = cluster.device_kind
+                cfg["launcher"].update(nproc_per_node=per_node, nnodes=nnodes, dry_run=True)
+                if nnodes > 1:
+                    cfg["launcher"]["master_port"] = 29500
+                changed = [f"backend.{k}={_yaml(v)}" for k, v in options.items() if plain["backend"].get(k) != v]
+                yield cfg, [f"backend={name}", *changed, f"data.micro_batch_size={b}", *place]
+
+
+def _yaml(v: Any) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def search(
+    base: dict[str, dict[str, Any]],
+    cluster: Cluster,
+    world: int,
+    mbs: list[int],
+    peak: float | None,
+    cal: Calibration,
+) -> Searched:
+    out = Searched()
+    for cfg, overrides in candidates(base, cluster, world, mbs):
+        try:
+            job = prepare(cfg)
+        except UserError as exc:
+            reason = str(exc).split(":", 1)[0]  # the key that refused it
+            out.invalid[reason] = out.invalid.get(reason, 0) + 1
+            continue
+        est = estimate(job, cluster, peak, cal)
+        out.overrides[id(est)] = overrides
+        out.plains[id(est)] = cfg
+        (out.ranked if est.fits else out.unfit).append(est)
+    out.ranked.sort(key=lambda e: (-e.tokens_per_s_per_device, e.device_bytes))
+    out.unfit.sort(key=lambda e: -e.margin_bytes)
+    return out
+
+
+def describe(e: Estimate) -> str:
+    """A layout in a few words: backend and the options that matter."""
+    o, name = e.job.backend.options, e.job.backend.name
+    bits = [name]
+    if name == "deepspeed":
+        bits.append(f"zero{o.zero_stage}")
+    if name == "fsdp" and not o.reshard_after_forward:
+        bits.append("no-reshard")
+    if name in ("megatron", "mindspeed"):
+        bits += [f"tp{o.tp}", f"pp{o.pp}"] + ([f"v{o.vpp}"] if o.vpp > 1 else [])
+        bits += (["sp"] if o.sequence_parallel else []) + (["distopt"] if o.distributed_optimizer else [])
+    if getattr(o, "activation_checkpointing", False):
+        bits.append("recompute")
+    bits.append(f"dp{e.job.parallel.dp} mbs{e.job.data.micro_batch_size}")
+    return " ".join(bits)
+
+
+def why_wins(e: Estimate, best: Estimate) -> str:
+    gib = e.margin_bytes / GIB
+    if e is best:
+        return (
+            f"fastest that fits ({gib:.1f} GiB spare); comm {100 * e.comm_share:.0f}% exposed, "
+            f"bubble {100 * e.bubble_share:.0f}%"
+        )
+    slower = 1 - e.tokens_per_s_per_device / best.tokens_per_s_per_device
+    if slower < 0.005:
+        more = (e.device_bytes - best.device_bytes) / GIB
+        return f"as fast as #1 (within 0.5%), {more:+.2f} GiB memory per device"
+    return f"{100 * slower:.0f}% slower than #1: " + _cost(e, best)
+
+
+def _cost(e: Estimate, best: Estimate) -> str:
+    """The component of the step time that grew most against the best row."""
+    parts = {
+        "compute (recompute or lower efficiency)": e.compute_s - best.compute_s,
+        "exposed communication": e.exposed_comm_s - best.exposed_comm_s,
+        "pipeline bubble": e.bubble_s - best.bubble_s,
+    }
+    what, delta = max(parts.items(), key=lambda kv: kv[1])
+    share = {"exposed communication": e.comm_share, "pipeline bubble": e.bubble_share}.get(what)
+    tail = f" ({100 * share:.0f}% of its step)" if share is not None else ""
+    return f"+{delta * 1e3:.3g} ms {what}{tail}"
+
+
+def why_lost(e: Estimate) -> str:
+    need, have = e.device_bytes / GIB, e.memory_bytes / GIB
+    return f"does not fit by {(e.device_bytes - e.memory_bytes) / GIB:.2f} GiB (needs {need:.2f} of {have:.2f} GiB)"
+
+
+def emit_bundle(plain: dict[str, Any], out_dir: Path) -> Path:
+    """The dry-run launch bundle of a row, written as ``bench run ... launcher.dry_run=true`` writes it."""
+    job = prepare(plain)
+    execute(job, plain, out_dir)
+    return out_dir
