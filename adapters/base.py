@@ -54,6 +54,8 @@ class CheckpointSupport:
     # Layout keys that may differ between the saving and the resuming job ("world_size", "dp", "tp"...);
     # any other difference is refused before launch, naming the key.
     reshard: frozenset[str] = frozenset()
+    # backend.* option keys that shape the saved state (e.g. zero_stage): must match on resume
+    options: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -193,8 +195,10 @@ class Engine(ABC):
         ``async_save`` it may return before the files are written; ``finish_checkpoint`` waits."""
         raise NotImplementedError(f"{type(self).__name__} does not checkpoint")
 
-    def finish_checkpoint(self) -> None:  # noqa: B027 - optional hook: saves are synchronous by default
-        """Block until the last ``save_checkpoint(async_save=True)`` is fully written."""
+    def finish_checkpoint(self) -> float | None:
+        """Block until the last ``save_checkpoint(async_save=True)`` is fully written; return the
+        ``time.perf_counter()`` at which its background write ended (None: no save pending)."""
+        return None
 
     def load_checkpoint(self, directory: Path) -> None:
         """Collective: restore model + optimizer state from ``directory`` (native format)."""

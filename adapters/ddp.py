@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from parabench.adapters.base import Adapter, Availability, Capabilities, StateFormula, WorkerContext
-from parabench.adapters.torch_common import TorchEngine
+from parabench.adapters.torch_common import DCP_SUPPORT, TorchEngine
 from parabench.errors import SpecError
 from parabench.model import build_llama, set_activation_checkpointing
 from parabench.spec import MODEL_FEATURES, JobSpec
@@ -38,7 +38,9 @@ class DDPEngine(TorchEngine):
 class DDPAdapter(Adapter):
     name = "ddp"
     capabilities = Capabilities(
-        devices=frozenset({"cpu", "cuda", "npu"}), precisions=frozenset({"fp32", "bf16"}), model_features=MODEL_FEATURES
+        devices=frozenset({"cpu", "cuda", "npu"}), precisions=frozenset({"fp32", "bf16"}),
+        model_features=MODEL_FEATURES,
+        checkpoint=DCP_SUPPORT,
     )
     Options = DDPOptions
 

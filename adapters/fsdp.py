@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from parabench.adapters.base import Adapter, Availability, Capabilities, StateFormula, WorkerContext
-from parabench.adapters.torch_common import TorchEngine
+from parabench.adapters.torch_common import DCP_SUPPORT, TorchEngine
 from parabench.errors import SpecError
 from parabench.model import build_llama, set_activation_checkpointing
 from parabench.spec import MODEL_FEATURES, JobSpec
@@ -55,6 +55,7 @@ class FSDPAdapter(Adapter):
         precisions=frozenset({"fp32", "bf16"}),
         shards_model_states=True,
         model_features=MODEL_FEATURES,
+        checkpoint=DCP_SUPPORT,
     )
     Options = FSDPOptions
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 
 import torch
 
-from parabench.adapters.base import Engine, ModelStateBytes, WorkerContext
+from parabench.adapters.base import CheckpointSupport, Engine, ModelStateBytes, WorkerContext
 from parabench.metrics import torch_model_state
 from parabench.model import causal_lm_loss, decay_mask
 from parabench.spec import OptimSpec
@@ -23,6 +24,10 @@ def adamw_param_groups(named_params: Sequence[tuple[str, torch.nn.Parameter]], s
 def make_adamw(named_params: Sequence[tuple[str, torch.nn.Parameter]], spec: OptimSpec) -> torch.optim.AdamW:
     """torch.optim.AdamW with decay on 2-D weights only; the same algorithm every backend uses."""
     return torch.optim.AdamW(adamw_param_groups(named_params, spec), lr=spec.lr, betas=spec.betas, eps=spec.eps)
+
+
+# ddp and fsdp: torch.distributed.checkpoint, resharded on load to any data-parallel world size
+DCP_SUPPORT = CheckpointSupport(format="dcp", async_save=None, reshard=frozenset({"world_size", "dp", "dp_shard"}))
 
 
 class TorchEngine(Engine):
@@ -70,3 +75,39 @@ class TorchEngine(Engine):
 
     def model_state_bytes(self) -> ModelStateBytes:
         return torch_model_state(self.params, self.optimizer)
+
+    # -- checkpoints: torch.distributed.checkpoint (DCP) ------------------------------------------
+    # get_state_dict/set_state_dict give the model and optimizer state under the unwrapped module's
+    # names (no DDP "module." prefix; FSDP2 parameters as DTensors), so one format serves ddp and
+    # fsdp at any world size: DCP reshards on load (docs/sources.md#dcp).
+    def _dcp_state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def save_checkpoint(self, directory, *, async_save=False):
+        import torch.distributed.checkpoint as dcp
+
+        state = self._dcp_state()
+        if not async_save:
+            dcp.save(state, checkpoint_id=str(directory))
+            return
+        self._done_at = None
+        self._pending = dcp.async_save(state, checkpoint_id=str(directory))
+        self._pending.add_done_callback(lambda _f: setattr(self, "_done_at", time.perf_counter()))
+
+    def finish_checkpoint(self):
+        pending, self._pending = getattr(self, "_pending", None), None
+        if pending is None:
+            return None
+        pending.result()  # re-raises a failed background write
+        return self._done_at or time.perf_counter()
+
+    def load_checkpoint(self, directory):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = self._dcp_state()
+        dcp.load(state, checkpoint_id=str(directory))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

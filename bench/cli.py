@@ -1,4 +1,4 @@
-"""The ``bench`` command: run | env | migrate | smoke.
+"""The ``bench`` command: run | comm | compare | env | migrate | smoke.
 
 Each command's module is imported when that command runs, and Hydra only by ``bench run``:
 ``bench --help`` loads neither torch nor Hydra nor any training framework.
@@ -24,6 +24,8 @@ commands:
               bench run +model=llama backend=fsdp launcher.nproc_per_node=2
               bench run -m +model=llama backend=ddp,fsdp
               bench run +model=llama --cfg job      (print the composed config)
+  comm      collectives benchmark (nccl-tests style): time, algbw, busbw per op and size: bench comm --help
+              bench comm launcher.nproc_per_node=2
   compare   tables and an HTML report comparing recorded runs: bench compare --help
   plan      which backend and layout for a model on a cluster, predicted and explained:
               bench plan +model=llama3-70b cluster=h100-sxm plan.devices=64 run.precision=bf16
@@ -115,6 +117,9 @@ def _job(cfg, prepared: _PreparedJobs):
             run_dir = out / f"rep{rep}" if job.run.repeats > 1 else out
             summaries.append(execute(job, plain, run_dir, {**tags, "repeat": rep}))
         return summaries
+    except UserError as exc:  # found once the run directory is known (e.g. its checkpoints)
+        print(f"bench: error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
     except RunFailed as exc:
         if hc.mode == RunMode.MULTIRUN:
             prepared.failed.append(f"{hc.job.num}: {exc}")
@@ -173,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "run":
         return cmd_run(rest)
+    if command == "comm":
+        from parabench.comm import main as comm_main
+
+        return comm_main(rest)
     if command == "compare":
         from parabench.compare import main as compare_main
 

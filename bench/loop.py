@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from parabench.adapters.base import Engine, WorkerContext
+from parabench.checkpoint import Checkpointer
+from parabench.faults import fire_fault
 from parabench.data import DataLedger, TokenSource
 
 
@@ -25,7 +27,12 @@ def write_json_atomic(path: Path, payload: dict) -> None:
     os.replace(tmp, path)
 
 
-def train(engine: Engine, ctx: WorkerContext, on_step: Callable[[int, int, float, float], None] | None = None) -> dict:
+def train(
+    engine: Engine,
+    ctx: WorkerContext,
+    on_step: Callable[[int, int, float, float], None] | None = None,
+    checkpointer: Checkpointer | None = None,
+) -> dict:
     job, device = ctx.job, ctx.device
     source = TokenSource(job.data, job.model.vocab_size, ctx.run_dir)
     dp_rank, dp_size = engine.data_parallel()
@@ -33,7 +40,11 @@ def train(engine: Engine, ctx: WorkerContext, on_step: Callable[[int, int, float
     total = job.run.warmup_steps + job.run.steps
     step_times: list[float] = []
     losses: list[float] = []
-    for step in range(total):
+    # every step's slowest-rank time, warm-up included: checkpointed with the losses (goodput)
+    history = {"losses": losses, "step_times": step_times, "all_step_times": []}
+    start = checkpointer.resume(ledger, history) if checkpointer else 0
+    for step in range(start, total):
+        fire_fault(job, ctx.run_dir, ctx.rank, step)
         micro_batches = source.rank_micro_batches(step, dp_rank, dp_size)
         ledger.record(step, micro_batches)
         batches = engine.prepare_batch(micro_batches)
@@ -47,8 +58,13 @@ def train(engine: Engine, ctx: WorkerContext, on_step: Callable[[int, int, float
         losses.append(mean_loss)  # every step, warm-up included: step 0 is the parity anchor
         if step >= job.run.warmup_steps:
             step_times.append(elapsed)
+        history["all_step_times"].append(slowest)
         if on_step is not None:
             on_step(step, total, mean_loss, slowest)
+        if checkpointer is not None:  # outside the timed region
+            checkpointer.after_step(step + 1, total, history, ledger)
+    if checkpointer is not None:
+        checkpointer.finish()
     peak, peak_kind = device.peak_memory()
     return {
         "rank": ctx.rank,
@@ -59,4 +75,6 @@ def train(engine: Engine, ctx: WorkerContext, on_step: Callable[[int, int, float
         "model_state": engine.model_state_bytes().as_dict(),
         "extra": engine.extra_metrics(),
         "data": ledger.as_dict(),
+        "all_step_times": history["all_step_times"],
+        "checkpoint": checkpointer.stats.as_dict() if checkpointer else None,
     }

@@ -24,8 +24,10 @@ from typing import Any, Literal
 from parabench import __version__, envreport
 from parabench.adapters.base import check_capabilities
 from parabench.adapters.registry import get_adapter
+from parabench.checkpoint import RUN_ID_ENV, plan_resume, write_resume_file
 from parabench.devices import AUTOLOAD_ENV, DEVICES, cpu_threads
 from parabench.errors import RunFailed, SpecError
+from parabench.faults import recovery_figures
 from parabench.flops import FORMULA, Peak, flops_per_token
 from parabench.jobs import from_config
 from parabench.launchers import get_launcher, slurm_placement
@@ -46,6 +48,7 @@ def prepare(plain: dict[str, Any]) -> JobSpec:
         plain = {**plain, "launcher": {**launcher, **_slurm_placement(launcher)}}
     job = from_config(plain)
     _check_data(job)
+    plan_resume(job, None)  # checkpoint keys and an explicit checkpoint, before anything starts
     adapter = get_adapter(job.backend.name)
     check_capabilities(adapter, job)
     if job.launch.dry_run:
@@ -289,7 +292,9 @@ def execute(
 ) -> dict[str, Any] | None:
     import yaml
 
+    resume_from = plan_resume(job, run_dir)  # refused (exit 2) before the run directory is touched
     run_dir.mkdir(parents=True, exist_ok=True)
+    write_resume_file(run_dir, resume_from)
     (run_dir / "logs").mkdir(exist_ok=True)
     (run_dir / "config.resolved.yaml").write_text(yaml.safe_dump(plain, sort_keys=False))
     (run_dir / "spec.json").write_text(job.to_json())
@@ -316,10 +321,14 @@ def execute(
     # write their rank files into the same, shared run directory).
     tracking = job.tracking if job.launch.node_rank == 0 else dataclasses.replace(job.tracking, enabled=False)
     tracker = JobRun(tracking, job.run.results_dir)
+    tags.update(resume_tags(resume_from))
     tracker.start(f"{job.backend.name}-{job.model.name}-x{job.parallel.world_size}", params, tags)
+    env[RUN_ID_ENV] = tracker.run_id or ""
     status = "FAILED"
     try:
+        started = time.monotonic()
         rc, reason = launch(job, run_dir, env, port)
+        wall_s = time.monotonic() - started
         ranks = sorted((run_dir / "ranks").glob("rank*.json")) if (run_dir / "ranks").exists() else []
         if rc != 0 or len(ranks) != job.parallel.world_size:
             reason = reason or f"{len(ranks)} of {job.parallel.world_size} ranks reported results"
@@ -327,6 +336,7 @@ def execute(
             raise RunFailed(f"run failed: {reason}; logs in {run_dir / 'logs'}")
         results = [json.loads(p.read_text()) for p in ranks]
         summary = build_summary(job, adapter, results)
+        summary.update(recovery_figures(run_dir, results, wall_s, int(tags.get("parabench.resumed_step") or 0)))
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         _log_results(tracker, summary, results)
         status = "FINISHED"
@@ -338,6 +348,18 @@ def execute(
     finally:
         tracker.log_artifacts(_artifact_files(run_dir), run_dir)
         tracker.end(status)
+
+
+def resume_tags(resume_from: Path | None) -> dict[str, Any]:
+    """A resumed job is a new MLflow run linked to the one that wrote its checkpoint."""
+    if resume_from is None:
+        return {}
+    marker = json.loads((resume_from / "COMPLETE").read_text())
+    return {
+        "parabench.resumed_from_run": marker.get("mlflow_run_id"),
+        "parabench.resumed_from_checkpoint": str(resume_from),
+        "parabench.resumed_step": marker.get("step"),
+    }
 
 
 def _artifact_files(run_dir: Path) -> list[Path]:

@@ -18,7 +18,9 @@ from pathlib import Path
 
 from parabench.adapters.base import WorkerContext
 from parabench.adapters.registry import get_adapter
+from parabench.checkpoint import RUN_ID_ENV, Checkpointer, CheckpointError
 from parabench.devices import DEVICES
+from parabench.faults import record_detection, restart_count
 from parabench.jobs import load_job
 from parabench.launchers import get_launcher
 
@@ -62,7 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[parabench worker] rank {rank}/{world} local_rank {local_rank} pid {os.getpid()}", flush=True)
     try:
         return _run(job, adapter, run_dir, rank, local_rank, world)
-    except Exception:
+    except CheckpointError as exc:  # one line: what could not be written or read, and where
+        record_detection(run_dir, rank, f"checkpoint error: {exc}")
+        print(f"[parabench worker] checkpoint error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except Exception as exc:
+        record_detection(run_dir, rank, f"{type(exc).__name__}: {exc}")
         traceback.print_exc()
         sys.stderr.flush()
         return 1
@@ -83,8 +90,11 @@ def _run(job, adapter, run_dir: Path, rank: int, local_rank: int, world: int) ->
     print(f"[parabench worker] engine ready in {setup_s:.1f}s, initial weights checksum {checksum}", flush=True)
 
     progress_path = run_dir / "progress.json"
+    first_step: list[float] = []  # wall time after this process's first step (recovery figures)
 
     def on_step(step: int, total: int, loss: float, step_time: float) -> None:
+        if not first_step:
+            first_step.append(time.time())
         print(f"step {step + 1}/{total} loss {loss:.6f} step_time {step_time:.4f}s", flush=True)
         if rank == 0:
             write_json_atomic(
@@ -92,8 +102,12 @@ def _run(job, adapter, run_dir: Path, rank: int, local_rank: int, world: int) ->
                 {"step": step + 1, "total": total, "loss": loss, "step_time": step_time, "time": time.time()},
             )
 
-    result = train(engine, ctx, on_step)
+    checkpointer = None
+    if adapter.capabilities.checkpoint is not None:
+        checkpointer = Checkpointer(engine, ctx, run_id=os.environ.get(RUN_ID_ENV) or None)
+    result = train(engine, ctx, on_step, checkpointer)
     result.update(initial_checksum=checksum, setup_s=setup_s, device_name=ctx.device.name(), pid=os.getpid())
+    result.update(restart_count=restart_count(), first_step_wall=first_step[0] if first_step else None)
     if rank == 0:
         artifacts = engine.artifacts()
         if artifacts:

@@ -42,7 +42,17 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "parabench.plan",
         ),
     ),
-    ("processes", ("parabench.launchers", "parabench.worker", "parabench.loop", "parabench.jobs")),
+    (
+        "processes",
+        (
+            "parabench.launchers",
+            "parabench.worker",
+            "parabench.loop",
+            "parabench.jobs",
+            "parabench.checkpoint",
+            "parabench.faults",
+        ),
+    ),
     ("backends", ("parabench.adapters",)),
     (
         "building blocks",

@@ -1,0 +1,436 @@
+"""Step-level checkpoints around the backend's native format (docs/resilience.md).
+
+Layout of one checkpoint, ``<run.checkpoint.dir>/step_000012/``::
+
+    native/              the backend's own files (Engine.save_checkpoint: DCP, DeepSpeed, ...)
+    harness/rank<R>.pt   per rank: completed steps, RNG streams, data ledger, loss/time history
+    COMPLETE             JSON written last by rank 0: the job it belongs to and every file's size
+
+It is written under ``step_000012.tmp/`` and made visible by one ``os.rename`` after the marker is
+on disk, so a crash at any moment leaves either the previous complete checkpoint or a new one, never
+a half-written directory under a final name. Discovery takes the newest directory whose marker is
+readable and whose files have the sizes it records; anything else is reported and skipped, and
+nothing but older *complete* checkpoints beyond ``run.checkpoint.keep`` is ever deleted.
+
+The runner calls :func:`plan_resume` before launch (refusing an incompatible checkpoint with exit 2,
+naming the key); every worker calls :func:`resume_source` and drives a :class:`Checkpointer`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from parabench.adapters.registry import get_adapter
+from parabench.errors import SpecError
+from parabench.spec import JobSpec, to_dict
+
+MARKER = "COMPLETE"
+PREFIX = "step_"
+TMP = ".tmp"
+RUN_ID_ENV = "PARABENCH_MLFLOW_RUN_ID"  # the job's MLflow run, recorded in each checkpoint's marker
+RESUME_FILE = "resume.json"  # written by the runner into the run directory: the checkpoint to start from
+LAYOUT_KEYS = ("tp", "pp", "cp", "world_size", "dp", "dp_shard")  # checked in this order
+MODEL_IGNORED = ("name", "source", "weights")  # where the shape came from does not change the state
+
+
+class CheckpointError(Exception):
+    """A checkpoint cannot be written or read: one line, never a traceback (the worker exits 1)."""
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"{PREFIX}{step:06d}"
+
+
+def checkpoint_root(job: JobSpec, run_dir: Path) -> Path:
+    return Path(job.run.checkpoint.dir) if job.run.checkpoint.dir else run_dir / "checkpoints"
+
+
+def job_identity(job: JobSpec) -> dict[str, Any]:
+    """What a checkpoint must agree with to be loaded (stored in its marker)."""
+    model = {k: v for k, v in to_dict(job.model).items() if k not in MODEL_IGNORED}
+    return {
+        "backend": job.backend.name,
+        "precision": job.run.precision,
+        "model_name": job.model.name,
+        "model": model,
+        "layout": {k: getattr(job.parallel, k) for k in LAYOUT_KEYS},
+        "options": to_dict(job.backend.options),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Discovery and validation (runner and workers; no torch).
+# --------------------------------------------------------------------------------------------
+def read_marker(path: Path) -> dict[str, Any]:
+    """The marker of a complete checkpoint, its files checked against the sizes it records."""
+    try:
+        marker = json.loads((path / MARKER).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no {MARKER} marker (a partial checkpoint)") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unreadable {MARKER} marker ({exc})") from None
+    for name, size in marker.get("files", {}).items():
+        try:
+            actual = (path / name).stat().st_size
+        except OSError:
+            raise CheckpointError(f"{path}: {name} is missing (corrupt checkpoint)") from None
+        if actual != size:
+            raise CheckpointError(f"{path}: {name} has {actual} bytes, the marker says {size} (corrupt checkpoint)")
+    return marker
+
+
+def newest_complete(root: Path, warn=None) -> tuple[Path, dict[str, Any]] | None:
+    """The newest complete checkpoint under ``root`` and its marker; partial or corrupt ones are
+    reported through ``warn`` (default: stderr) and skipped."""
+    warn = warn or (lambda msg: print(f"parabench: warning: {msg}", file=sys.stderr, flush=True))
+    if not root.is_dir():
+        return None
+    candidates = sorted((p for p in root.iterdir() if p.name.startswith(PREFIX)), key=lambda p: p.name, reverse=True)
+    for path in candidates:
+        if path.name.endswith(TMP):
+            warn(f"{path}: an unfinished save (skipped)")
+            continue
+        try:
+            return path, read_marker(path)
+        except CheckpointError as exc:
+            warn(f"{exc}; skipped")
+    return None
+
+
+def _resolve_path(text: str) -> tuple[Path, dict[str, Any]]:
+    """run.resume=<path>: a checkpoint, a directory of checkpoints, or a run directory."""
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise SpecError("run.resume", f"no such checkpoint or directory: {path}")
+    if not os.access(path, os.R_OK | os.X_OK) or not path.is_dir():
+        raise SpecError("run.resume", f"{path} is not a readable directory")
+    if (path / MARKER).exists() or path.name.startswith(PREFIX):
+        try:
+            return path, read_marker(path)
+        except CheckpointError as exc:
+            raise SpecError("run.resume", str(exc)) from None
+    for root in (path, path / "checkpoints"):
+        found = newest_complete(root)
+        if found:
+            return found
+    raise SpecError("run.resume", f"no complete checkpoint in {path}")
+
+
+def check_compatible(job: JobSpec, marker: dict[str, Any], path: Path) -> None:
+    """Refuse (SpecError naming the differing key) a checkpoint this job cannot load."""
+    saved, here = marker.get("job", {}), job_identity(job)
+    if saved.get("backend") != here["backend"]:
+        raise SpecError("backend", f"checkpoint {path} was written by backend {saved.get('backend')}, not {here['backend']}")
+    if saved.get("precision") != here["precision"]:
+        raise SpecError("run.precision", f"checkpoint {path} was written in {saved.get('precision')}, not {here['precision']}")
+    for key, value in here["model"].items():
+        if saved.get("model", {}).get(key) != value:
+            raise SpecError(
+                f"model.{key}",
+                f"checkpoint {path} belongs to another model ({saved.get('model_name')}: {key}="
+                f"{saved.get('model', {}).get(key)}; this job: {job.model.name}: {key}={value})",
+            )
+    support = get_adapter(job.backend.name).capabilities.checkpoint
+    reshard = support.reshard if support else frozenset()
+    for key in LAYOUT_KEYS:
+        old, new = saved.get("layout", {}).get(key), here["layout"][key]
+        if old != new and key not in reshard:
+            user_key = "launcher.nproc_per_node" if key in ("world_size", "dp", "dp_shard") else f"backend.{key}"
+            raise SpecError(
+                user_key,
+                f"checkpoint {path} was saved with {key}={old}, this job has {key}={new}, and "
+                f"{job.backend.name}'s {support.format if support else 'checkpoint'} cannot reshard {key}",
+            )
+    for key in sorted(support.options if support else ()):
+        if saved.get("options", {}).get(key) != here["options"].get(key):
+            raise SpecError(f"backend.{key}", f"checkpoint {path} was saved with {key}={saved['options'].get(key)}")
+
+
+def check_support(job: JobSpec) -> None:
+    """run.checkpoint/run.resume/fault/max_restarts against what the backend declares."""
+    adapter = get_adapter(job.backend.name)
+    support, ckpt = adapter.capabilities.checkpoint, job.run.checkpoint
+    wants = ckpt.every > 0 or ckpt.on_signal or job.run.resume not in ("auto", "never")
+    if wants and support is None:
+        key = "run.checkpoint.every" if ckpt.every else "run.checkpoint.on_signal" if ckpt.on_signal else "run.resume"
+        raise SpecError(key, f"backend {adapter.name} has no checkpoint support (docs/resilience.md)")
+    if ckpt.async_ and support is not None and support.async_save is not None:
+        raise SpecError("run.checkpoint.async", f"{adapter.name}: {support.async_save}")
+    if job.launch.max_restarts and adapter.capabilities.launcher != "torchrun":
+        raise SpecError(
+            "launcher.max_restarts",
+            f"workers are restarted by torchrun's elastic agent; {adapter.name} is launched by "
+            f"{adapter.capabilities.launcher}, which parabench does not restart (docs/resilience.md)",
+        )
+
+
+def plan_resume(job: JobSpec, run_dir: Path | None) -> Path | None:
+    """Before launch: the checkpoint this job starts from (or None), checked against the job.
+    ``run_dir`` None: the run directory is not known yet (only an explicit run.checkpoint.dir is looked at)."""
+    check_support(job)
+    resume = job.run.resume
+    root = checkpoint_root(job, run_dir) if (run_dir or job.run.checkpoint.dir) else None
+    if root and root.exists() and not (root.is_dir() and os.access(root, os.R_OK | os.W_OK | os.X_OK)):
+        raise SpecError("run.checkpoint.dir", f"{root} is not a readable and writable directory")
+    supported = get_adapter(job.backend.name).capabilities.checkpoint is not None
+    own = newest_complete(root) if root and supported else None
+    if resume == "never":
+        if own:
+            raise SpecError(
+                "run.resume",
+                f"never, but {root} already holds checkpoint {own[0].name}: resume with run.resume=auto "
+                "or choose another run.checkpoint.dir",
+            )
+        return None
+    found = own if resume == "auto" else _resolve_path(resume)
+    if found is None:
+        return None
+    check_compatible(job, found[1], found[0])
+    return found[0]
+
+
+def write_resume_file(run_dir: Path, path: Path | None) -> None:
+    (run_dir / RESUME_FILE).write_text(json.dumps({"path": str(path.resolve()) if path else None}))
+
+
+def resume_source(job: JobSpec, run_dir: Path) -> Path | None:
+    """Worker side: the newest complete checkpoint of this job's own directory (a restarted worker
+    continues from what the job saved), else what the runner planned (``resume.json``)."""
+    own = newest_complete(checkpoint_root(job, run_dir), warn=lambda msg: print(f"[parabench] warning: {msg}"))
+    if own:
+        return own[0]
+    try:
+        planned = json.loads((run_dir / RESUME_FILE).read_text()).get("path")
+    except (OSError, ValueError):
+        return None
+    return Path(planned) if planned else None
+
+
+# --------------------------------------------------------------------------------------------
+# Writing and reading (workers).
+# --------------------------------------------------------------------------------------------
+@dataclass
+class SaveRecord:
+    step: int
+    blocking_s: float
+    total_s: float | None = None  # async: until the background write ended
+    bytes_total: int = 0  # every file of the checkpoint (rank 0's record)
+    started: float = 0.0
+
+
+@dataclass
+class CheckpointStats:
+    """What the harness measured about checkpoints in this process (rank-local)."""
+
+    saves: list[SaveRecord] = field(default_factory=list)
+    load_s: float | None = None
+    resumed_step: int | None = None
+    resumed_from: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "saves": [vars(s) for s in self.saves],
+            "load_s": self.load_s,
+            "resumed_step": self.resumed_step,
+            "resumed_from": self.resumed_from,
+        }
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rng_state() -> dict[str, Any]:
+    """Every random stream of this process: python, numpy, torch CPU, and the accelerator's."""
+    import random
+
+    import numpy as np
+    import torch
+
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": (kind, [int(k) for k in keys], pos, has_gauss, cached),
+        "torch": torch.get_rng_state(),
+    }
+    for name in ("cuda", "npu"):  # only where the runtime is loaded and initialised in this process
+        mod = getattr(torch, name, None)
+        if mod is not None and mod.is_available() and mod.is_initialized():
+            state[name] = mod.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    for name in ("cuda", "npu"):
+        mod = getattr(torch, name, None)
+        if name in state and mod is not None and mod.is_available():
+            mod.set_rng_state_all(state[name])
+
+
+class Checkpointer:
+    """One rank's side of saving and resuming (every call is collective over the job's ranks)."""
+
+    def __init__(self, engine, ctx, run_id: str | None = None):
+        job = ctx.job
+        self.engine, self.ctx, self.comm = engine, ctx, ctx.comm
+        self.root = checkpoint_root(job, ctx.run_dir)
+        self.every, self.keep, self.async_ = job.run.checkpoint.every, job.run.checkpoint.keep, job.run.checkpoint.async_
+        self.run_id = run_id
+        self.stats = CheckpointStats()
+        self._pending: tuple[SaveRecord, Path] | None = None
+
+    # -- saving ------------------------------------------------------------------------------
+    def due(self, completed: int, total: int) -> bool:
+        return self.every > 0 and completed % self.every == 0 and completed < total
+
+    def save(self, completed: int, harness: dict[str, Any]) -> SaveRecord:
+        """Write checkpoint ``step_<completed>`` (async: its marker follows at the next save/close)."""
+        self.finish()
+        t0 = time.perf_counter()
+        tmp = self.root / f"{step_dir(self.root, completed).name}{TMP}"
+        try:
+            if self.ctx.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                (tmp / "harness").mkdir(parents=True)
+            self.comm.barrier()
+            self.engine.save_checkpoint(tmp / "native", async_save=self.async_)
+            _save_torch(harness, tmp / "harness" / f"rank{self.ctx.rank}.pt")
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint step {completed}: writing {tmp} failed: {exc}") from None
+        record = SaveRecord(completed, time.perf_counter() - t0, started=t0)
+        self.stats.saves.append(record)
+        self._pending = (record, tmp)
+        if not self.async_:
+            self.finish()
+        return record
+
+    def finish(self) -> None:
+        """Complete the pending save: wait for its files, then marker + rename + prune on rank 0."""
+        if self._pending is None:
+            return
+        record, tmp = self._pending
+        self._pending = None
+        done = self.engine.finish_checkpoint()
+        self.comm.barrier()
+        record.total_s = (done or time.perf_counter()) - record.started
+        if self.ctx.rank == 0:
+            try:
+                record.bytes_total = self._publish(record.step, tmp)
+            except OSError as exc:
+                raise CheckpointError(f"checkpoint step {record.step}: finishing {tmp} failed: {exc}") from None
+        self.comm.barrier()
+
+    def _publish(self, step: int, tmp: Path) -> int:
+        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        marker = {"step": step, "time": time.time(), "job": job_identity(self.ctx.job), "files": files}
+        marker.update(world_size=self.ctx.world_size, mlflow_run_id=self.run_id)
+        with open(tmp / MARKER, "w") as f:
+            json.dump(marker, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        final = step_dir(self.root, step)
+        if final.exists():  # the same step saved again (a resume from an older checkpoint)
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        self._prune()
+        return sum(files.values())
+
+    def _prune(self) -> None:
+        if self.keep <= 0:
+            return
+        complete = sorted(p for p in self.root.iterdir() if p.name.startswith(PREFIX) and (p / MARKER).exists())
+        for old in complete[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    # -- what the loop calls --------------------------------------------------------------------
+    def after_step(self, completed: int, total: int, history: dict[str, list], ledger) -> None:
+        """After a step, outside its timed region: save when ``completed`` is a multiple of every."""
+        if not self.due(completed, total):
+            return
+        harness = {
+            "step": completed,
+            "rng": rng_state(),
+            "ledger": {"dp_rank": ledger.dp_rank, "dp_size": ledger.dp_size, "checksum": ledger.checksum},
+            "history": {k: list(v) for k, v in history.items()},
+        }
+        self.save(completed, harness)
+
+    def resume(self, ledger, history: dict[str, list]) -> int:
+        """Restore from the planned/newest checkpoint, if any: the first step to run (0 if none)."""
+        path = resume_source(self.ctx.job, self.ctx.run_dir)
+        if path is None:
+            return 0
+        state = self.load(path)
+        set_rng_state(state["rng"])
+        for key, values in state["history"].items():
+            history[key][:] = values
+        ledger.checksum = _ledger_checksum(state["ledgers"], ledger)
+        return int(state["step"])
+
+    # -- resuming ----------------------------------------------------------------------------
+    def load(self, path: Path) -> dict[str, Any]:
+        """Restore the engine from ``path`` and return this rank's harness state."""
+        t0 = time.perf_counter()
+        marker = read_marker(path)
+        self.engine.load_checkpoint(path / "native")
+        saved_world = int(marker["world_size"])
+        states = [_load_torch(path / "harness" / f"rank{r}.pt") for r in range(saved_world)]
+        mine = states[self.ctx.rank % saved_world]
+        mine["history"] = states[0]["history"]
+        mine["ledgers"] = [s["ledger"] for s in states]
+        self.comm.barrier()
+        self.stats.load_s = time.perf_counter() - t0
+        self.stats.resumed_step, self.stats.resumed_from = int(marker["step"]), str(path)
+        return mine
+
+
+def _save_torch(obj: Any, path: Path) -> None:
+    import torch
+
+    part = path.with_name(path.name + ".part")
+    torch.save(obj, part)
+    os.replace(part, path)
+
+
+def _load_torch(path: Path) -> dict[str, Any]:
+    import torch
+
+    try:
+        return torch.load(path, weights_only=True)
+    except (OSError, RuntimeError, EOFError) as exc:
+        raise CheckpointError(f"{path}: unreadable ({exc})") from None
+
+
+def _ledger_checksum(saved: list[dict[str, Any]], ledger) -> int:
+    """This rank's data-ledger checksum after a resume: its own when the data-parallel layout is
+    unchanged; resharded, data-parallel rank 0 carries the sum over the saved ranks (the run's
+    checksum is the sum over data-parallel ranks, parabench.data.combined_checksum)."""
+    from parabench.data import CHECKSUM_MOD
+
+    if saved[0]["dp_size"] == ledger.dp_size:
+        return next(int(s["checksum"]) for s in saved if s["dp_rank"] == ledger.dp_rank)
+    if ledger.dp_rank != 0:
+        return 0
+    per_dp = {s["dp_rank"]: int(s["checksum"]) for s in saved}
+    return sum(per_dp.values()) % CHECKSUM_MOD
