@@ -26,7 +26,8 @@ import libcst as cst
 
 from parabench.migrate import api_map
 from parabench.migrate.core import MANUAL, Finding
-from parabench.migrate.rules._py import PyContext, _climb, cuda_refs
+from parabench.migrate.rules._base import all_rules
+from parabench.migrate.rules._py import PyContext, _climb, cuda_refs, dotted
 from parabench.migrate.rules._walk import walk
 
 CODE = "PY914"
@@ -339,8 +340,6 @@ def _cuda_only(ctx: PyContext) -> dict[cst.CSTNode, str]:
 
 
 def _imported_modules(stmt: cst.CSTNode) -> list[str]:
-    from parabench.migrate.rules._py import dotted
-
     if isinstance(stmt, cst.Import):
         return [dotted(a.name) or "" for a in stmt.names]
     if stmt.relative or stmt.module is None:
@@ -392,8 +391,6 @@ def _withdraw(ctx: PyContext, atoms: list[_Atom], why: dict) -> None:
 
 def _recount(ctx: PyContext) -> None:
     """applied_codes / needs_npu from the changes still applied."""
-    from parabench.migrate.rules._base import all_rules
-
     rules = all_rules()
     live = [f for node, f in ctx.finding_nodes if f.applied and node in ctx.edits]
     ctx.applied_codes = {f.rule for f in live}
