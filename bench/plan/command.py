@@ -13,6 +13,7 @@ Every other ``key=value`` is a job override, composed by Hydra exactly as ``benc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -112,7 +113,8 @@ def run_plan(args: argparse.Namespace) -> int:
     _track(first, found, top, context)
     if args.emit_bundle:
         best = found.ranked[0]
-        out = emit_bundle(found.plains[id(best)], Path(args.emit_bundle))
+        with contextlib.redirect_stdout(sys.stderr):  # stdout carries the plan (json/csv)
+            out = emit_bundle(found.plains[id(best)], Path(args.emit_bundle))
         print(f"plan: launch bundle of row 1 written under {out}", file=sys.stderr)
     return 0
 
@@ -190,7 +192,7 @@ def _params(context: dict[str, Any]) -> dict[str, str]:
 
 def main(argv: list[str]) -> int:
     try:
-        args = _parser().parse_args(argv)
+        args = _parser().parse_intermixed_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
     try:

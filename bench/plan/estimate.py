@@ -156,3 +156,11 @@ def _spans(job: JobSpec) -> dict[str, int]:
 def _link(cluster: Cluster, span: int) -> tuple[float, float]:
     link = cluster.link(span)
     return link.latency_s, link.bytes_per_s
+
+
+def gpt_parameters(layers: int, hidden: int, vocab: int, seq_len: int) -> float:
+    """Parameters of a GPT model (4h MLP, learned positions, biases) by Narayanan et al. 2021, Eq. 2:
+    P = 12 l h^2 (1 + 13 / (12 h) + (V + s) / (12 l h)) (docs/sources.md#megatron-parameter-count).
+    A cross-check of the published scale of a layout, not of the canonical Llama (which counts
+    its own parameters exactly: ``ModelSpec.num_params``)."""
+    return 12 * layers * hidden**2 * (1 + 13 / (12 * hidden) + (vocab + seq_len) / (12 * layers * hidden))

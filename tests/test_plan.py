@@ -1,0 +1,145 @@
+"""bench plan: the memory model against published figures and the adapters' formulas, the
+search's refusals, and a plan end to end (docs/plan.md)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+
+from parabench.adapters.registry import get_adapter
+from parabench.confutil import compose, to_plain
+from parabench.plan.estimate import gpt_parameters
+from parabench.plan.profiles import PROFILES
+from parabench.runner import prepare
+
+GB = 1e9
+
+
+def _job(backend: str, world: int, *overrides: str, **options):
+    plain = to_plain(compose(["+model=llama", f"backend={backend}", *overrides]))
+    cfg = copy.deepcopy(plain)
+    cfg["backend"].update(options)
+    cfg["launcher"].update(nproc_per_node=world, dry_run=True)
+    cfg["device"]["type"] = "cpu"
+    cfg["tracking"]["enabled"] = False
+    return prepare(cfg)
+
+
+LAYOUTS = [
+    ("ddp", 2, {}),
+    ("mindspore", 2, {}),
+    ("fsdp", 2, {}),
+    ("deepspeed", 2, {"zero_stage": 0}),
+    ("deepspeed", 2, {"zero_stage": 1}),
+    ("deepspeed", 2, {"zero_stage": 2}),
+    ("deepspeed", 2, {"zero_stage": 3}),
+    ("megatron", 2, {"tp": 2}),
+    ("megatron", 2, {"pp": 2}),
+    ("megatron", 2, {}),
+    ("megatron", 2, {"distributed_optimizer": True}),
+]
+
+
+@pytest.mark.parametrize(("backend", "world", "options"), LAYOUTS)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_breakdown_is_the_adapters_published_formula_plus_padding(backend, world, options, precision):
+    if precision == "bf16" and backend == "mindspore":
+        pytest.skip("mindspore runs fp32 only")
+    job = _job(backend, world, f"run.precision={precision}", **options)
+    states = PROFILES[backend].states(job)
+    formula = get_adapter(backend).expected_model_state(job).bytes
+    pad = states.total - formula
+    assert 0 <= pad < 16 * 128 * job.parallel.dp, (states, formula)
+
+
+@pytest.mark.parametrize(
+    ("stage", "published_gb"),
+    [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)],
+)
+def test_zero_paper_figure_1(stage, published_gb):
+    # Rajbhandari et al. 2020 (ZeRO, arXiv 1910.02054) Figure 1: per-device model-state memory of a
+    # 7.5B-parameter model on Nd = 64 devices with mixed-precision Adam (K = 12): baseline 120 GB,
+    # Pos 31.4 GB, Pos+g 16.6 GB, Pos+g+p 1.9 GB. The planner's bytes per parameter for a bf16
+    # DeepSpeed job over 64 ranks, times 7.5e9 parameters, give the figure's numbers.
+    job = _job("deepspeed", 64, "run.precision=bf16", "data.global_batch_size=128", zero_stage=stage)
+    per_param = PROFILES["deepspeed"].states(job).total / job.model.num_params()
+    assert per_param * 7.5e9 / GB == pytest.approx(published_gb, abs=0.05)
+
+
+# Narayanan et al. 2021 (arXiv 2104.04473) Table 1: (parameters in billions, heads, hidden size,
+# layers); vocabulary 51,200 and sequence length 2,048 (section 5.1).
+TABLE_1 = [
+    (1.7, 24, 2304, 24),
+    (3.6, 32, 3072, 30),
+    (7.5, 32, 4096, 36),
+    (18.4, 48, 6144, 40),
+    (39.1, 64, 8192, 48),
+    (76.1, 80, 10240, 60),
+    (145.6, 96, 12288, 80),
+    (310.1, 128, 16384, 96),
+    (529.6, 128, 20480, 105),
+    (1008.0, 160, 25600, 128),
+]
+
+
+@pytest.mark.parametrize(("billions", "heads", "hidden", "layers"), TABLE_1)
+def test_megatron_2021_eq2_parameter_count(billions, heads, hidden, layers):
+    # Eq. 2 of Narayanan et al. 2021 reproduces every row of their Table 1 to its printed precision.
+    assert gpt_parameters(layers, hidden, 51200, 2048) / 1e9 == pytest.approx(billions, abs=0.051)
+
+
+def _plan(capsys, *args: str) -> tuple[int, str, str]:
+    from parabench.cli import main
+
+    code = main(["plan", *args, "tracking.enabled=false"])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_unknown_cluster_one_line_exit_2(capsys):
+    code, out, err = _plan(capsys, "+model=llama", "cluster=dgx-nowhere")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith("bench: error: cluster: unknown cluster 'dgx-nowhere'") and "h100-sxm" in err
+
+
+def test_impossible_batch_one_line_exit_2(capsys):
+    code, out, err = _plan(
+        capsys, "+model=llama", "cluster=cpu", "plan.backends=[ddp,fsdp]", "data.global_batch_size=3"
+    )
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "data.global_batch_size" in err and "3" in err
+
+
+def test_fits_nowhere_says_by_how_much(capsys):
+    code, out, err = _plan(capsys, "+model=llama3-70b", "cluster=cpu", "plan.backends=[ddp]")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "fits nowhere" in err and "GiB more than" in err
+
+
+def test_plan_json_rows_are_runnable_overrides(capsys, tmp_path):
+    code, out, err = _plan(
+        capsys, "+model=llama", "cluster=cpu", "plan.backends=[ddp,deepspeed,megatron]", "plan.top=3",
+        "--format", "json", "--emit-bundle", str(tmp_path / "bundle"),
+    )  # fmt: skip
+    assert code == 0, err
+    doc = json.loads(out)
+    assert len(doc["ranked"]) == 3 and doc["context"]["cluster"] == "cpu"
+    best = doc["ranked"][0]
+    assert best["overrides"].startswith("backend=") and math.isfinite(best["step_s"])
+    assert "no calibration" in doc["context"]["calibration"]
+    assert (tmp_path / "bundle" / "launch.sh").is_file()
+
+
+def test_h100_70b_plan_prefers_model_parallel_and_says_why(capsys):
+    code, out, err = _plan(
+        capsys, "+model=llama3-70b", "cluster=h100-sxm", "plan.devices=64", "data.global_batch_size=512",
+        "data.seq_len=4096", "run.precision=bf16", "--format", "json",
+    )  # fmt: skip
+    assert code == 0, err
+    doc = json.loads(out)
+    assert all(r["margin_gib"] >= 0 for r in doc["ranked"])
+    assert doc["ranked"][0]["why"].startswith("fastest that fits")
+    assert any(r["why"].startswith("does not fit by") for r in doc["rejected"])
