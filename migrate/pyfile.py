@@ -48,6 +48,7 @@ _STATIC_WORDS = (
     "cupy",
     "deep_gemm",
     "accelerator",
+    "use_deterministic_algorithms",  # PY115 must see the user's own setting (issue #13 class 4)
 )
 # String constants only matter when the whole string is a device/backend/env/module/command name;
 # prose ("moving batch to cuda") never triggers a rule (roles are decided on the syntax tree later).
