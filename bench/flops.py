@@ -70,6 +70,11 @@ PEAKS: dict[str, dict[str, Peak]] = {
         "bf16": Peak(363.7, "MindSpeed auto-tuning default for 910B", True),
         "fp16": Peak(363.7, "MindSpeed auto-tuning default for 910B", True),
     },
+    # Two dies per package; Huawei's CloudMatrix384 paper (arXiv 2506.12708, sec. 3), no datasheet.
+    "910C": {
+        "bf16": Peak(752, "Huawei CloudMatrix384 paper (Zuo et al. 2025) for 910C", True),
+        "fp16": Peak(752, "Huawei CloudMatrix384 paper (Zuo et al. 2025) for 910C", True),
+    },
 }
 
 

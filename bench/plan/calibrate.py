@@ -40,6 +40,9 @@ class Record:
 
 
 def records(experiment: str, tracking_uri: str | None) -> list[Record]:
+    import os
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     import mlflow
     from mlflow.tracking import MlflowClient
 
