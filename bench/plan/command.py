@@ -159,7 +159,7 @@ def _context(cluster: Cluster, world: int, first: dict[str, Any], pk: Any, cal: 
         "peak_tflops": pk.tflops if pk else None,
         "peak_source": pk.source if pk else "unknown peak: no MFU, no step time",
         "calibration": cal_text,
-        "uncertain": cluster.uncertain_values() + (["peak"] if pk and pk.uncertain else []),
+        "uncertain": sorted(set(cluster.uncertain_values() + (["peak"] if pk and pk.uncertain else []))),
     }
 
 

@@ -91,11 +91,13 @@ def _fsdp_states(job: JobSpec) -> States:
 
 def _fsdp_buffers(job: JobSpec) -> float:
     """Two layers unsharded at once (the current one and the prefetched next) in the param dtype,
-    and one layer's unsharded fp32 gradients before the reduce-scatter."""
+    the root module unsharded, and one layer's unsharded fp32 gradients before the reduce-scatter.
+    Without resharding after forward every layer stays unsharded until its backward."""
     m = job.model
     layer = sum(math.prod(s) for k, s in m.parameter_shapes().items() if k.startswith("model.layers.0."))
     root = sum(math.prod(s) for k, s in m.parameter_shapes().items() if ".layers." not in k)
-    return 2 * layer * _b(job) + root * _b(job) + layer * 4
+    live = 2 if job.backend.options.reshard_after_forward else m.num_hidden_layers
+    return live * layer * _b(job) + root * _b(job) + layer * 4
 
 
 def _fsdp_options(world: int, per_node: int) -> Iterator[dict[str, Any]]:
