@@ -17,6 +17,7 @@ import libcst as cst
 
 from parabench.migrate import api_map
 from parabench.migrate.core import MANUAL, REVIEW, Finding, Options
+from parabench.migrate.rules import _scope
 from parabench.migrate.rules._base import Rule, statement_first_line
 from parabench.migrate.rules._walk import walk
 
@@ -140,8 +141,9 @@ class PyContext:
     def qnames(self, node: cst.CSTNode) -> set[str]:
         """Qualified names an expression resolves to through imports: {'torch.cuda.synchronize'}.
 
-        Like LibCST's QualifiedNameProvider for import-bound names, without scope analysis:
-        an import anywhere in the file binds its name file-wide (shadowing is not modelled).
+        Like LibCST's QualifiedNameProvider for import-bound names: an import binds its name in
+        its function (or the module); a parameter, assignment or loop variable of the same name
+        in an enclosing function shadows it (rules._scope).
         """
         cached = self._qcache.get(node)
         if cached is not None:
@@ -153,7 +155,7 @@ class PyContext:
             if not _is_reference(self, node):
                 pass
             elif node.value in self._imports:
-                out = set(self._imports[node.value])
+                out = _scope.resolve(self, node, _bind) or set()  # None: a local shadows the import
             elif node.value in _BUILTINS:
                 out = {f"builtins.{node.value}"}
             else:
@@ -168,7 +170,12 @@ class PyContext:
         root = node
         while isinstance(root, cst.Attribute):
             root = root.value
-        return isinstance(root, cst.Name) and root.value in self._imports and root not in self.in_import
+        return (
+            isinstance(root, cst.Name)
+            and root.value in self._imports
+            and root not in self.in_import
+            and _scope.resolve(self, root, _bind) is not None
+        )
 
     def parent(self, node: cst.CSTNode) -> cst.CSTNode | None:
         return self._parent.get(node)
@@ -700,6 +707,8 @@ def cuda_refs(ctx: PyContext) -> CudaRefs:
         for use in ctx.names.get(target.value, []):
             if use is target or not _is_reference(ctx, use) or isinstance(ctx.parent(use), cst.AssignTarget):
                 continue
+            if not _scope.same_binding(ctx, use, target, _bind):
+                continue  # a parameter or local of the same name in another function
             outer, suffix = _climb(ctx, use)
             cat, data = api_map.classify_cuda_member(suffix)
             uses.append(CudaUse(use, outer, suffix, cat, data))
