@@ -190,6 +190,8 @@ def _mentions_trigger(nodes: list, search, docstrings: set[int]) -> bool:
             if node.arg and search(node.arg):
                 return True
         elif t in containers and node.body:
+            if search(node.name):  # `def cuda(self)`: PY102 must see a class's own cuda()
+                return True
             doc = _docstring(node.body)
             if doc is not None:
                 docstrings.add(id(doc))

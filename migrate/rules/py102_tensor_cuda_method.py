@@ -23,4 +23,14 @@ class TensorCudaMethod(PyRule):
             return
         if isinstance(func.value, (cst.Name, cst.Attribute)) and self.ctx.is_import(func.value):
             return  # torch.cuda / numba.cuda / cupy.cuda: a module, not a tensor
+        if isinstance(func.value, cst.Name) and func.value.value in ("self", "cls") and self._own_cuda(node):
+            return  # the class defines cuda() itself: self.cuda() is that method (issue #13, class 5)
         self.change(func, lambda n: n.with_changes(attr=cst.Name("npu")), ".cuda() -> .npu()", op="Tensor.cuda")
+
+    def _own_cuda(self, node: cst.CSTNode) -> bool:
+        """Does the class around ``node`` define a method named cuda?"""
+        p = self.ctx.parent(node)
+        while p is not None and not isinstance(p, cst.ClassDef):
+            p = self.ctx.parent(p)
+        body = p.body.body if p is not None and isinstance(p.body, cst.IndentedBlock) else ()
+        return any(isinstance(s, cst.FunctionDef) and s.name.value == "cuda" for s in body)

@@ -1,7 +1,11 @@
-"""PY104: other 'cuda' literals that name a device (defaults, choices, return values) -> 'npu', flagged (docs/sources.md#class-s-review).
+"""PY104: other 'cuda' literals that provably reach a device position -> 'npu', flagged (docs/sources.md#class-s-review).
 
-Never touched: docstrings, log/print/exception messages, subscript and dict keys (checkpoint keys,
-PyTorch's device->backend map: pattern 4), getattr names, Lightning `accelerator=` (PY912).
+A string is rewritten by its role, not its spelling (issue #13, class 5; rules/_reach.py): an
+argparse option naming a device, a variable whose use is a device argument, the return of a
+device-named function without an NPU branch, a dict key looked up with a device (with its literal
+lookups). Never touched: docstrings, log/print/exception messages, metric keys and other call
+arguments, values stored in dicts (checkpoints), plain comparisons, getattr names, Lightning
+`accelerator=` (PY912).
 """
 
 from __future__ import annotations
@@ -19,15 +23,17 @@ from parabench.migrate.rules._py import (
     string_role,
     string_value,
 )
+from parabench.migrate.rules._reach import key_group, reaches_device
 
-ROLES = frozenset({"other", "arg", "compare", "backend-other"})
+ROLES = frozenset({"other", "arg"})
+TIP = "check this string names a device (user-facing choices change too)"
 
 
 @register
 class BareDeviceLiteral(PyRule):
     code = "PY104"
     name = "bare-device-literal"
-    description = "'cuda' literal outside a known device role (argparse defaults/choices, returns, plain comparisons) -> 'npu', for review"
+    description = "'cuda' literal that reaches a device position (argparse --device defaults/choices, variables used as devices, device-named functions' returns, dict keys looked up with a device) -> 'npu', for review"
     safety = REVIEW
     source = "docs/sources.md#class-s-review, docs/sources.md#pattern-2, docs/sources.md#pattern-4, docs/sources.md#pattern-11, docs/sources.md#pattern-13"
 
@@ -36,15 +42,30 @@ class BareDeviceLiteral(PyRule):
         if value is None or not DEVICE_RE.match(value) or "cuda" not in node.value:
             return
         role = string_role(self.ctx, node)
-        if role in ROLES:
+        if role == "key":
+            for s in key_group(self.ctx, node) or ():
+                self.change(
+                    s,
+                    lambda n: replace_in_simple_string(n, "cuda", "npu"),
+                    f"'{value}' key looked up with a device (key and literal lookups together) -> 'npu'",
+                    op=value,
+                    tip=TIP,
+                )
+            return
+        why = reaches_device(self.ctx, node, role) if role in ROLES else None
+        if why:
             self.change(
                 node,
                 lambda n: replace_in_simple_string(n, "cuda", "npu"),
-                f"'{value}' ({role}) -> '{value.replace('cuda', 'npu')}'",
+                f"'{value}' ({why}) -> '{value.replace('cuda', 'npu')}'",
                 op=value,
-                tip="check this string names a device (user-facing choices change too)",
+                tip=TIP,
             )
 
     def visit_FormattedString(self, node: cst.FormattedString) -> None:
-        if fstring_device(node) and string_role(self.ctx, node) in ROLES:
-            self.change(node, fstring_to_npu, "f'cuda:{...}' -> f'npu:{...}'", op="f'cuda:{...}'")
+        if not fstring_device(node):
+            return
+        role = string_role(self.ctx, node)
+        why = reaches_device(self.ctx, node, role) if role in ROLES else None
+        if why:
+            self.change(node, fstring_to_npu, f"f'cuda:{{...}}' ({why}) -> f'npu:{{...}}'", op="f'cuda:{...}'")
