@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from parabench.plan.calibrate import Record, fit_records, predict, records
+from parabench.plan.calibrate import Record, comm_links, fit_records, predict, records
 from parabench.plan.profiles import PROFILES
 
 MODEL = [
@@ -56,6 +56,11 @@ def run_sweep(results: Path, lock: str | None) -> None:
             cmd = ["flock", lock, *cmd]
         rc = subprocess.run(cmd, capture_output=True, text=True).returncode
         print(f"{'ok ' if rc == 0 else 'FAILED'} {' '.join(overrides)}", flush=True)
+    # the gloo link the plan's communication runs over (an alpha-beta fit of a 2-rank all-reduce)
+    cmd = [sys.executable, "-m", "parabench", "comm", "launcher.nproc_per_node=2", "comm.ops=[all_reduce]",
+           "tracking.experiment=plan_loo", f"run.results_dir={results}"]  # fmt: skip
+    rc = subprocess.run(["flock", lock, *cmd] if lock else cmd, capture_output=True, text=True).returncode
+    print(f"{'ok ' if rc == 0 else 'FAILED'} bench comm (all_reduce, 2 ranks)", flush=True)
 
 
 def label(r: Record) -> str:
@@ -67,11 +72,11 @@ def label(r: Record) -> str:
     )
 
 
-def leave_one_out(recs: list[Record]) -> tuple[list[float], list[float]]:
+def leave_one_out(recs: list[Record], links: dict[str, list[float]]) -> tuple[list[float], list[float]]:
     t_err, m_err = [], []
     print(f"{'left out':46} {'step pred':>10} {'meas':>8} {'err':>7} {'mem pred MiB':>13} {'meas':>8} {'err':>7}")
     for i, r in enumerate(recs):
-        cal = fit_records(recs[:i] + recs[i + 1 :], f"loo-{i}")
+        cal = fit_records(recs[:i] + recs[i + 1 :], f"loo-{i}", links)
         step, mem = predict(r, cal)
         te, me = (step - r.step_s) / r.step_s, (mem - r.peak_bytes) / r.peak_bytes
         t_err.append(abs(te))
@@ -107,8 +112,10 @@ def main() -> int:
     results = Path(args.results).resolve()
     if not args.no_run:
         run_sweep(results, args.lock)
-    recs = records("plan_loo", f"sqlite:///{results / 'mlflow.db'}")
-    t_err, m_err = leave_one_out(recs)
+    uri = f"sqlite:///{results / 'mlflow.db'}"
+    recs, links = records("plan_loo", uri), comm_links("plan_loo", uri)
+    print(f"links from bench comm: {links or 'none (the cluster file figures)'}")
+    t_err, m_err = leave_one_out(recs, links)
     within_t = sum(e <= 0.20 for e in t_err) / len(t_err)
     within_m = sum(e <= 0.25 for e in m_err) / len(m_err)
     print(f"\n{len(recs)} runs, leave-one-out: step time median |err| {100 * statistics.median(t_err):.1f}%, "

@@ -39,14 +39,39 @@ class Record:
     kind: str
 
 
+def _client(tracking_uri: str | None):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri or f"sqlite:///{Path('results').resolve() / 'mlflow.db'}")
+
+
+def comm_links(experiment: str, tracking_uri: str | None) -> dict[str, list[float]]:
+    """Per device kind, the link (latency, bandwidth) that ``bench comm``'s all-reduce fits imply:
+    t = alpha + beta S for an all-reduce of S bytes over n ranks is alpha = 2 (n - 1) link
+    latencies and beta = 2 (n - 1) / n / bandwidth (a ring; docs/sources.md#communication-volume)."""
+    client = _client(tracking_uri)
+    exp = client.get_experiment_by_name(experiment)
+    found: dict[str, list[tuple[float, float]]] = {}
+    for run in client.search_runs([exp.experiment_id], "tags.`parabench.kind` = 'comm'") if exp else []:
+        p, n = run.data.params, int(run.data.tags.get("world_size", "1"))
+        if n < 2 or "fit.all_reduce.beta_ns_per_byte" not in p:
+            continue
+        beta = float(p["fit.all_reduce.beta_ns_per_byte"]) * 1e-9
+        alpha = float(p["fit.all_reduce.alpha_us"]) * 1e-6
+        if beta > 0:
+            found.setdefault(run.data.tags.get("device", "cpu"), []).append(
+                (alpha / (2 * (n - 1)), 2 * (n - 1) / n / beta)
+            )
+    return {k: [statistics.median(a for a, _ in v), statistics.median(b for _, b in v)] for k, v in found.items()}
+
+
 def records(experiment: str, tracking_uri: str | None) -> list[Record]:
     import os
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     import mlflow
-    from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri or f"sqlite:///{Path('results').resolve() / 'mlflow.db'}")
+    client = _client(tracking_uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         raise UserError(f"--calibrate: no experiment {experiment!r} in {client.tracking_uri}")
@@ -81,7 +106,7 @@ def _parts(r: Record) -> tuple[float, float, float, float]:
     return e.compute_s + e.bubble_s, e.exposed_comm_s, e.device_bytes, e.step_s
 
 
-def fit_records(recs: list[Record], name: str) -> Calibration:
+def fit_records(recs: list[Record], name: str, links: dict[str, list[float]] | None = None) -> Calibration:
     eff: dict[str, list[float]] = {}
     over: dict[str, list[float]] = {}
     for r in recs:
@@ -95,11 +120,12 @@ def fit_records(recs: list[Record], name: str) -> Calibration:
         {k: statistics.median(v) for k, v in eff.items()},
         {k: statistics.median(v) for k, v in over.items()},
         runs=len(recs),
+        links=links or {},
     )
     t_err = [abs(predict(r, cal)[0] - r.step_s) / r.step_s for r in recs]
     m_err = [abs(predict(r, cal)[1] - r.peak_bytes) / r.peak_bytes for r in recs]
     return Calibration(
-        name, cal.efficiency, cal.overhead, statistics.median(t_err), statistics.median(m_err), len(recs)
+        name, cal.efficiency, cal.overhead, statistics.median(t_err), statistics.median(m_err), len(recs), cal.links
     )
 
 
@@ -110,7 +136,7 @@ def predict(r: Record, cal: Calibration) -> tuple[float, float]:
 
 
 def fit(experiment: str, tracking_uri: str | None) -> Calibration:
-    cal = fit_records(records(experiment, tracking_uri), experiment)
+    cal = fit_records(records(experiment, tracking_uri), experiment, comm_links(experiment, tracking_uri))
     STORE.mkdir(parents=True, exist_ok=True)
     (STORE / f"{experiment}.json").write_text(json.dumps(asdict(cal), indent=2, sort_keys=True))
     return cal
@@ -129,6 +155,9 @@ def describe(cal: Calibration) -> str:
     lines = [f"calibration {cal.name}: {cal.runs} runs, stored in {STORE / (cal.name + '.json')}"]
     lines += [f"  efficiency {k}: {100 * v:.1f}% of peak" for k, v in sorted(cal.efficiency.items())]
     lines += [f"  overhead   {k}: {v / 2**20:.0f} MiB" for k, v in sorted(cal.overhead.items())]
+    lines += [f"  link       {k}: {a * 1e6:.1f} us, {b / 1e9:.3g} GB/s (bench comm)" for k, (a, b) in cal.links.items()]
+    if not cal.links:
+        lines.append("  links: the cluster files' figures (no bench comm run with an all-reduce fit in the experiment)")
     lines.append(
         f"  fit error (median over the runs): step time {100 * (cal.time_error or 0):.1f}%, "
         f"peak memory {100 * (cal.memory_error or 0):.1f}%"

@@ -108,7 +108,8 @@ def run_plan(args: argparse.Namespace) -> int:
     found = search(base, cluster, world, mbs, pk.tflops if pk else None, cal)
     _refuse_if_empty(found, first)
     top = _int(plan, "top", 5)
-    context = {**_context(cluster, world, first, pk, cal), "job_overrides": " ".join(job_overrides)}
+    model = found.ranked[0].job.model.name  # resolved (+model=hf reads it from config.json)
+    context = {**_context(cluster, world, first, pk, cal), "model": model, "job_overrides": " ".join(job_overrides)}
     print(render(found, top, context, args.format))
     _track(first, found, top, context)
     if args.emit_bundle:

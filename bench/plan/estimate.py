@@ -39,6 +39,7 @@ class Calibration:
     time_error: float | None = None  # median |predicted - measured| / measured over the fitted runs
     memory_error: float | None = None
     runs: int = 0
+    links: dict[str, list[float]] = field(default_factory=dict)  # device kind -> [alpha s, bytes/s] (bench comm)
 
     def eff(self, backend: str, kind: str) -> float:
         key = f"{backend}/{kind}"
@@ -132,7 +133,7 @@ def estimate(job: JobSpec, cluster: Cluster, peak_tflops: float | None, cal: Cal
         dp_elements=states.elements,
     )
     spans = _spans(job)
-    times = {g: sum(c.seconds(*_link(cluster, spans[g])) for c in comm.collectives if c.group == g) for g in spans}
+    times = {g: sum(c.seconds(*_link(cluster, spans[g], cal)) for c in comm.collectives if c.group == g) for g in spans}
     dp_hidden = prof.overlap(job) * min(times["dp"], compute * 2 / 3)
     exposed = sum(times.values()) - dp_hidden
     o = job.backend.options
@@ -153,8 +154,13 @@ def _spans(job: JobSpec) -> dict[str, int]:
     return {"tp": par.tp, "cp": par.tp * par.cp, "dp": par.tp * par.cp * par.dp, "pp": par.world_size}
 
 
-def _link(cluster: Cluster, span: int) -> tuple[float, float]:
+def _link(cluster: Cluster, span: int, cal: Calibration) -> tuple[float, float]:
+    """(latency, bandwidth) of the link a group runs over: a bench comm fit for this device kind
+    replaces the cluster file's intra-node figures."""
     link = cluster.link(span)
+    fitted = cal.links.get(cluster.device_kind)
+    if fitted and link is cluster.intra:
+        return fitted[0], fitted[1]
     return link.latency_s, link.bytes_per_s
 
 
