@@ -35,7 +35,7 @@ LAYOUTS = [
     ("deepspeed", 2, {"zero_stage": 0}),
     ("deepspeed", 2, {"zero_stage": 1}),
     ("deepspeed", 2, {"zero_stage": 2}),
-    ("deepspeed", 2, {"zero_stage": 3}),
+    ("deepspeed", 2, {"zero_stage": 3, "stage3_param_persistence_threshold": 0}),  # the paper's ZeRO-3
     ("megatron", 2, {"tp": 2}),
     ("megatron", 2, {"pp": 2}),
     ("megatron", 2, {}),
@@ -64,9 +64,22 @@ def test_zero_paper_figure_1(stage, published_gb):
     # 7.5B-parameter model on Nd = 64 devices with mixed-precision Adam (K = 12): baseline 120 GB,
     # Pos 31.4 GB, Pos+g 16.6 GB, Pos+g+p 1.9 GB. The planner's bytes per parameter for a bf16
     # DeepSpeed job over 64 ranks, times 7.5e9 parameters, give the figure's numbers.
-    job = _job("deepspeed", 64, "run.precision=bf16", "data.global_batch_size=128", zero_stage=stage)
+    job = _job(
+        "deepspeed", 64, "run.precision=bf16", "data.global_batch_size=128", zero_stage=stage,
+        stage3_param_persistence_threshold=0,  # the paper partitions every parameter
+    )  # fmt: skip
     per_param = PROFILES["deepspeed"].states(job).total / job.model.num_params()
     assert per_param * 7.5e9 / GB == pytest.approx(published_gb, abs=0.05)
+
+
+def test_zero3_persistent_parameters_stay_whole():
+    # DeepSpeed keeps parameters of at most stage3_param_persistence_threshold elements (default
+    # 1e5) whole on every rank beside their partition (partition_parameters.py, ds_persist).
+    job = _job("deepspeed", 2, zero_stage=3)
+    whole = _job("deepspeed", 2, zero_stage=3, stage3_param_persistence_threshold=0)
+    small = sum(math.prod(s) for s in job.model.parameter_shapes().values() if math.prod(s) <= 1e5)
+    extra = PROFILES["deepspeed"].states(job).params - PROFILES["deepspeed"].states(whole).params
+    assert extra == 4 * small > 0
 
 
 # Narayanan et al. 2021 (arXiv 2104.04473) Table 1: (parameters in billions, heads, hidden size,

@@ -113,9 +113,14 @@ def _ds_states(job: JobSpec) -> States:
     if o.zero_stage == 0:
         return States(b * psi, b * psi, k * psi, 0.0, psi)
     if o.zero_stage == 3:
-        padded = zero3_padded_numel([math.prod(s) for s in job.model.parameter_shapes().values()], nd)
+        numels = [math.prod(s) for s in job.model.parameter_shapes().values()]
+        padded = zero3_padded_numel(numels, nd)
         part = padded / nd
-        st = States(b * part, b * part, k * part)
+        # parameters up to stage3_param_persistence_threshold elements (DeepSpeed default 1e5) stay
+        # whole on every rank beside their partition (partition_parameters.py, ds_persist)
+        limit = o.stage3_param_persistence_threshold if o.stage3_param_persistence_threshold is not None else 1e5
+        persistent = sum(n for n in numels if n <= limit)
+        st = States(b * (part + persistent), b * part, k * part)
     else:
         padded = deepspeed_flat_numel(_group_numels(job), nd)
         part = padded / nd
