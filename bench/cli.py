@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from typing import Any
 
@@ -160,6 +161,10 @@ def cmd_run(argv: list[str]) -> int:
     except ValueError as exc:  # Hydra's own argument checks (e.g. -m together with --cfg)
         print(f"bench: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (parabench.errors.Interrupted)
+        signum = getattr(exc, "signum", signal.SIGINT)
+        print(f"bench: interrupted by {signal.Signals(signum).name}: workers stopped, run recorded as KILLED", file=sys.stderr)
+        return 128 + signum
     if prepared is not None and prepared.failed:
         print("bench: failed jobs:\n  " + "\n  ".join(prepared.failed), file=sys.stderr)
         return 1
@@ -203,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return smoke_main(rest)
     print(
-        f"bench: error: unknown command {command!r} (choose from run, compare, plan, env, migrate, smoke; see bench --help)",
+        f"bench: error: unknown command {command!r} (choose from run, comm, compare, plan, env, migrate, smoke; see bench --help)",
         file=sys.stderr,
     )
     return 2

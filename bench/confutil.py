@@ -47,8 +47,9 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("mul", lambda *xs: math.prod(int(x) for x in xs))
 
 
-def compose(overrides: list[str], return_hydra_config: bool = False):
-    """Compose the config with ``overrides``; Hydra/OmegaConf errors become one-line UserErrors."""
+def compose(overrides: list[str], return_hydra_config: bool = False, config_name: str = "config"):
+    """Compose the config (``config``: bench run, ``comm``: bench comm) with ``overrides``;
+    Hydra/OmegaConf errors become one-line UserErrors."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
@@ -59,7 +60,7 @@ def compose(overrides: list[str], return_hydra_config: bool = False):
     GlobalHydra.instance().clear()
     try:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-            return hydra_compose(config_name="config", overrides=overrides, return_hydra_config=return_hydra_config)
+            return hydra_compose(config_name=config_name, overrides=overrides, return_hydra_config=return_hydra_config)
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
         raise UserError(f"config: {_short(exc)}") from None
     finally:

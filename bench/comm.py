@@ -1,0 +1,302 @@
+"""``bench comm``: the collectives benchmark, in the style of nccl-tests (docs/comm.md).
+
+Every job of the command (all combinations of a ``-m`` sweep) is composed from ``conf/comm.yaml``
+and checked first (:func:`prepare`): the stack and device must be usable here (``bench env``'s
+reasons), the sizes must make sense for the world size; an operation the stack cannot do on this
+device is refused by name. Then each job (:func:`execute`) writes its run directory, starts the
+workers (:mod:`parabench.commworker`) through the backend's launcher, and reads back each rank's
+times and wrong-element counts: per (operation, size) the slowest rank's time, algbw and busbw
+(parabench.collectives, docs/sources.md#communication-volume), the alpha-beta fit per operation,
+one MLflow run per (stack, world size). A wrong result is an error (exit 1), never a bandwidth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from parabench import __version__, envreport
+from parabench.adapters.registry import get_adapter
+from parabench.collectives import OPS, CommJob, SizePoint, fit_alpha_beta, stack_for, sweep
+from parabench.commworker import comm_job
+from parabench.confutil import compose, expand_sweep, to_plain
+from parabench.devices import DEVICES
+from parabench.errors import SpecError, UserError
+from parabench.launchers import get_launcher
+from parabench.runner import _kill, _tail, free_port, launch_env, usable_device
+from parabench.tracking import JobRun, flatten, git_sha, store_uri
+
+USAGE = """usage: bench comm [-m] [key=value ...]
+
+Collectives benchmark (nccl-tests style): time, algbw and busbw per operation and size, results
+checked, an alpha-beta fit per operation, one MLflow run per (stack, world size). Keys (conf/comm.yaml):
+  backend=ddp|mindspore          torch.distributed (gloo/nccl/hccl by device) or MindSpore
+  launcher.nproc_per_node=N      ranks (and the other launcher.*, device=*, tracking.* keys of bench run)
+  comm.ops=[all_reduce,all_gather,reduce_scatter,all_to_all,broadcast,send_recv]
+  comm.min_bytes=1K comm.max_bytes=16M comm.factor=2 comm.dtype=fp32|bf16|fp16
+  comm.warmup_iters=5 comm.iters=20 comm.inplace=false comm.check=true
+  -m                             sweep: comma-separated values run one job each (launcher.nproc_per_node=1,2)
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    job: CommJob
+    plain: dict[str, Any]
+    device: str  # the resolved device kind
+    library: str  # e.g. torch.distributed/gloo
+    points: list[SizePoint]
+    refused: dict[str, str]  # op -> why this stack cannot run it on this device
+
+
+def prepare(plain: dict[str, Any]) -> Prepared:
+    job = comm_job(plain)
+    stack = stack_for(job.backend.name)
+    adapter = get_adapter(job.backend.name)
+    kind = usable_device(adapter, job.device.type, job.launch)
+    if kind not in adapter.capabilities.devices:
+        raise SpecError("device", f"backend {adapter.name} does not run on {kind}")
+    opts = job.options
+    if opts.dtype not in stack.dtypes:
+        raise SpecError("comm.dtype", f"{stack.backend} runs {', '.join(sorted(stack.dtypes))} here, not {opts.dtype}")
+    refused = {o: stack.refused[(kind, o)] for o in opts.ops if (kind, o) in stack.refused}
+    runnable = tuple(o for o in opts.ops if o not in refused)
+    if not runnable:
+        first = next(iter(refused))
+        raise SpecError("comm.ops", f"{first}: {refused[first]}")
+    if opts.corrupt in refused:
+        raise SpecError("comm.corrupt", f"{opts.corrupt} does not run here: {refused[opts.corrupt]}")
+    points = sweep(dataclasses.replace(opts, ops=runnable), job.launch.world_size)
+    _check_memory(job, kind, max(p.size for p in points))
+    lib = DEVICES[kind].dist_backend if stack.backend == "ddp" else {"cpu": "mccl", "npu": "hccl"}[kind]
+    return Prepared(job, plain, kind, stack.library.format(lib=lib), points, refused)
+
+
+def _check_memory(job: CommJob, kind: str, largest: int) -> None:
+    """CPU ranks share this host's memory: each holds up to 3 buffers of the largest size (input,
+    output, the expected values of the check)."""
+    if kind != "cpu":
+        return
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    need = 3 * largest * job.launch.nproc_per_node
+    if need > total // 2:
+        raise SpecError(
+            "comm.max_bytes",
+            f"{largest} B buffers on {job.launch.nproc_per_node} ranks need ~{need >> 20} MiB, "
+            f"more than half this host's {total >> 20} MiB",
+        )
+
+
+def launch(p: Prepared, run_dir: Path) -> tuple[int, str]:
+    """Start the workers and wait for them (launcher.setup_timeout_s at most). (exit code, reason)."""
+    job = dataclasses.replace(p.job, device=dataclasses.replace(p.job.device, type=p.device))
+    adapter = get_adapter(job.backend.name)
+    cmd = get_launcher(adapter.capabilities.launcher).command(
+        job,  # type: ignore[arg-type]  # the launch/backend fields of a JobSpec
+        job.launch.master_port or free_port(),
+        str(run_dir),
+        entry=["-m", "parabench.commworker"],
+    )
+    (run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
+    env = launch_env(job)  # type: ignore[arg-type]
+    with open(run_dir / "logs" / "launcher.log", "w") as log:
+        proc = subprocess.Popen(
+            cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        return proc.wait(timeout=job.launch.setup_timeout_s), ""
+    except subprocess.TimeoutExpired:
+        _kill(proc)
+        return 1, f"not finished after {job.launch.setup_timeout_s:.0f} s (launcher.setup_timeout_s): killed"
+
+
+def collect(p: Prepared, run_dir: Path) -> list[dict[str, Any]]:
+    """Per (op, size): the slowest rank's time, algbw, busbw (None when a result was wrong), wrong elements."""
+    ranks = [json.loads(f.read_text()) for f in sorted((run_dir / "ranks").glob("rank*.json"))]
+    world = p.job.launch.world_size
+    rows = []
+    for i, point in enumerate(p.points):
+        per_rank = [r["rows"][i] for r in ranks]
+        t = max(r["time_s"] for r in per_rank)
+        checked = all(r["wrong"] is not None for r in per_rank)
+        wrong = sum(r["wrong"] or 0 for r in per_rank) if checked else None
+        algbw = point.size / t / 1e9
+        ok = not wrong  # None (not checked) or 0
+        rows.append(
+            {
+                **dataclasses.asdict(point),
+                "time_s": t,
+                "algbw_GBps": algbw if ok else None,
+                "busbw_GBps": algbw * OPS[point.op].factor(world) if ok else None,
+                "wrong": wrong,
+                "wrong_ranks": [r["rank"] for r in ranks if r["rows"][i]["wrong"]],
+            }
+        )
+    return rows
+
+
+def fits(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    out = {}
+    for op in dict.fromkeys(r["op"] for r in rows):
+        good = [r for r in rows if r["op"] == op and r["algbw_GBps"] is not None]
+        fit = fit_alpha_beta([r["size"] for r in good], [r["time_s"] for r in good])
+        if fit is not None:
+            out[op] = fit
+    return out
+
+
+def print_table(p: Prepared, rows: list[dict[str, Any]], fitted: dict[str, Any]) -> None:
+    o, world = p.job.options, p.job.launch.world_size
+    print(
+        f"\nparabench comm | {p.library} | {p.device} x{world} | {o.dtype} | "
+        f"{'in-place' if o.inplace else 'out-of-place'} | {o.warmup_iters} warm-up + {o.iters} timed iterations "
+        f"per size; time = slowest rank's mean; GB/s = 1e9 B/s; check {'on' if o.check else 'OFF'}"
+    )
+    for op in o.ops:
+        if op in p.refused:
+            print(f"\n{op}: not run: {p.refused[op]}")
+            continue
+        print(f"\n{op}  (busbw = algbw x {OPS[op].bus_factor} = x{OPS[op].factor(world):.3f})")
+        print(f"{'size(B)':>12} {'count':>11} {'time(us)':>11} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'#wrong':>7}")
+        for r in (r for r in rows if r["op"] == op):
+            bw = (
+                f"{r['algbw_GBps']:12.4f} {r['busbw_GBps']:12.4f}"
+                if r["algbw_GBps"] is not None
+                else f"{'WRONG':>12} {'-':>12}"
+            )
+            wrong = "n/a" if r["wrong"] is None else str(r["wrong"])
+            note = f"  (rounded from {r['requested']} B)" if r["size"] != r["requested"] else ""
+            print(f"{r['size']:12d} {r['count']:11d} {r['time_s'] * 1e6:11.1f} {bw} {wrong:>7}{note}")
+        if op in fitted:
+            f = fitted[op]
+            bw = 1 / f.beta_s_per_byte / 1e9 if f.beta_s_per_byte > 0 else float("inf")
+            print(
+                f"  fit: t = {f.alpha_s * 1e6:.1f} us + S / {bw:.4g} GB/s "
+                f"(max error {100 * f.max_rel_err:.1f}% over {f.points} sizes)"
+            )
+
+
+def _record(
+    p: Prepared, run_dir: Path, rows: list[dict[str, Any]] | None, fitted: dict[str, Any], failure: str
+) -> str | None:
+    """One MLflow run for this (stack, world size): comm.* and the fits as params, per op and size
+    ``<op>.time_us`` / ``.algbw_GBps`` / ``.busbw_GBps`` with the size in bytes as the step."""
+    job = p.job
+    tracker = JobRun(job.tracking, job.results_dir)
+    params = flatten(p.plain)
+    for op, f in fitted.items():
+        params.update(f.as_params(op))
+    versions = envreport.versions()
+    tags = {
+        "parabench.kind": "comm",
+        "stack": p.library,
+        "backend": job.backend.name,
+        "device": p.device,
+        "world_size": job.launch.world_size,
+        "dtype": job.options.dtype,
+        "git_sha": git_sha(),
+        "parabench_version": __version__,
+        "run_dir": str(run_dir),
+        **{f"refused.{op}": why for op, why in p.refused.items()},
+        **{f"version.{k}": v for k, v in versions.items() if v},
+    }
+    tracker.start(f"comm-{p.library.replace('/', '-')}-x{job.launch.world_size}", params, tags)
+    metrics = []
+    for r in rows or []:
+        metrics.append((f"{r['op']}.time_us", r["time_s"] * 1e6, r["size"]))
+        if r["busbw_GBps"] is not None:
+            metrics += [
+                (f"{r['op']}.algbw_GBps", r["algbw_GBps"], r["size"]),
+                (f"{r['op']}.busbw_GBps", r["busbw_GBps"], r["size"]),
+            ]
+        if r["wrong"]:
+            metrics.append((f"{r['op']}.wrong_elements", r["wrong"], r["size"]))
+    tracker.log_metrics(metrics)
+    if failure:
+        tracker.set_tags({"failure_reason": failure[:5000]})
+    files = [run_dir / n for n in ("comm.json", "results.json", "command.txt")] + sorted(
+        (run_dir / "logs").glob("*.log")
+    )
+    tracker.log_artifacts([f for f in files if f.is_file()], run_dir)
+    tracker.end("FAILED" if failure else "FINISHED")
+    return tracker.run_id
+
+
+def _wrong_summary(rows: list[dict[str, Any]]) -> str:
+    bad = [r for r in rows if r["wrong"]]
+    if not bad:
+        return ""
+    ops = ", ".join(dict.fromkeys(r["op"] for r in bad))
+    first = bad[0]
+    return (
+        f"wrong results ({ops}) at {len(bad)} (op, size) points; first: {first['op']} {first['size']} B: "
+        f"{first['wrong']} wrong elements on rank(s) {first['wrong_ranks']}"
+    )
+
+
+def execute(p: Prepared, run_dir: Path) -> int:
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    spec = {"config": p.plain, "device": p.device, "points": [dataclasses.asdict(x) for x in p.points]}
+    (run_dir / "comm.json").write_text(json.dumps(spec, indent=2))
+    rc, reason = launch(p, run_dir)
+    ranks = list((run_dir / "ranks").glob("rank*.json")) if (run_dir / "ranks").exists() else []
+    if rc != 0 or len(ranks) != p.job.launch.world_size:
+        failure = f"run failed: {reason or f'launcher exit code {rc}'}; logs in {run_dir / 'logs'}"
+        print(f"\nparabench comm: {failure}", file=sys.stderr)
+        for log in sorted((run_dir / "logs").glob("*.log")):
+            print(f"---- last lines of {log} ----\n{_tail(log)}", file=sys.stderr)
+        _record(p, run_dir, None, {}, failure)
+        return 1
+    rows = collect(p, run_dir)
+    fitted = fits(rows)
+    (run_dir / "results.json").write_text(
+        json.dumps(
+            {
+                "library": p.library,
+                "device": p.device,
+                "world_size": p.job.launch.world_size,
+                "rows": rows,
+                "refused": p.refused,
+                "fits": {k: dataclasses.asdict(v) for k, v in fitted.items()},
+            },
+            indent=2,
+        )
+    )
+    print_table(p, rows, fitted)
+    failure = _wrong_summary(rows)
+    run_id = _record(p, run_dir, rows, fitted, failure)
+    print(f"\n  run dir        {run_dir}")
+    if run_id:
+        print(f"  MLflow run     {run_id} in {store_uri(p.job.tracking, p.job.results_dir)}")
+    if failure:
+        print(f"bench comm: error: {failure}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+        return 0
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    overrides = [a for a in argv if a not in ("-m", "--multirun")]
+    try:
+        combos = expand_sweep(overrides) if multirun else [overrides]
+        prepared = [prepare(to_plain(compose(c, config_name="comm"))) for c in combos]
+    except UserError as exc:
+        print(f"bench: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    status = 0
+    for i, p in enumerate(prepared):
+        name = f"{p.library.replace('/', '-')}-x{p.job.launch.world_size}"
+        base = Path(p.job.results_dir) / "runs" / p.job.tracking.experiment / stamp
+        status = max(status, execute(p, base / (f"{i}_{name}" if multirun else name)))
+    return status
