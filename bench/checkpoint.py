@@ -35,9 +35,15 @@ MARKER = "COMPLETE"
 PREFIX = "step_"
 TMP = ".tmp"
 RUN_ID_ENV = "PARABENCH_MLFLOW_RUN_ID"  # the job's MLflow run, recorded in each checkpoint's marker
-RESUME_FILE = "resume.json"  # written by the runner into the run directory: the checkpoint to start from
+RESUME_FILE = "resume.json"
+STOP_FILE = "stop.json"  # written by the runner on SIGINT/SIGTERM with run.checkpoint.on_signal
+STEPS_FILE = "steps.jsonl"  # rank 0 appends each finished step (an interrupted run logs them)  # written by the runner into the run directory: the checkpoint to start from
 LAYOUT_KEYS = ("tp", "pp", "cp", "world_size", "dp", "dp_shard")  # checked in this order
 MODEL_IGNORED = ("name", "source", "weights")  # where the shape came from does not change the state
+
+
+class StopRequested(Exception):
+    """The runner asked the workers to stop after a last checkpoint (run.checkpoint.on_signal)."""
 
 
 class CheckpointError(Exception):
@@ -127,9 +133,13 @@ def check_compatible(job: JobSpec, marker: dict[str, Any], path: Path) -> None:
     """Refuse (SpecError naming the differing key) a checkpoint this job cannot load."""
     saved, here = marker.get("job", {}), job_identity(job)
     if saved.get("backend") != here["backend"]:
-        raise SpecError("backend", f"checkpoint {path} was written by backend {saved.get('backend')}, not {here['backend']}")
+        raise SpecError(
+            "backend", f"checkpoint {path} was written by backend {saved.get('backend')}, not {here['backend']}"
+        )
     if saved.get("precision") != here["precision"]:
-        raise SpecError("run.precision", f"checkpoint {path} was written in {saved.get('precision')}, not {here['precision']}")
+        raise SpecError(
+            "run.precision", f"checkpoint {path} was written in {saved.get('precision')}, not {here['precision']}"
+        )
     for key, value in here["model"].items():
         if saved.get("model", {}).get(key) != value:
             raise SpecError(
@@ -197,7 +207,23 @@ def plan_resume(job: JobSpec, run_dir: Path | None) -> Path | None:
 
 
 def write_resume_file(run_dir: Path, path: Path | None) -> None:
+    """The planned checkpoint for the workers; a stop request of an earlier run of this directory goes."""
+    (run_dir / STOP_FILE).unlink(missing_ok=True)
     (run_dir / RESUME_FILE).write_text(json.dumps({"path": str(path.resolve()) if path else None}))
+
+
+def write_stop_request(run_dir: Path, step: int) -> None:
+    tmp = run_dir / (STOP_FILE + ".part")
+    tmp.write_text(json.dumps({"step": step}))
+    os.replace(tmp, run_dir / STOP_FILE)
+
+
+def stop_step(run_dir: Path) -> int | None:
+    """The step after which the workers save and stop (run.checkpoint.on_signal), if requested."""
+    try:
+        return int(json.loads((run_dir / STOP_FILE).read_text())["step"])
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def resume_source(job: JobSpec, run_dir: Path) -> Path | None:
@@ -294,7 +320,11 @@ class Checkpointer:
         job = ctx.job
         self.engine, self.ctx, self.comm = engine, ctx, ctx.comm
         self.root = checkpoint_root(job, ctx.run_dir)
-        self.every, self.keep, self.async_ = job.run.checkpoint.every, job.run.checkpoint.keep, job.run.checkpoint.async_
+        self.every, self.keep, self.async_ = (
+            job.run.checkpoint.every,
+            job.run.checkpoint.keep,
+            job.run.checkpoint.async_,
+        )
         self.run_id = run_id
         self.stats = CheckpointStats()
         self._pending: tuple[SaveRecord, Path] | None = None
@@ -365,8 +395,10 @@ class Checkpointer:
 
     # -- what the loop calls --------------------------------------------------------------------
     def after_step(self, completed: int, total: int, history: dict[str, list], ledger) -> None:
-        """After a step, outside its timed region: save when ``completed`` is a multiple of every."""
-        if not self.due(completed, total):
+        """After a step, outside its timed region: save when ``completed`` is a multiple of every,
+        or when it is the step the runner asked to stop at (then raise StopRequested)."""
+        stop = stop_step(self.ctx.run_dir) == completed
+        if not (stop or self.due(completed, total)):
             return
         harness = {
             "step": completed,
@@ -375,6 +407,9 @@ class Checkpointer:
             "history": {k: list(v) for k, v in history.items()},
         }
         self.save(completed, harness)
+        if stop:
+            self.finish()
+            raise StopRequested(f"stopped by a signal after a last checkpoint at step {completed}")
 
     def resume(self, ledger, history: dict[str, list]) -> int:
         """Restore from the planned/newest checkpoint, if any: the first step to run (0 if none)."""

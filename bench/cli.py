@@ -163,7 +163,8 @@ def cmd_run(argv: list[str]) -> int:
         return 2
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (parabench.errors.Interrupted)
         signum = getattr(exc, "signum", signal.SIGINT)
-        print(f"bench: interrupted by {signal.Signals(signum).name}: workers stopped, run recorded as KILLED", file=sys.stderr)
+        name = signal.Signals(signum).name
+        print(f"bench: interrupted by {name}: workers stopped, run recorded as KILLED", file=sys.stderr)
         return 128 + signum
     if prepared is not None and prepared.failed:
         print("bench: failed jobs:\n  " + "\n  ".join(prepared.failed), file=sys.stderr)

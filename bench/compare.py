@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from parabench import stability
 from parabench.errors import UserError
 from parabench.plots import bar_stack_svg, line_svg
 from parabench.tracking import default_store_uri
@@ -62,6 +63,7 @@ class RunRecord:
     loss_final: float
     losses: list[float] = field(default_factory=list)
     state_per_rank: list[dict[str, float]] = field(default_factory=list)
+    stability: dict[str, float] = field(default_factory=dict)  # parabench.stability: checkpoints, recovery
 
     def section(self) -> tuple:
         return tuple(getattr(self, k) for k in SECTION_KEYS)
@@ -123,6 +125,7 @@ class Row:
             "efficiency_band": list(self.efficiency_band) if self.efficiency_band else None,
             "efficiency_kind": self.efficiency_kind,
             "efficiency_note": self.efficiency_note,
+            "stability": stability.medians(r.stability for r in self.runs),
         }
 
 
@@ -208,6 +211,7 @@ def _record(client, run) -> RunRecord:
         loss_final=m.get("loss_final", float("nan")),
         losses=losses,
         state_per_rank=state,
+        stability=stability.from_metrics(m),
     )
 
 
@@ -458,6 +462,7 @@ def render_text(report: dict[str, Any], markdown: bool = False) -> str:
         ]
         for n in notes:
             out.write(("- " if markdown else "  note: ") + n + "\n")
+        out.write(stability.table(sec["rows"], markdown))
         out.write("\n")
     for line in _legend(report["meta"]):
         out.write(("- " if markdown else "") + line + "\n")
@@ -474,7 +479,7 @@ def render_csv(report: dict[str, Any]) -> str:
             w.writerow(
                 [
                     *(sec["key"][k] for k in SECTION_KEYS),
-                    *(json.dumps(r[k]) if isinstance(r[k], list) else r[k] for k in keys),
+                    *(json.dumps(r[k]) if isinstance(r[k], (list, dict)) else r[k] for k in keys),
                 ]
             )
     return out.getvalue()

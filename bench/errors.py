@@ -20,3 +20,11 @@ class RunFailed(Exception):
     """A launched job failed (worker crash, hang, timeout): exit status 1, run recorded as FAILED."""
 
     exit_code = 1
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM (or SIGINT) to `bench run`: handled like Ctrl-C; the run is recorded as KILLED."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"signal {signum}")

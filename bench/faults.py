@@ -72,7 +72,9 @@ def _read_lines(path: Path) -> list[dict[str, Any]]:
         return []
 
 
-def recovery_figures(run_dir: Path, results: list[dict[str, Any]], wall_s: float, start_step: int = 0) -> dict[str, Any]:
+def recovery_figures(
+    run_dir: Path, results: list[dict[str, Any]], wall_s: float, start_step: int = 0
+) -> dict[str, Any]:
     """Stability figures of a finished job from its ranks' results and the fault files.
 
     restarts: torchrun's restart count seen by the last workers; steps_recomputed: steps that had

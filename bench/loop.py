@@ -17,8 +17,8 @@ from pathlib import Path
 
 from parabench.adapters.base import Engine, WorkerContext
 from parabench.checkpoint import Checkpointer
-from parabench.faults import fire_fault
 from parabench.data import DataLedger, TokenSource
+from parabench.faults import fire_fault
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:

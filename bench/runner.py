@@ -24,9 +24,9 @@ from typing import Any, Literal
 from parabench import __version__, envreport
 from parabench.adapters.base import check_capabilities
 from parabench.adapters.registry import get_adapter
-from parabench.checkpoint import RUN_ID_ENV, plan_resume, write_resume_file
+from parabench.checkpoint import RUN_ID_ENV, STEPS_FILE, plan_resume, write_resume_file, write_stop_request
 from parabench.devices import AUTOLOAD_ENV, DEVICES, cpu_threads
-from parabench.errors import RunFailed, SpecError
+from parabench.errors import Interrupted, RunFailed, SpecError
 from parabench.faults import recovery_figures
 from parabench.flops import FORMULA, Peak, flops_per_token
 from parabench.jobs import from_config
@@ -36,6 +36,7 @@ from parabench.spec import JobSpec, LaunchSpec, resolve_device, to_dict
 from parabench.tracking import JobRun, flatten, git_sha, is_secret, store_uri
 
 POLL_S = 0.2
+STOP_GRACE_S = 60.0  # run.checkpoint.on_signal: how long the workers get to write the last checkpoint
 TAIL_LINES = 25
 
 
@@ -187,6 +188,26 @@ def _kill(proc: subprocess.Popen) -> None:
             continue
 
 
+def _raise_interrupt(signum: int, _frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends bench run at once
+    raise Interrupted(signum)
+
+
+def _stop(job: JobSpec, proc: subprocess.Popen, run_dir: Path, last_step: int) -> None:
+    """SIGINT/SIGTERM to `bench run`: stop every worker of the job (its own process group). With
+    run.checkpoint.on_signal the workers first save at a step none of them has finished yet
+    (``stop.json``, read after every step) and exit; STOP_GRACE_S later the group is killed anyway."""
+    if job.run.checkpoint.on_signal and proc.poll() is None:
+        # ranks are at most one step apart (each step ends in an all-reduce): last + 2 is ahead of all
+        write_stop_request(run_dir, max(last_step, 0) + 2)
+        print(f"\nparabench: interrupted: saving a last checkpoint (up to {STOP_GRACE_S:.0f} s)", file=sys.stderr)
+        try:
+            proc.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+    _kill(proc)
+
+
 def _tail(path: Path, n: int = TAIL_LINES) -> str:
     try:
         lines = path.read_text(errors="replace").splitlines()
@@ -214,6 +235,7 @@ def launch(job: JobSpec, run_dir: Path, env: dict[str, str], port: int) -> tuple
         )
     last_change, last_step, reason = time.monotonic(), -1, ""
     try:
+        signal.signal(signal.SIGTERM, _raise_interrupt)  # scancel, a time limit: stop like Ctrl-C
         while proc.poll() is None:
             time.sleep(POLL_S)
             try:
@@ -234,8 +256,8 @@ def launch(job: JobSpec, run_dir: Path, env: dict[str, str], port: int) -> tuple
                 _kill(proc)
                 break
     except KeyboardInterrupt:
-        _kill(proc)
         bar.close()
+        _stop(job, proc, run_dir, last_step)
         raise
     bar.close()
     rc = proc.wait()
@@ -344,10 +366,21 @@ def execute(
         return summary
     except KeyboardInterrupt:
         status = "KILLED"
+        _log_partial(tracker, run_dir)
         raise
     finally:
         tracker.log_artifacts(_artifact_files(run_dir), run_dir)
         tracker.end(status)
+
+
+def _log_partial(tracker, run_dir: Path) -> None:
+    """An interrupted job's MLflow run keeps the steps its rank 0 had finished (``steps.jsonl``)."""
+    try:
+        steps = [json.loads(line) for line in (run_dir / STEPS_FILE).read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        steps = []
+    tracker.log_metrics([(k, s[k], s["step"]) for s in steps for k in ("loss", "step_time_s")])
+    tracker.set_tags({"interrupted_after_step": steps[-1]["step"] + 1 if steps else 0})
 
 
 def resume_tags(resume_from: Path | None) -> dict[str, Any]:

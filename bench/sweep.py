@@ -13,7 +13,8 @@ import socket
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
-from parabench.compare import build_sections, load_runs, report_dict, scaling_metrics
+from parabench import stability
+from parabench.compare import build_sections, load_runs, metric_key, report_dict, scaling_metrics
 from parabench.spec import tracking_from_config
 from parabench.tracking import PARENT_ENV, JobRun, git_sha
 
@@ -72,4 +73,14 @@ class MultirunCallback(Callback):
         parent.log_metrics((k, v, 0) for k, v in metrics.items())
         if flags:
             parent.set_tags({"scaling_flags": "; ".join(flags)[:5000]})
-        parent.client.log_dict(parent.run_id, report_dict(sections, {"run_ids": run_ids}), "scaling.json")
+        report = report_dict(sections, {"run_ids": run_ids})
+        parent.client.log_dict(parent.run_id, report, "scaling.json")
+        table = "".join(stability.table(sec["rows"], markdown=True) for sec in report["sections"])
+        if table:  # checkpoints or faults in the sweep (e.g. +experiment=resilience_cpu)
+            parent.client.log_text(parent.run_id, table, "stability.md")
+            parent.log_metrics(
+                (metric_key(f"stability/{row['variant']}/N{row['world_size']}/{k}"), v, 0)
+                for sec in report["sections"]
+                for row in sec["rows"]
+                for k, v in row["stability"].items()
+            )

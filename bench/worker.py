@@ -10,6 +10,7 @@ scheduler (``MS_ROLE=MS_SCHED``), which this module serves without training.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from parabench.adapters.base import WorkerContext
 from parabench.adapters.registry import get_adapter
-from parabench.checkpoint import RUN_ID_ENV, Checkpointer, CheckpointError
+from parabench.checkpoint import RUN_ID_ENV, STEPS_FILE, Checkpointer, CheckpointError, StopRequested
 from parabench.devices import DEVICES
 from parabench.faults import record_detection, restart_count
 from parabench.jobs import load_job
@@ -64,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[parabench worker] rank {rank}/{world} local_rank {local_rank} pid {os.getpid()}", flush=True)
     try:
         return _run(job, adapter, run_dir, rank, local_rank, world)
+    except StopRequested as exc:
+        print(f"[parabench worker] {exc}", flush=True)
+        return 0
     except CheckpointError as exc:  # one line: what could not be written or read, and where
         record_detection(run_dir, rank, f"checkpoint error: {exc}")
         print(f"[parabench worker] checkpoint error: {exc}", file=sys.stderr, flush=True)
@@ -101,6 +105,8 @@ def _run(job, adapter, run_dir: Path, rank: int, local_rank: int, world: int) ->
                 progress_path,
                 {"step": step + 1, "total": total, "loss": loss, "step_time": step_time, "time": time.time()},
             )
+            with open(run_dir / STEPS_FILE, "a") as f:
+                f.write(json.dumps({"step": step, "loss": loss, "step_time_s": step_time}) + "\n")
 
     checkpointer = None
     if adapter.capabilities.checkpoint is not None:

@@ -72,6 +72,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "parabench.metrics",
             "parabench.tracking",
             "parabench.plots",
+            "parabench.stability",
             "parabench.confutil",
         ),
     ),
