@@ -52,7 +52,8 @@ What one redirection ``source -> target`` patches (``S`` = ``torch.<source>``):
 * ``DistributedDataParallel(device_ids=..., output_device=...)`` -> None on cpu.
 * ``torch.load(map_location=...)``: source devices -> target; ``None`` -> target on cpu.
 * For source ``npu`` without torch_npu: stand-in modules ``torch_npu``, ``torch_npu.npu``,
-  ``torch_npu.npu.amp``, ``torch.npu``, ``torch.npu.amp`` (marked ``EMULATED = True``), a
+  ``torch_npu.npu.amp``, ``torch.npu``, ``torch.npu.amp`` (marked ``EMULATED = True``; profiling
+  marks ``torch_npu.npu.mstx`` are no-ops), a
   ``sys.meta_path`` finder that serves ``torch_npu.contrib.transfer_to_npu`` (importing it
   installs a nested ``cuda -> target`` redirection, as the real module redirects cuda to npu),
   and ``torch.device`` replaced by a stand-in factory that maps ``"npu[:i]"`` to the target
@@ -570,6 +571,23 @@ class _TransferToNpuFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self.owner._loaded.add(module.__name__)
 
 
+def _mstx_stand_in() -> types.SimpleNamespace:
+    """``torch_npu.npu.mstx`` (profiling annotations: docs/sources.md#mstx-markers): marks do nothing
+    on the cpu, ``range_start`` hands out ids as the real one does, ``range_end`` takes them."""
+    ids = iter(range(1, 1 << 62))
+
+    def mstx_range(message: str = "", stream: Any = None, domain: str = "default") -> Callable:
+        return lambda fn: fn
+
+    return types.SimpleNamespace(
+        mark=lambda message="", stream=None, domain="default": None,
+        range_start=lambda message="", stream=None, domain="default": next(ids),
+        range_end=lambda range_id, domain="default": None,
+        mstx_range=mstx_range,
+        EMULATED=True,
+    )
+
+
 def _npu_modules(torch: Any, functions: dict[str, Any], owner: Redirection) -> dict[str, types.ModuleType]:
     npu = types.ModuleType("torch_npu.npu", "parabench emulation of torch_npu.npu on the cpu (not an NPU)")
     for k, v in functions.items():
@@ -592,6 +610,7 @@ def _npu_modules(torch: Any, functions: dict[str, Any], owner: Redirection) -> d
     npu.matmul = types.SimpleNamespace(allow_hf32=False)  # type: ignore[attr-defined]
     npu.conv = types.SimpleNamespace(allow_hf32=False)  # type: ignore[attr-defined]
     npu.set_compile_mode = lambda *a, **k: None  # type: ignore[attr-defined]
+    npu.mstx = _mstx_stand_in()  # type: ignore[attr-defined]
     for name in _LEGACY_TYPES:
         setattr(npu, name, getattr(torch, name))
 

@@ -53,6 +53,8 @@ REPLACE: dict[str, str] = {
 
 # NVTX -> mstx (docs/sources.md#mstx-markers): torch.npu.mstx has mark / range_start / range_end.
 NVTX_MAP: dict[str, str] = {"mark": "mark", "range_start": "range_start", "range_end": "range_end"}
+# NVTX's stack API -> helpers PY113 adds to the file (a push/pop stack of mstx range ids).
+NVTX_STACK: dict[str, str] = {"range_push": "_mstx_range_push", "range_pop": "_mstx_range_pop", "range": "_mstx_range"}
 
 # torch.cuda members torch.npu lacks or that behave differently: reported, never rewritten.
 # (docs/sources.md#transfer-to-npu-limits, docs/sources.md#class-m-manual, docs/sources.md#pattern-5.)
@@ -68,7 +70,8 @@ UNSUPPORTED: dict[str, str] = {
     "is_current_stream_capturing": "CUDA graphs: use torch.npu.is_current_stream_capturing after porting the capture",
     "jiterator": "no NVRTC jiterator on NPU: write the op with torch ops",
     "comm": "torch.cuda.comm (broadcast/scatter/gather between GPUs) has no NPU twin: use torch.distributed",
-    "nvtx": "NVTX ranges: use torch.npu.mstx.range_start/range_end (mark is migrated automatically)",
+    "nvtx": "NVTX: torch.npu.mstx has mark/range_start/range_end (migrated, push/pop/range through a stack helper); "
+    "this member has no mstx twin",
     "CUDAPluggableAllocator": "use torch.npu.NPUPluggableAllocator with an NPU allocator library",
     "list_gpu_processes": "no NPU twin: use `npu-smi info`",
     "temperature": "no NPU twin: use `npu-smi info`",
@@ -80,13 +83,6 @@ UNSUPPORTED: dict[str, str] = {
     "tunable": "TunableOp is CUDA/ROCm only",
     "cudart": "CUDA runtime bindings do not exist on NPU",
     "is_tf32_supported": "TF32 does not exist on NPU (HF32 is the closest: torch.npu.matmul.allow_hf32)",
-}
-
-# torch.cuda.nvtx members without mstx twin (stack-style ranges).
-NVTX_UNSUPPORTED: dict[str, str] = {
-    "range_push": "mstx has no push/pop stack: use rid = torch.npu.mstx.range_start(msg, stream) ... range_end(rid)",
-    "range_pop": "mstx has no push/pop stack: use torch.npu.mstx.range_end(rid)",
-    "range": "no mstx context manager: use torch.npu.mstx.range_start/range_end",
 }
 
 UNKNOWN_TIP = f"not in the API map checked against torch_npu {TORCH_NPU_VERSION}: verify torch.npu has it"
@@ -108,9 +104,9 @@ def classify_cuda_member(path: str) -> tuple[str, str]:
         sub = rest.split(".")[0]
         if not rest:
             return "unsupported", UNSUPPORTED["nvtx"]
-        if sub in NVTX_MAP:
-            return "nvtx", NVTX_MAP[sub]
-        return "unsupported", NVTX_UNSUPPORTED.get(sub, UNSUPPORTED["nvtx"])
+        if sub in NVTX_MAP or sub in NVTX_STACK:
+            return "nvtx", NVTX_MAP.get(sub) or NVTX_STACK[sub]
+        return "unsupported", UNSUPPORTED["nvtx"]
     if head in SUPPORTED:
         return "supported", path
     if head in LEGACY_TYPES:

@@ -823,11 +823,16 @@ def torch_bound(module: cst.Module) -> bool:
     return False
 
 
-def insert_statements(ctx: PyContext, new: cst.Module, index: int, code: str, *, after: bool) -> cst.Module:
+def insert_statements(
+    ctx: PyContext, new: cst.Module, index: int, code: str, *, after: bool, blank_lines: int = 0
+) -> cst.Module:
     """Insert ``code`` at ``index`` of the parsed body, attached to the statement before it
     (``after=True``: directly after its text) or to the one at ``index`` (directly before its
-    leading lines). Where statements were left out of the parse (pyfile._select) the two differ."""
+    leading lines), ``blank_lines`` empty lines before it. Where statements were left out of the
+    parse (pyfile._select) the two differ."""
     stmts = list(cst.parse_module(code).body)
+    if blank_lines and stmts:
+        stmts[0] = stmts[0].with_changes(leading_lines=[cst.EmptyLine()] * blank_lines)
     for stmt in stmts:
         ctx.inserted[stmt] = after
     body = list(new.body)

@@ -45,7 +45,7 @@ class TransferToNpu(ModuleRule):
                     at, after = index, False
                     break
             else:
-                at = imports[-1][0] + 1 if imports else _after_docstring(original)
+                at = imports[-1][0] + 1 if imports else after_docstring(original)
                 after = at > 0
         line = ctx.body_line(at)
         ctx.findings.append(
@@ -62,7 +62,7 @@ class TransferToNpu(ModuleRule):
         return insert_statements(ctx, new, at, SHIM, after=after)
 
 
-def _after_docstring(module: cst.Module) -> int:
+def after_docstring(module: cst.Module) -> int:
     i = 0
     body = module.body
     if (

@@ -10,6 +10,8 @@ from parabench.migrate.cli import main
 from parabench.migrate.core import Options
 from parabench.migrate.engine import migrate_text, run
 
+HERE = Path(__file__).parent
+
 
 def _write(root: Path, files: dict[str, str]) -> Path:
     for rel, text in files.items():
@@ -98,3 +100,22 @@ def test_type_string_collection_used_in_another_statement_partial_parse():
     # must not change: the same list never compared with a tensor's type
     unused = text.replace("return p.type() in _HALF", "return p.dtype in (torch.half,)")
     assert pyfile.migrate_python(unused, "m.py", Options())[0].count("torch.cuda.HalfTensor") == 1
+
+
+# --- class 7: NVTX push/pop/range on mstx; a migrated script runs to its end ---------------------------
+
+
+def test_migrated_nvtx_script_reaches_its_last_step_in_the_smoke_run(tmp_path: Path, capfd):
+    from parabench.migrate.smoke import main as smoke
+
+    out = tmp_path / "out"
+    assert main([str(HERE / "fixtures" / "smoke_nvtx"), "--out", str(out), "-q"]) == 0
+    migrated = (out / "train.py").read_text()
+    code_lines = [line for line in migrated.splitlines() if not line.lstrip().startswith(("#", '"""'))]
+    assert not [line for line in code_lines if "torch.cuda." in line.split("#")[0]]
+    assert '_mstx_range_push(f"step {step}")' in migrated and "with _mstx_range(" in migrated
+    capfd.readouterr()
+    code = smoke(["--cwd", str(out), "--env", "MAX_STEPS=3", "--", "python", "train.py"])
+    stdout, err = capfd.readouterr()
+    assert code == 0, err[-3000:]
+    assert "step 2 loss" in stdout and "reached the last step: 3" in stdout
