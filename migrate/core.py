@@ -21,6 +21,9 @@ class Options:
     safe_only: bool = False
     select: frozenset[str] | None = None  # rule codes or prefixes; None = all
     ignore: frozenset[str] = frozenset()
+    # --mode runtime, set per file: why it is an entry point although it has no `__main__` guard
+    # (a launch script or the package metadata starts it, or it trains at top level: migrate.entries)
+    entry: str = ""
 
     def rule_enabled(self, code: str, targets: frozenset[str], modes: frozenset[str]) -> bool:
         if self.target not in targets or self.mode not in modes:

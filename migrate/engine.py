@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from parabench.migrate.core import FileResult, Finding, Options
+from parabench.migrate.entries import find_entries
 from parabench.migrate.pyfile import migrate_python
 from parabench.migrate.rules._base import TextDoc, all_rules, rules_for
 from parabench.migrate.rules._text import TextParseError
@@ -40,6 +41,7 @@ class Task:
     kind: str
     dest: str | None  # absolute output path, None = write nothing
     diff: bool
+    entry: str = ""  # --mode runtime: why this file is an entry point (migrate.entries), "" = not known to be
 
 
 @dataclasses.dataclass
@@ -148,6 +150,8 @@ def migrate_text(kind: str, text: str, rel: str, options: Options) -> tuple[str,
 
 def process(task: Task, options: Options) -> FileResult:
     """Migrate one file; write its output (if any). Runs in worker processes."""
+    if task.entry:
+        options = dataclasses.replace(options, entry=task.entry)
     res = FileResult(task.rel, task.kind, "copied")
     if task.kind == "file":
         _copy(task)
@@ -232,6 +236,7 @@ def run(
 ) -> RunResult:
     """Migrate ``roots`` into ``out`` (or in place, or nowhere when out is None and not in_place)."""
     entries = discover(roots)
+    starts = _entry_points(entries) if options.mode == "runtime" else {}
     tasks: list[Task] = []
     results: list[FileResult] = []
     for _root, path, rel, how in entries:
@@ -255,7 +260,7 @@ def run(
         kind = classify(path)
         if in_place and kind == "file":
             continue
-        tasks.append(Task(str(path), rel, kind, dest, diff))
+        tasks.append(Task(str(path), rel, kind, dest, diff, starts.get(rel, "")))
     if in_place and backup:
         # back up exactly the files that will change, before anything is written
         probe = [dataclasses.replace(t, dest=None, diff=False) for t in tasks]
@@ -265,6 +270,20 @@ def run(
     results.extend(_map(tasks, options, jobs, progress))
     results.sort(key=lambda r: r.path)
     return RunResult(options, [str(r) for r in roots], str(out) if out else None, results, in_place)
+
+
+def _entry_points(entries: list[tuple[Path, Path, str, str]]) -> dict[str, str]:
+    """Python files that the tree's launch scripts and package metadata start (migrate.entries)."""
+    texts, python = {}, []
+    for _root, path, rel, how in entries:
+        if how != "file":
+            continue
+        kind = classify(path)
+        if kind == "python":
+            python.append(rel)
+        if kind == "shell" or path.name in ("pyproject.toml", "setup.cfg", "setup.py", "Makefile"):
+            texts[rel] = path.read_text(encoding="utf-8", errors="replace")
+    return find_entries(texts, python)
 
 
 def _map(tasks: list[Task], options: Options, jobs: int | None, progress: bool | None) -> list[FileResult]:

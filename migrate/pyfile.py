@@ -17,6 +17,7 @@ import re
 
 from parabench.migrate import api_map
 from parabench.migrate.core import Finding, Options
+from parabench.migrate.entries import may_train_at_top_level, top_level_training
 from parabench.migrate.rules._base import rules_for, statement_first_line
 
 # Words that any static Python rule can react to (case-insensitive, in identifiers or strings).
@@ -87,9 +88,13 @@ def _main_search(s: str) -> bool:
     return "__main__" in s
 
 
+def _any(s: str) -> bool:
+    return True
+
+
 def _text_gate(options: Options):
     if options.mode == "runtime":
-        return _main_search
+        return _any if options.entry else _main_search
     if options.target == "mindspeed":
         return _MINDSPEED_SEARCH
     return _STATIC_SEARCH
@@ -488,6 +493,8 @@ def migrate_python(
 ) -> tuple[str, list[Finding], bool, str]:
     """Returns (new_text, findings, full_parse, skip_reason). ``partial=False`` gives LibCST the
     whole file even where the pre-filter found statements that cannot matter (tests compare both)."""
+    if options.mode == "runtime" and not options.entry and "__main__" not in text:
+        options = _top_level_entry(text, options)
     plan = _prefilter(text, options)
     if plan.reason:
         return text, [], False, plan.reason
@@ -504,6 +511,18 @@ def migrate_python(
     done = _migrate(text, path, options, plan)
     assert done is not None
     return done
+
+
+def _top_level_entry(text: str, options: Options) -> Options:
+    """--mode runtime: a module without a ``__main__`` guard that trains at top level is an entry
+    point (nanoGPT style); ``options.entry`` says why (``migrate.entries.top_level_training``)."""
+    if not may_train_at_top_level(text):
+        return options
+    try:
+        why = top_level_training(ast.parse(text))
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return options  # the pre-filter reports it
+    return dataclasses.replace(options, entry=why) if why else options
 
 
 def _migrate(text: str, path: str, options: Options, plan: Plan) -> tuple[str, list[Finding], bool, str] | None:

@@ -1,4 +1,8 @@
-"""RT001: --mode runtime: entry scripts import torch_npu's transfer_to_npu shim instead of static rewrites (docs/sources.md#transfer-to-npu)."""
+"""RT001: --mode runtime: entry points import torch_npu's transfer_to_npu shim instead of static rewrites (docs/sources.md#transfer-to-npu).
+
+Entry points: a top-level ``if __name__ == "__main__":``, or what ``migrate.entries`` found
+(``Options.entry``: started by a launch script or the package's console scripts, or training code
+at module level); the finding says which."""
 
 from __future__ import annotations
 
@@ -18,13 +22,17 @@ SHIM = "import torch_npu\nfrom torch_npu.contrib import transfer_to_npu  # noqa:
 class TransferToNpu(ModuleRule):
     code = "RT001"
     name = "transfer-to-npu"
-    description = "entry scripts (`if __name__ == '__main__'`) get `from torch_npu.contrib import transfer_to_npu` after their first torch import"
+    description = (
+        "entry points get `from torch_npu.contrib import transfer_to_npu` after their first torch import: "
+        "`if __name__ == '__main__'` scripts, files launch scripts or console_scripts start, top-level training code"
+    )
     safety = SAFE
     modes = frozenset({"runtime"})
     source = "docs/sources.md#transfer-to-npu"
 
     def post(self, original: cst.Module, new: cst.Module, ctx: PyContext) -> cst.Module:
-        if not is_entry(original) or imports_module(original, "torch_npu"):
+        why = "`if __name__ == '__main__'`" if is_entry(original) else ctx.options.entry
+        if not why or imports_module(original, "torch_npu"):
             return new
         imports = top_imports(original)
         at = None
@@ -54,7 +62,7 @@ class TransferToNpu(ModuleRule):
                 self.safety,
                 line,
                 line,
-                "import transfer_to_npu at the entry point",
+                f"import transfer_to_npu at the entry point (found: {why})",
                 op="torch_npu.contrib.transfer_to_npu",
                 after=SHIM.splitlines()[1],
             )

@@ -119,3 +119,45 @@ def test_migrated_nvtx_script_reaches_its_last_step_in_the_smoke_run(tmp_path: P
     stdout, err = capfd.readouterr()
     assert code == 0, err[-3000:]
     assert "step 2 loss" in stdout and "reached the last step: 3" in stdout
+
+
+# --- class 8: --mode runtime finds entry points without a __main__ guard -------------------------------
+
+_RUNTIME_TREE = {
+    "scripts/train.sh": (
+        "#!/bin/bash\n# python tools/notes.py  (a comment, not a launch)\necho \"python tools/notes.py\"\n"
+        "torchrun --nproc_per_node 2 --master_port 29500 pretrain.py \\\n    --lr 1e-4\n"
+        "python -u -m pkg.run --steps 10\npython setup.py develop\n"
+    ),
+    "pyproject.toml": '[project]\nname = "pkg"\n\n[project.scripts]\npkg-train = "pkg.cli:main"\n',
+    "setup.py": "from setuptools import setup\nimport torch\nsetup(name='pkg')\n",
+    "pretrain.py": "import torch\nfrom pkg import run\n\nrun.main()\n",
+    "pkg/__init__.py": "",
+    "pkg/run.py": "import torch\n\n\ndef main():\n    return torch.ones(2)\n",
+    "pkg/cli.py": "import sys\n\n\ndef main():\n    return sys.argv\n",
+    "nano.py": (
+        "import torch\nmodel = torch.nn.Linear(2, 2)\noptimizer = torch.optim.AdamW(model.parameters())\n"
+        "for it in range(3):\n    loss = model(torch.ones(2)).sum()\n    loss.backward()\n    optimizer.step()\n"
+    ),
+    "lib.py": "import torch\n\n\ndef train(model, opt):\n    model(torch.ones(2)).sum().backward()\n    opt.step()\n",
+    "tools/notes.py": "import torch\nprint(torch.__version__)\n",
+    "main_guard.py": "import torch\n\nif __name__ == '__main__':\n    print(torch.ones(1))\n",
+}
+
+
+def test_runtime_mode_finds_entry_points_and_says_why(tmp_path: Path):
+    src = _write(tmp_path / "src", _RUNTIME_TREE)
+    out = tmp_path / "out"
+    result = run([src], Options(mode="runtime"), out, jobs=1, progress=False)
+    found = {f.file: f.message for f in result.findings if f.rule == "RT001"}
+    assert set(found) == {"pretrain.py", "pkg/run.py", "pkg/cli.py", "nano.py", "main_guard.py"}, found
+    assert "`torchrun ... pretrain.py` in scripts/train.sh:4" in found["pretrain.py"]
+    assert "`python ... -m pkg.run` in scripts/train.sh:6" in found["pkg/run.py"]
+    assert "[project.scripts] in pyproject.toml" in found["pkg/cli.py"]
+    assert "top-level training code (line 6: loss.backward())" in found["nano.py"]
+    assert "__main__" in found["main_guard.py"]
+    for rel in found:
+        assert "from torch_npu.contrib import transfer_to_npu" in (out / rel).read_text()
+    # must not change: a library module, setup.py, a script only named in a comment and an echo
+    for rel in ("lib.py", "setup.py", "tools/notes.py"):
+        assert (out / rel).read_text() == _RUNTIME_TREE[rel], rel
