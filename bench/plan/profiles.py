@@ -117,15 +117,16 @@ def _ds_states(job: JobSpec) -> States:
         padded = zero3_padded_numel(numels, nd)
         part = padded / nd
         # parameters up to stage3_param_persistence_threshold elements (DeepSpeed default 1e5) stay
-        # whole on every rank beside their partition (partition_parameters.py, ds_persist)
+        # whole on every rank beside their partition (partition_parameters.py, ds_persist), in the
+        # all-gather buffer of their aligned size (numel rounded up to dp)
         limit = o.stage3_param_persistence_threshold if o.stage3_param_persistence_threshold is not None else 1e5
-        persistent = sum(n for n in numels if n <= limit)
+        persistent = sum(round_up(n, nd) for n in numels if n <= limit)
         st = States(b * (part + persistent), b * part, k * part)
     else:
         padded = deepspeed_flat_numel(_group_numels(job), nd)
         part = padded / nd
         grads = b * psi if o.zero_stage == 1 else b * part
-        st = States(b * psi, grads, k * part)
+        st = States(b * padded, grads, k * part)  # the working copy is the padded flat buffer
     host = st.optimizer if o.offload_optimizer != "none" else 0.0
     if o.offload_param != "none":
         host += st.params
