@@ -64,6 +64,7 @@ class FileResult:
     findings: list[Finding] = dataclasses.field(default_factory=list)
     diff: str = ""
     full_parse: bool = False
+    may_hold_cuda: bool = False  # skipped, and its bytes hold a trigger word: `--check` fails on it
     # where source lines moved in the output, when lines were added or removed: (first source line,
     # output line - source line) from that line on; empty = the same line numbers (engine.line_shifts)
     line_shifts: tuple[tuple[int, int], ...] = ()

@@ -17,7 +17,9 @@ from pathlib import Path
 
 from parabench.migrate.core import FileResult, Finding, Options
 from parabench.migrate.entries import find_entries
-from parabench.migrate.pyfile import migrate_python
+from parabench.migrate.encoding import decode, encode
+from parabench.migrate.notebook import migrate_notebook
+from parabench.migrate.pyfile import may_hold_cuda, migrate_python
 from parabench.migrate.rules._base import TextDoc, all_rules, rules_for
 from parabench.migrate.rules._text import TextParseError
 
@@ -66,6 +68,8 @@ def classify(path: Path) -> str:
         return "shell"
     if suffix == ".json":
         return "json"
+    if suffix == ".ipynb":
+        return "notebook"
     if suffix in YAML_EXT:
         return "yaml"
     if suffix == ".txt" and ("requirements" in name.lower() or path.parent.name == "requirements"):
@@ -119,15 +123,9 @@ def discover(roots: list[Path]) -> list[tuple[Path, Path, str, str]]:
     return found
 
 
-def _read_text(path: str) -> tuple[str | None, str]:
+def _read(path: str) -> bytes:
     with open(path, "rb") as fh:
-        data = fh.read()
-    if b"\x00" in data[:8192]:
-        return None, "binary file"
-    try:
-        return data.decode("utf-8"), ""
-    except UnicodeDecodeError as exc:
-        return None, f"not UTF-8 ({exc.reason} at byte {exc.start})"
+        return fh.read()
 
 
 def migrate_text(kind: str, text: str, rel: str, options: Options) -> tuple[str, list[Finding], str]:
@@ -135,6 +133,8 @@ def migrate_text(kind: str, text: str, rel: str, options: Options) -> tuple[str,
     if kind == "python":
         new, findings, _full, reason = migrate_python(text, rel, options)
         return new, findings, reason
+    if kind == "notebook":  # findings name their cell (file.ipynb#cell-N)
+        return migrate_notebook(text, rel, options)
     rules = rules_for(kind, options)
     if not rules:
         return text, [], ""
@@ -156,25 +156,26 @@ def process(task: Task, options: Options) -> FileResult:
     if task.kind == "file":
         _copy(task)
         return res
-    text, reason = _read_text(task.src)
-    if text is None:
-        res.status, res.reason = "skipped", reason
-        _copy(task)
-        return res
+    data = _read(task.src)
+    source, reason = decode(data, task.kind)
+    if source is None:
+        return _skip(task, res, reason, data)
+    text = source.text
     try:
         new, findings, reason = migrate_text(task.kind, text, task.rel, options)
     except RecursionError:
         new, findings, reason = text, [], "internal: nesting too deep for the parser"
     if reason:
-        res.status, res.reason = "skipped", reason
-        _copy(task)
-        return res
-    res.findings = [f.with_file(task.rel) for f in findings]
+        return _skip(task, res, reason, data)
+    res.findings = [f if f.file else f.with_file(task.rel) for f in findings]
     res.full_parse = task.kind != "python" or bool(findings) or new != text
     if new == text:
         res.status = "unchanged"
         _copy(task)
         return res
+    encoded = encode(new, source)
+    if encoded is None:
+        return _skip(task, res, f"the migrated text cannot be written as {source.codec}: left unchanged", data)
     res.status = "changed"
     res.line_shifts = line_shifts(text, new)
     if task.diff:
@@ -184,7 +185,15 @@ def process(task: Task, options: Options) -> FileResult:
             )
         )
     if task.dest is not None:
-        _write(task, new)
+        _write(task, encoded)
+    return res
+
+
+def _skip(task: Task, res: FileResult, reason: str, data: bytes) -> FileResult:
+    """A file left as it is: copied, and marked when its bytes name a CUDA construct (``--check``)."""
+    res.status, res.reason = "skipped", reason
+    res.may_hold_cuda = may_hold_cuda(data.decode("latin-1"))
+    _copy(task)
     return res
 
 
@@ -208,12 +217,12 @@ def _copy(task: Task) -> None:
     shutil.copy2(task.src, task.dest)
 
 
-def _write(task: Task, text: str) -> None:
+def _write(task: Task, data: bytes) -> None:
     os.makedirs(os.path.dirname(task.dest), exist_ok=True)
     mode = stat.S_IMODE(os.stat(task.src).st_mode)
     tmp = task.dest + ".bench-migrate.tmp"
-    with open(tmp, "w", encoding="utf-8", newline="") as fh:
-        fh.write(text)
+    with open(tmp, "wb") as fh:
+        fh.write(data)
     os.chmod(tmp, mode)
     os.replace(tmp, task.dest)
 

@@ -84,6 +84,11 @@ _STATIC_SEARCH = _words(_STATIC_WORDS)
 _MINDSPEED_SEARCH = _words((*_STATIC_WORDS, "megatron"))
 
 
+def may_hold_cuda(text: str) -> bool:
+    """Could ``text`` (any file, any kind) hold CUDA code? The pre-filter's trigger words: a superset."""
+    return _STATIC_SEARCH(text)
+
+
 def _main_search(s: str) -> bool:
     return "__main__" in s
 

@@ -59,9 +59,9 @@ def to_dict(result: RunResult) -> dict:
     fired = sorted({f.rule for f in changes + manual})
     per_file = collections.defaultdict(lambda: [0, 0])
     for f in changes:
-        per_file[f.file][0] += 1
+        per_file[file_of(f)][0] += 1
     for f in manual:
-        per_file[f.file][1] += 1
+        per_file[file_of(f)][1] += 1
     opts = result.options
     summary = dict(_counts(result))
     summary.update(
@@ -220,6 +220,11 @@ def write_report(result: RunResult, report_dir: Path, link_root: Path | None) ->
     return written
 
 
+def file_of(f: Finding) -> str:
+    """The file a finding lies in: a notebook's findings name their cell (``x.ipynb#cell-3``)."""
+    return f.file.rpartition("#cell-")[0] if ".ipynb#cell-" in f.file else f.file
+
+
 def _link(f: Finding, report_dir: Path, link_root: Path | None, moved: dict[str, FileResult]) -> str:
     """``file:line`` linked to that line. Findings carry source lines; where the file was written
     with lines added or removed (``moved``), the link and its label give the output file's line
@@ -230,8 +235,10 @@ def _link(f: Finding, report_dir: Path, link_root: Path | None, moved: dict[str,
     line = moved[f.file].output_line(f.line) if f.file in moved else f.line
     if line != f.line:
         label = f"{f.file}:{line} (source line {f.line})"
-    target = os.path.relpath(Path(link_root) / f.file, report_dir)
-    return f"[{label}]({Path(target).as_posix()}#L{line})"
+    target = Path(os.path.relpath(Path(link_root) / file_of(f), report_dir)).as_posix()
+    if file_of(f) != f.file:  # a notebook cell: its lines are not the file's, link the notebook
+        return f"[{label}]({target})"
+    return f"[{label}]({target}#L{line})"
 
 
 def checklist(result: RunResult, report_dir: Path, link_root: Path | None) -> str:
