@@ -3,7 +3,7 @@ factors, the size sweep, the expected result values of the correctness check, an
 latency/bandwidth (alpha-beta) model. No torch here: the front end (:mod:`parabench.comm`) checks a
 command before launch with these, and the per-rank worker (:mod:`parabench.commworker`) runs them.
 
-Sizes and bandwidths follow nccl-tests (docs/sources.md#communication-volume): ``size`` S is the
+Sizes and bandwidths follow nccl-tests (docs/sources.md#collectives-benchmark): ``size`` S is the
 largest buffer of the operation (all-reduce and broadcast: the buffer; all-gather: the gathered
 output; reduce-scatter: the input; all-to-all: each rank's buffer; send/recv: the message), time t
 is one operation, algorithm bandwidth ``algbw = S / t`` and bus bandwidth ``busbw = algbw x factor``
@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from parabench.commvolume import bus_factor
 from parabench.errors import SpecError
 from parabench.spec import BackendSpec, DeviceSpec, LaunchSpec, TrackingSpec, build
 
@@ -31,11 +32,17 @@ class Op:
 
     def factor(self, n: int) -> float:
         """nccl-tests' bus-bandwidth factor (docs/sources.md#communication-volume)."""
-        if self.bus_factor == "2(n-1)/n":
-            return 2 * (n - 1) / n
-        if self.bus_factor == "(n-1)/n":
-            return (n - 1) / n
-        return 1.0
+        return factor_of(self.name, n)
+
+
+# Operations whose bus factor is that of a commvolume kind: all-to-all moves (n-1)/n of its buffer
+# like all-gather; broadcast, reduce and send/recv move the buffer once.
+_FACTOR_AS = {"all_to_all": "all_gather", "broadcast": "send", "reduce": "send", "send_recv": "send", "recv": "send"}
+
+
+def factor_of(op: str, n: int) -> float:
+    """The bus factor of an operation (or commlog kind) on n ranks, from commvolume.bus_factor."""
+    return bus_factor(_FACTOR_AS.get(op, op), n)  # type: ignore[arg-type]
 
 
 OPS: dict[str, Op] = {

@@ -23,6 +23,7 @@ import datetime
 import html
 import io
 import json
+import math
 import statistics
 import sys
 from collections.abc import Iterable
@@ -64,6 +65,9 @@ class RunRecord:
     losses: list[float] = field(default_factory=list)
     state_per_rank: list[dict[str, float]] = field(default_factory=list)
     stability: dict[str, float] = field(default_factory=dict)  # parabench.stability: checkpoints, recovery
+    comm_bytes_per_step: float | None = None  # bus bytes of the busiest rank per step (parabench.commreport)
+    comm_formula_bytes_per_step: float | None = None
+    comm_share_of_step: float | None = None
 
     def section(self) -> tuple:
         return tuple(getattr(self, k) for k in SECTION_KEYS)
@@ -126,6 +130,9 @@ class Row:
             "efficiency_kind": self.efficiency_kind,
             "efficiency_note": self.efficiency_note,
             "stability": stability.medians(r.stability for r in self.runs),
+            "comm_bytes_per_step": self.med("comm_bytes_per_step"),
+            "comm_formula_bytes_per_step": self.med("comm_formula_bytes_per_step"),
+            "comm_share_of_step": self.med("comm_share_of_step"),
         }
 
 
@@ -212,7 +219,26 @@ def _record(client, run) -> RunRecord:
         losses=losses,
         state_per_rank=state,
         stability=stability.from_metrics(m),
+        comm_bytes_per_step=_f(m, "comm_bus_bytes_per_step"),
+        comm_formula_bytes_per_step=_f(m, "comm_formula_bus_bytes_per_step"),
+        comm_share_of_step=_f(m, "comm_share_of_step"),
     )
+
+
+def load_comm_curves(client, experiment: str | None) -> dict[str, dict[str, list[list[float]]]]:
+    """Bus bandwidth vs size of the finished ``bench comm`` runs (of ``experiment``, or all):
+    op -> "stack xN" -> [[size in bytes, busbw GB/s], ...]."""
+    exp = client.get_experiment_by_name(experiment) if experiment else None
+    exp_ids = [exp.experiment_id] if exp else [e.experiment_id for e in client.search_experiments()]
+    flt = "tags.`parabench.kind` = 'comm' and attributes.status = 'FINISHED'"
+    curves: dict[str, dict[str, list[list[float]]]] = {}
+    for run in client.search_runs(exp_ids, filter_string=flt, max_results=1000) if exp_ids else []:
+        label = f"{run.data.tags.get('stack', '?')} x{run.data.tags.get('world_size', '?')}"
+        for key in sorted(k for k in run.data.metrics if k.endswith(".busbw_GBps")):
+            history = client.get_metric_history(run.info.run_id, key)
+            points = sorted([float(m.step), m.value] for m in history)
+            curves.setdefault(key[: -len(".busbw_GBps")], {})[label] = points
+    return curves
 
 
 def _label_variants(records: list[RunRecord], runs) -> list[RunRecord]:
@@ -382,6 +408,9 @@ COLUMNS = [
     ("peak_memory_bytes", "peak mem"),
     ("model_state_bytes", "states/rank"),
     ("loss_final", "final loss"),
+    ("comm_bytes_per_step", "comm/step"),
+    ("comm_formula_bytes_per_step", "formula/step"),
+    ("comm_share_of_step", "comm %"),
     ("efficiency", "eff."),
     ("ratio", "ratio"),
 ]
@@ -392,7 +421,9 @@ def _fmt(key: str, value: Any, row: dict) -> str:
         return "-"
     if key in ("peak_memory_bytes", "model_state_bytes"):
         return f"{value / 2**20:.1f} MiB"
-    if key == "mfu":
+    if key in ("comm_bytes_per_step", "comm_formula_bytes_per_step"):
+        return f"{value / 2**20:.3f} MiB"
+    if key in ("mfu", "comm_share_of_step"):
         return f"{100 * value:.1f}%"
     if key == "efficiency":
         band = row.get("efficiency_band")
@@ -433,6 +464,9 @@ def _legend(meta: dict[str, Any]) -> list[str]:
         "eff.: E(N) = tokens/s(N) / (N x tokens/s(1)); weak = same per-device batch, strong = same global batch; * = "
         + "band overlaps 1.0 or another backend's band (within noise)",
         f"ratio: tokens/s / baseline ({meta.get('baseline') or 'none'}) at the same N and global batch; ~ = within noise",
+        "comm/step: bus bytes (sizes x nccl-tests' bus factor) the busiest rank moved in collectives per step, "
+        + "scalars apart; formula/step: the layout's formula with the backend's padding; comm %: time inside "
+        + "collective calls / step time (docs/comm.md)",
     ]
 
 
@@ -533,6 +567,7 @@ def render_html(report: dict[str, Any]) -> str:
         curves = {label: list(enumerate(losses)) for label, losses in sec["loss_curves"].items() if losses}
         parts.append(line_svg("Loss curves", "step", "loss", curves, plot_id=f"loss-{i}", from_zero=False))
         parts.append("</div>")
+    parts += _comm_plots(report.get("comm") or {})
     legend = "".join(f"<li>{html.escape(line)}</li>" for line in _legend(report["meta"]))
     data = html.escape(json.dumps(report), quote=False)
     style = (
@@ -545,6 +580,24 @@ def render_html(report: dict[str, Any]) -> str:
         f"</head><body>{''.join(parts)}<ul>{legend}</ul>"
         f"<script type='application/json' id='report-data'>{data}</script></body></html>"
     )
+
+
+def _comm_plots(curves: dict[str, dict[str, list[list[float]]]]) -> list[str]:
+    """Bus bandwidth vs size per operation, one line per (stack, world size) of ``bench comm``."""
+    if not curves:
+        return []
+    parts = [
+        "<h2>Collectives (bench comm): bus bandwidth vs size</h2><p class='meta'>busbw = size / time x "
+        "nccl-tests' factor of the operation (docs/comm.md); x: log2 of the size in bytes (10 = 1 KiB, 20 = 1 MiB)</p>"
+        "<div class='plots'>"
+    ]
+    for op, series in curves.items():
+        log_series = {label: [(math.log2(s), bw) for s, bw in pts if s > 0] for label, pts in series.items()}
+        parts.append(
+            line_svg(f"{op} bus bandwidth", "size (log2 bytes)", "busbw GB/s", log_series, plot_id=f"busbw-{op}")
+        )
+    parts.append("</div>")
+    return parts
 
 
 # --------------------------------------------------------------------------------------------
@@ -588,7 +641,8 @@ def _run(args) -> int:
     client = MlflowClient(tracking_uri=uri)
     baseline = _parse_baseline(args.baseline)
     records = load_runs(client, args.runs, args.experiment, args.filter)
-    sections = build_sections(records, baseline, strict=bool(args.runs))
+    comm = {} if args.runs else load_comm_curves(client, args.experiment)  # bench comm runs: bandwidth plots
+    sections = build_sections(records, baseline, strict=bool(args.runs)) if records or not comm else []
     created = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     meta = {
         "created": created,
@@ -600,6 +654,7 @@ def _run(args) -> int:
         "peak_sources": "; ".join(sorted({r.peak_source for r in records if r.peak_source})),
     }
     report = report_dict(sections, meta)
+    report["comm"] = comm
     out = Path(args.out) if args.out else Path("results/reports") / f"compare-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     out.mkdir(parents=True, exist_ok=True)
     rendered = {
