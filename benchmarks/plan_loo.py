@@ -87,12 +87,14 @@ def model_states(results: Path) -> int:
     for spec in sorted(results.glob("runs/plan_loo/*/*/spec.json")):
         job = job_from_json(spec.read_text())
         st = PROFILES[job.backend.name].states(job)
+        held = []
         for rank_file in sorted((spec.parent / "ranks").glob("rank*.json")):
             ms = json.loads(rank_file.read_text())["model_state"]
-            measured = ms["params"] + ms["grads"] + ms["optimizer"]
-            bad += measured != st.total
-            print(f"  {spec.parent.parent.name}/{rank_file.stem}: {job.backend.name:9} measured {measured:>10} "
-                  f"predicted {st.total:>12.0f} {'=' if measured == st.total else 'DIFF'}")  # fmt: skip
+            held.append(ms["params"] + ms["grads"] + ms["optimizer"])
+        busiest = max(held)  # the plan sizes the device for the busiest rank (pipeline stages differ)
+        bad += busiest != st.total
+        print(f"  {spec.parent.parent.name}: {job.backend.name:9} busiest rank of {len(held)} measured {busiest:>10} "
+              f"predicted {st.total:>12.0f} {'=' if busiest == st.total else f'DIFF {st.total - busiest:+.0f}'}")  # fmt: skip
     return bad
 
 
@@ -114,9 +116,9 @@ def main() -> int:
     print(f"\n{len(recs)} runs, leave-one-out: step time median |err| {100 * statistics.median(t_err):.1f}%, "
           f"{100 * within_t:.0f}% within 20%; peak memory median |err| {100 * statistics.median(m_err):.1f}%, "
           f"{100 * within_m:.0f}% within 25%")  # fmt: skip
-    print("\nmodel-state bytes per rank, predicted vs measured:")
+    print("\nmodel-state bytes of the busiest rank, predicted vs measured:")
     bad = model_states(results)
-    print(f"{bad} rank(s) differ")
+    print(f"{bad} run(s) differ")
     return 0
 
 

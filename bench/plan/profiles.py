@@ -125,7 +125,9 @@ def _ds_states(job: JobSpec) -> States:
     else:
         padded = deepspeed_flat_numel(_group_numels(job), nd)
         part = padded / nd
-        grads = b * psi if o.zero_stage == 1 else b * part
+        # ZeRO-1 keeps full gradients while they accumulate over micro-batches; with one
+        # micro-batch per step (and always in ZeRO-2) only this rank's partition stays
+        grads = b * psi if o.zero_stage == 1 and job.grad_accum > 1 else b * part
         st = States(b * padded, grads, k * part)  # the working copy is the padded flat buffer
     host = st.optimizer if o.offload_optimizer != "none" else 0.0
     if o.offload_param != "none":
