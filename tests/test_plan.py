@@ -48,7 +48,8 @@ LAYOUTS = [
 def test_breakdown_is_the_adapters_published_formula_plus_padding(backend, world, options, precision):
     if precision == "bf16" and backend == "mindspore":
         pytest.skip("mindspore runs fp32 only")
-    job = _job(backend, world, f"run.precision={precision}", **options)
+    # two micro-batches per step: ZeRO-1 then holds full gradients, as the paper's stage 1 does
+    job = _job(backend, world, f"run.precision={precision}", "data.global_batch_size=8", **options)
     states = PROFILES[backend].states(job)
     formula = get_adapter(backend).expected_model_state(job).bytes
     pad = states.total - formula
@@ -65,11 +66,21 @@ def test_zero_paper_figure_1(stage, published_gb):
     # Pos 31.4 GB, Pos+g 16.6 GB, Pos+g+p 1.9 GB. The planner's bytes per parameter for a bf16
     # DeepSpeed job over 64 ranks, times 7.5e9 parameters, give the figure's numbers.
     job = _job(
-        "deepspeed", 64, "run.precision=bf16", "data.global_batch_size=128", zero_stage=stage,
+        "deepspeed", 64, "run.precision=bf16", "data.global_batch_size=256", zero_stage=stage,
         stage3_param_persistence_threshold=0,  # the paper partitions every parameter
     )  # fmt: skip
     per_param = PROFILES["deepspeed"].states(job).total / job.model.num_params()
     assert per_param * 7.5e9 / GB == pytest.approx(published_gb, abs=0.05)
+
+
+def test_zero1_without_accumulation_keeps_only_its_gradient_partition():
+    # With one micro-batch per step DeepSpeed's stage 1 reduces straight into the partition
+    # (measured: benchmarks/plan_loo.py); with accumulation it keeps full gradients.
+    one, two = (_job("deepspeed", 2, f"data.global_batch_size={g}", zero_stage=1) for g in (4, 8))
+    assert one.grad_accum == 1 and two.grad_accum == 2
+    psi = one.model.num_params()
+    assert PROFILES["deepspeed"].states(two).grads == 4 * psi
+    assert PROFILES["deepspeed"].states(one).grads == 4 * psi / 2
 
 
 def test_zero3_persistent_parameters_stay_whole():
