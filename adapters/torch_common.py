@@ -26,6 +26,12 @@ def make_adamw(named_params: Sequence[tuple[str, torch.nn.Parameter]], spec: Opt
     return torch.optim.AdamW(adamw_param_groups(named_params, spec), lr=spec.lr, betas=spec.betas, eps=spec.eps)
 
 
+def dcp_failure(exc) -> str:
+    """One line from DCP's CheckpointException: the first failing rank and its error."""
+    rank, (error, _tb) = next(iter(sorted(exc.failures.items(), key=lambda kv: kv[0])))
+    return f"rank {rank}: {type(error).__name__}: {error}"
+
+
 # ddp and fsdp: torch.distributed.checkpoint, resharded on load to any data-parallel world size
 DCP_SUPPORT = CheckpointSupport(format="dcp", async_save=None, reshard=frozenset({"world_size", "dp", "dp_shard"}))
 
@@ -88,26 +94,40 @@ class TorchEngine(Engine):
 
     def save_checkpoint(self, directory, *, async_save=False):
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
         state = self._dcp_state()
         if not async_save:
-            dcp.save(state, checkpoint_id=str(directory))
+            try:
+                dcp.save(state, checkpoint_id=str(directory))
+            except CheckpointException as exc:  # a BaseException carrying each failed rank's error
+                raise OSError(dcp_failure(exc)) from None
             return
         self._done_at = None
         self._pending = dcp.async_save(state, checkpoint_id=str(directory))
         self._pending.add_done_callback(lambda _f: setattr(self, "_done_at", time.perf_counter()))
 
     def finish_checkpoint(self):
+        from torch.distributed.checkpoint.api import CheckpointException
+
         pending, self._pending = getattr(self, "_pending", None), None
         if pending is None:
             return None
-        pending.result()  # re-raises a failed background write
+        try:
+            pending.result()  # re-raises a failed background write
+        except CheckpointException as exc:
+            raise OSError(dcp_failure(exc)) from None
         return self._done_at or time.perf_counter()
 
     def load_checkpoint(self, directory):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
+        from torch.distributed.checkpoint.api import CheckpointException
+
         state = self._dcp_state()
-        dcp.load(state, checkpoint_id=str(directory))
+        try:
+            dcp.load(state, checkpoint_id=str(directory))
+        except CheckpointException as exc:
+            raise OSError(dcp_failure(exc)) from None
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -428,7 +428,10 @@ class Checkpointer:
         """Restore the engine from ``path`` and return this rank's harness state."""
         t0 = time.perf_counter()
         marker = read_marker(path)
-        self.engine.load_checkpoint(path / "native")
+        try:
+            self.engine.load_checkpoint(path / "native")
+        except OSError as exc:
+            raise CheckpointError(f"loading {path}: {exc}") from None
         saved_world = int(marker["world_size"])
         states = [_load_torch(path / "harness" / f"rank{r}.pt") for r in range(saved_world)]
         mine = states[self.ctx.rank % saved_world]

@@ -102,6 +102,8 @@ def recovery_figures(
     if fired:
         fault = fired[0]
         detected = [d["time"] for d in _read_lines(run_dir / "faults" / DETECTED) if d["time"] >= fault["time"]]
+        # no peer noticed (the agent stopped them first): the restarted workers' start bounds it
+        detected = detected or [r["started_wall"] for r in results if r.get("restart_count") and "started_wall" in r]
         if detected:
             out["time_to_detect_s"] = min(detected) - fault["time"]
         first = rank0.get("first_step_wall")

@@ -51,6 +51,13 @@ class Launcher:
         raise NotImplementedError
 
 
+def _c10d(job: JobSpec) -> bool:
+    """c10d rendezvous: asked for, or needed by launcher.max_restarts (the static one keeps one store
+    across restarts, and restarted ranks read the dead ranks' gloo addresses from it;
+    docs/sources.md#torchrun-restarts)."""
+    return job.launch.rdzv_backend == "c10d" or job.launch.max_restarts > 0
+
+
 class Torchrun(Launcher):
     name = "torchrun"
 
@@ -58,7 +65,7 @@ class Torchrun(Launcher):
     def _args(job: JobSpec, port: int) -> list[str]:
         la = job.launch
         args = [f"--nnodes={la.nnodes}", f"--nproc-per-node={la.nproc_per_node}", f"--max-restarts={la.max_restarts}"]
-        if la.rdzv_backend == "c10d":  # elastic rendezvous: every node names the same endpoint and id
+        if _c10d(job):  # elastic rendezvous: every node names the same endpoint and id
             return args + ["--rdzv-backend=c10d", f"--rdzv-id={la.rdzv_id}"]
         return args + [f"--master-port={port}"]
 
@@ -69,7 +76,7 @@ class Torchrun(Launcher):
         la = job.launch
         where = (
             [f"--rdzv-endpoint={la.master_addr}:{port}"]
-            if la.rdzv_backend == "c10d"
+            if _c10d(job)
             else [f"--node-rank={la.node_rank}", f"--master-addr={la.master_addr}"]
         )
         return [
@@ -86,7 +93,7 @@ class Torchrun(Launcher):
     @classmethod
     def bundle_command(cls, job: JobSpec, port: int) -> str:
         la = job.launch
-        if la.rdzv_backend == "c10d":
+        if _c10d(job):
             where = f' --rdzv-endpoint="${{MASTER_ADDR:-{la.master_addr}}}:{port}"'
         else:
             where = f' --node-rank="${{NODE_RANK:-{la.node_rank}}}" --master-addr="${{MASTER_ADDR:-{la.master_addr}}}"'

@@ -20,6 +20,7 @@ from pathlib import Path
 from parabench.adapters.base import WorkerContext
 from parabench.adapters.registry import get_adapter
 from parabench.checkpoint import RUN_ID_ENV, STEPS_FILE, Checkpointer, CheckpointError, StopRequested
+from parabench.commlog import CommLog
 from parabench.devices import DEVICES
 from parabench.faults import record_detection, restart_count
 from parabench.jobs import load_job
@@ -52,6 +53,7 @@ def _serve_msrun_scheduler() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started_wall = time.time()
     if os.environ.get("MS_ROLE") == "MS_SCHED":
         return _serve_msrun_scheduler()
     argv = sys.argv[1:] if argv is None else argv
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     (run_dir / "pids" / f"rank{rank}").write_text(str(os.getpid()))
     print(f"[parabench worker] rank {rank}/{world} local_rank {local_rank} pid {os.getpid()}", flush=True)
     try:
-        return _run(job, adapter, run_dir, rank, local_rank, world)
+        return _run(job, adapter, run_dir, rank, local_rank, world, started_wall)
     except StopRequested as exc:
         print(f"[parabench worker] {exc}", flush=True)
         return 0
@@ -79,13 +81,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _run(job, adapter, run_dir: Path, rank: int, local_rank: int, world: int) -> int:
+def _run(job, adapter, run_dir: Path, rank: int, local_rank: int, world: int, started_wall: float) -> int:
     from parabench.loop import train, write_json_atomic
     from parabench.model import weights_checksum
 
     device = DEVICES[job.device.type](local_rank)
     ctx = WorkerContext(job=job, rank=rank, world_size=world, local_rank=local_rank, device=device, run_dir=run_dir)
     ctx.comm = adapter.init_worker(ctx)
+    if adapter.capabilities.launcher == "torchrun":  # torch.distributed stacks: log their collectives
+        ctx.comm_log = CommLog()
+        ctx.comm_log.install()
 
     t0 = time.perf_counter()
     engine = adapter.create_engine(ctx)
@@ -113,7 +118,8 @@ def _run(job, adapter, run_dir: Path, rank: int, local_rank: int, world: int) ->
         checkpointer = Checkpointer(engine, ctx, run_id=os.environ.get(RUN_ID_ENV) or None)
     result = train(engine, ctx, on_step, checkpointer)
     result.update(initial_checksum=checksum, setup_s=setup_s, device_name=ctx.device.name(), pid=os.getpid())
-    result.update(restart_count=restart_count(), first_step_wall=first_step[0] if first_step else None)
+    first = first_step[0] if first_step else None
+    result.update(restart_count=restart_count(), started_wall=started_wall, first_step_wall=first)
     if rank == 0:
         artifacts = engine.artifacts()
         if artifacts:

@@ -9,11 +9,16 @@ other backends' tests reuse (tests/test_deepspeed.py, test_megatron.py, test_min
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import FAST, assert_refused_before_launch, bench
+from conftest import FAST, REPO, assert_refused_before_launch, bench, mlflow_runs
 from parabench.checkpoint import MARKER, check_compatible, job_identity, newest_complete, plan_resume
 from parabench.confutil import compose, to_plain
 from parabench.errors import SpecError
@@ -34,19 +39,19 @@ def run_ok(args: list[str], results: Path, **kw) -> dict:
     return only_summary(results)
 
 
-def kill_and_resume(args: list[str], tmp_path: Path) -> tuple[dict, dict, Path]:
-    """(uninterrupted summary, resumed summary, checkpoint dir) of ``args`` (a 20-step, 2-rank job):
-    the second run checkpoints every 5 steps and is killed before step 13 (fault.step=12, no
-    restart: it fails); the third resumes from the same checkpoint dir with run.resume=auto."""
+def kill_and_resume(args: list[str], tmp_path: Path) -> tuple[dict, Path]:
+    """(resumed summary, checkpoint dir) of ``args`` (a 20-step, 2-rank job): a first run
+    checkpoints every 5 steps and is killed before step 13 (fault.step=12, no restart: it fails);
+    a second resumes from the same checkpoint dir with run.resume=auto. Compare with the
+    uninterrupted run through :func:`assert_bitwise_after_resume`."""
     ckpt = tmp_path / "ckpt"
-    full = run_ok([*args, "tracking.enabled=false"], tmp_path / "full")
     killed = bench(
         ["run", *args, *CKPT, f"run.checkpoint.dir={ckpt}", "fault.kind=kill", "fault.step=12"], tmp_path / "killed"
     )
     assert killed.returncode == 1, killed.stderr[-3000:]
     assert sorted(p.name for p in ckpt.iterdir()) == ["step_000005", "step_000010"]
     resumed = run_ok([*args, *CKPT, f"run.checkpoint.dir={ckpt}", "run.resume=auto"], tmp_path / "resumed")
-    return full, resumed, ckpt
+    return resumed, ckpt
 
 
 def assert_bitwise_after_resume(full: dict, resumed: dict, resumed_step: int = 10) -> None:
@@ -124,3 +129,109 @@ def test_bad_resume_inputs_are_refused_before_launch(tmp_path, capsys):
     assert_refused_before_launch(
         ["+model=llama", "backend=mindspore", "launcher.max_restarts=1"], "launcher.max_restarts", tmp_path, capsys
     )
+
+
+# --------------------------------------------------------------------------------------------
+# End to end: real `bench run` processes on 2 gloo ranks.
+# --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """backend -> summary of the uninterrupted 20-step, 2-rank run (computed once per backend)."""
+    cache: dict[str, dict] = {}
+
+    def get(backend: str) -> dict:
+        if backend not in cache:
+            results = tmp_path_factory.mktemp(f"full_{backend}")
+            cache[backend] = run_ok([*TWENTY, f"backend={backend}", "tracking.enabled=false"], results)
+        return cache[backend]
+
+    return get
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp"])
+def test_killed_run_resumes_bitwise_and_reshards_to_one_rank(backend, tmp_path, uninterrupted):
+    args = [*TWENTY, f"backend={backend}"]
+    full = uninterrupted(backend)
+    resumed, ckpt = kill_and_resume(args, tmp_path)
+    assert_bitwise_after_resume(full, resumed)
+    assert resumed["ckpt_load_s"] > 0 and resumed["ckpt_bytes_total"] > 0
+    # DCP reshards: the 2-rank checkpoint of step 10 continues on 1 rank (run.resume=<path>)
+    one = run_ok([*FAST, "run.steps=20", f"backend={backend}", f"run.resume={ckpt / 'step_000010'}"], tmp_path / "one")
+    assert one["resumed_step"] == 10 and one["world_size"] == 1
+    assert one["losses"][:10] == full["losses"][:10]
+    for a, b in zip(one["losses"][12:], full["losses"][12:], strict=True):
+        assert abs(a - b) <= 1e-6 * abs(b), (a, b)
+
+
+@pytest.mark.parametrize(("backend", "fault"), [("fsdp", "kill"), ("ddp", "hang")])
+def test_fault_is_recovered_by_a_restart(backend, fault, results, uninterrupted):
+    """One command: the fault fires once, torchrun restarts the workers, they resume from step 10
+    and the run ends FINISHED with the uninterrupted losses; a hang is detected by the peers'
+    collective timeout (launcher.collective_timeout_s) and recovered the same way."""
+    full = uninterrupted(backend)
+    args = [*TWENTY, f"backend={backend}", *CKPT, f"fault.kind={fault}", "fault.rank=1", "fault.step=12"]
+    summary = run_ok([*args, "launcher.max_restarts=1", "launcher.collective_timeout_s=8"], results)
+    assert summary["restarts"] == 1 and summary["steps_recomputed"] == 2
+    assert summary["losses"] == full["losses"]
+    detect, recover = summary["time_to_detect_s"], summary["time_to_first_step_after_fault_s"]
+    assert 0 <= detect < recover
+    if fault == "hang":
+        assert detect >= 8  # waited for the collective timeout
+    (run,) = mlflow_runs(results).itertuples()
+    assert run.status == "FINISHED" and run._asdict()["metrics.restarts"] == 1
+    assert 0 < summary["goodput"] < 1
+
+
+def test_sigterm_stops_every_worker_saves_and_marks_killed(results):
+    cmd = [sys.executable, "-m", "parabench", "run", *FAST, "run.steps=500", "launcher.nproc_per_node=2"]
+    cmd += ["run.checkpoint.on_signal=true", f"run.results_dir={results}"]
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not list(results.glob("runs/*/*/*/steps.jsonl")) or len(_steps(results)) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    (run_dir,) = {p.parent for p in results.glob("runs/*/*/*/steps.jsonl")}
+    pids = [int(p.read_text()) for p in sorted((run_dir / "pids").glob("rank*"))]
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "interrupted by SIGTERM" in err
+    for pid in pids:  # no orphan trains on
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+    (ckpt,) = (run_dir / "checkpoints").iterdir()
+    assert (ckpt / "COMPLETE").exists()
+    (run,) = mlflow_runs(results).itertuples()
+    assert run.status == "KILLED"
+    import mlflow
+
+    history = mlflow.MlflowClient().get_metric_history(run.run_id, "loss")
+    assert len(history) >= 3
+
+
+def _steps(results: Path) -> list[str]:
+    return [line for p in results.glob("runs/*/*/*/steps.jsonl") for line in p.read_text().splitlines()]
+
+
+def test_disk_full_during_save_keeps_the_last_complete_checkpoint(tmp_path):
+    """A real ENOSPC: the checkpoint dir is a 300 MiB tmpfs (in a private mount namespace) that holds
+    one checkpoint of the llama model (~221 MiB) but not two."""
+    ckpt, results = tmp_path / "small", tmp_path / "results"
+    ckpt.mkdir()
+    run = [sys.executable, "-m", "parabench", "run", *FAST, "run.steps=12", "run.checkpoint.every=5"]
+    run += ["run.checkpoint.keep=1", f"run.checkpoint.dir={ckpt}", f"run.results_dir={results}"]
+    script = f"mount -t tmpfs -o size=300m tmpfs {ckpt} && {{ {' '.join(run)}; echo rc=$?; ls {ckpt}; ls {ckpt}/step_000005; }}"
+    proc = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+        env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"},
+    )
+    out = proc.stdout
+    assert "rc=1" in out, proc.stderr[-3000:]
+    assert "step_000005\n" in out and "COMPLETE" in out  # the complete checkpoint of step 5 is kept
+    lines = [x for x in proc.stderr.splitlines() if "checkpoint error" in x]
+    assert lines and "No space left on device" in lines[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
