@@ -53,7 +53,7 @@ What one redirection ``source -> target`` patches (``S`` = ``torch.<source>``):
 * ``torch.load(map_location=...)``: source devices -> target; ``None`` -> target on cpu.
 * For source ``npu`` without torch_npu: stand-in modules ``torch_npu``, ``torch_npu.npu``,
   ``torch_npu.npu.amp``, ``torch.npu``, ``torch.npu.amp`` (marked ``EMULATED = True``; profiling
-  marks ``torch_npu.npu.mstx`` are no-ops), a
+  marks ``torch_npu.npu.mstx`` are no-ops, ``torch_npu.profiler`` is torch's recording CPU activity), a
   ``sys.meta_path`` finder that serves ``torch_npu.contrib.transfer_to_npu`` (importing it
   installs a nested ``cuda -> target`` redirection, as the real module redirects cuda to npu),
   and ``torch.device`` replaced by a stand-in factory that maps ``"npu[:i]"`` to the target
@@ -588,6 +588,28 @@ def _mstx_stand_in() -> types.SimpleNamespace:
     )
 
 
+def _profiler_stand_in(torch: Any) -> types.ModuleType:
+    """``torch_npu.profiler`` on torch's profiler, NPU activity recorded as CPU activity
+    (docs/sources.md#npu-profiler: the names ``transfer_to_npu`` maps, with torch_npu's signatures)."""
+    tp = torch.profiler
+    mod = types.ModuleType("torch_npu.profiler", "parabench emulation of torch_npu.profiler on the cpu")
+
+    def profile(*, activities: Any = None, experimental_config: Any = None, use_cuda: Any = None, **kwargs: Any) -> Any:
+        return tp.profile(activities=[tp.ProfilerActivity.CPU], **kwargs)  # the emulated npu is the cpu
+
+    def tensorboard_trace_handler(dir_name: Any = None, worker_name: Any = None, analyse_flag: bool = True,
+                                  async_mode: bool = False) -> Any:  # fmt: skip
+        return tp.tensorboard_trace_handler(dir_name or ".", worker_name)
+
+    mod.profile, mod.schedule, mod.ProfilerAction = profile, tp.schedule, tp.ProfilerAction  # type: ignore[attr-defined]
+    mod.tensorboard_trace_handler = tensorboard_trace_handler  # type: ignore[attr-defined]
+    mod.ProfilerActivity = types.SimpleNamespace(CPU=tp.ProfilerActivity.CPU, NPU=tp.ProfilerActivity.CPU)  # type: ignore[attr-defined]
+    mod._ExperimentalConfig = lambda *a, **k: None  # type: ignore[attr-defined]
+    mod.analyse = lambda *a, **k: None  # type: ignore[attr-defined]
+    mod.EMULATED = True  # type: ignore[attr-defined]
+    return mod
+
+
 def _npu_modules(torch: Any, functions: dict[str, Any], owner: Redirection) -> dict[str, types.ModuleType]:
     npu = types.ModuleType("torch_npu.npu", "parabench emulation of torch_npu.npu on the cpu (not an NPU)")
     for k, v in functions.items():
@@ -625,9 +647,10 @@ def _npu_modules(torch: Any, functions: dict[str, Any], owner: Redirection) -> d
     top.__path__ = []  # a package, so that torch_npu.contrib can be found  # type: ignore[attr-defined]
     top.npu, top.EMULATED, top.__version__ = npu, True, "0+parabench.emulated"  # type: ignore[attr-defined]
     top.optim = types.SimpleNamespace(NpuFusedAdamW=torch.optim.AdamW)  # type: ignore[attr-defined]
+    top.profiler = _profiler_stand_in(torch)  # type: ignore[attr-defined]
     top.__getattr__ = missing  # type: ignore[attr-defined]
     npu.__path__ = []  # type: ignore[attr-defined]
-    return {"torch_npu": top, "torch_npu.npu": npu, "torch_npu.npu.amp": amp}
+    return {"torch_npu": top, "torch_npu.npu": npu, "torch_npu.npu.amp": amp, "torch_npu.profiler": top.profiler}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ _STATIC_WORDS = (
     "cupy",
     "deep_gemm",
     "accelerator",
+    "profiler",  # PY121: torch.profiler.profile() profiles the device by default
     "use_deterministic_algorithms",  # PY115 must see the user's own setting (issue #13 class 4)
 )
 # String constants only matter when the whole string is a device/backend/env/module/command name;

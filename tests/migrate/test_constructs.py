@@ -102,7 +102,7 @@ def test_type_string_collection_used_in_another_statement_partial_parse():
     assert pyfile.migrate_python(unused, "m.py", Options())[0].count("torch.cuda.HalfTensor") == 1
 
 
-# --- class 7: NVTX push/pop/range on mstx; a migrated script runs to its end ---------------------------
+# --- classes 7 and 6: NVTX push/pop/range on mstx, the profiler on torch_npu's; the script runs to its end --
 
 
 def test_migrated_nvtx_script_reaches_its_last_step_in_the_smoke_run(tmp_path: Path, capfd):
@@ -114,11 +114,13 @@ def test_migrated_nvtx_script_reaches_its_last_step_in_the_smoke_run(tmp_path: P
     code_lines = [line for line in migrated.splitlines() if not line.lstrip().startswith(("#", '"""'))]
     assert not [line for line in code_lines if "torch.cuda." in line.split("#")[0]]
     assert '_mstx_range_push(f"step {step}")' in migrated and "with _mstx_range(" in migrated
+    assert "torch_npu.profiler.ProfilerActivity.NPU" in migrated  # class 6: the profiler moves along
     capfd.readouterr()
     code = smoke(["--cwd", str(out), "--env", "MAX_STEPS=3", "--", "python", "train.py"])
     stdout, err = capfd.readouterr()
     assert code == 0, err[-3000:]
     assert "step 2 loss" in stdout and "reached the last step: 3" in stdout
+    assert list((out / "traces").glob("*.json")), "the emulated torch_npu profiler wrote its trace"
 
 
 # --- class 8: --mode runtime finds entry points without a __main__ guard -------------------------------
