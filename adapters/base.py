@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from parabench.commlog import CommLog
 from parabench.devices import DEVICES, Device, Presence
 from parabench.errors import SpecError
 from parabench.metrics import ModelStateBytes
@@ -142,6 +143,7 @@ class WorkerContext:
     device: Device
     run_dir: Path
     comm: Comm | None = None
+    comm_log: CommLog | None = None  # the collectives train_step calls (torchrun backends; parabench.commlog)
 
 
 class Engine(ABC):

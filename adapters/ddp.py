@@ -70,6 +70,8 @@ class DDPAdapter(Adapter):
             gradient_as_bucket_view=opts.gradient_as_bucket_view,
             static_graph=opts.static_graph,
         )
+        if ctx.comm_log is not None:  # its C++ reducer's all-reduce made visible (parabench.commlog)
+            ctx.comm_log.hook_ddp(ddp)
 
         def sync(last: bool):
             return ddp.no_sync() if not last else contextlib.nullcontext()

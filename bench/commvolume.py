@@ -45,7 +45,18 @@ from parabench.spec import ModelSpec
 
 Kind = Literal["all_reduce", "all_gather", "reduce_scatter", "send", "recv"]
 Group = Literal["dp", "tp", "pp", "cp"]
-Sharding = Literal["none", "zero1", "zero2", "zero3", "fsdp", "fsdp_no_reshard", "distributed_optimizer"]
+Sharding = Literal[
+    "none",
+    "zero1",
+    "zero2",
+    "zero3",
+    "fsdp",
+    "fsdp_no_reshard",
+    "distributed_optimizer",
+    "deepspeed_zero1",
+    "deepspeed_zero2",
+    "deepspeed_zero3_live",
+]
 KINDS: tuple[Kind, ...] = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv")
 
 SRC_VOLUME = "docs/sources.md#communication-volume"
@@ -235,6 +246,22 @@ def _data_parallel(
         return [
             c("reduce_scatter", grads, m, "gradient reduce-scatter every micro-batch"),
             c("all_gather", params, 1, "updated-parameter all-gather after the step"),
+        ]
+    # DeepSpeed 0.19 as configured by default (measured by bench run's communication log, docs/comm.md):
+    # ZeRO-1/2 all-reduce every gradient bucket that spans several ranks' partitions
+    # (use_multi_rank_bucket_allreduce: true, stage_1_and_2.py average_tensor) and all-gather the
+    # updated parameters; ZeRO-3 keeps gathered parameters live from forward to backward while they fit
+    # stage3_max_live_parameters / max_reuse_distance (1e9 each), so it gathers once per micro-batch.
+    if sh in ("deepspeed_zero1", "deepspeed_zero2"):
+        calls = 1 if sh == "deepspeed_zero1" else m  # stage 2 reduces every micro-batch's gradients
+        return [
+            c("all_reduce", grads, calls, "gradient bucket all-reduce (multi-rank buckets)"),
+            c("all_gather", params, 1, "updated-parameter all-gather after the step"),
+        ]
+    if sh == "deepspeed_zero3_live":
+        return [
+            c("all_gather", params, m, "parameter all-gather per micro-batch (kept live for the backward)"),
+            c("reduce_scatter", grads, m, "gradient reduce-scatter every micro-batch"),
         ]
     if sh == "zero3":
         return [

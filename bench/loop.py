@@ -9,6 +9,7 @@ region, one all-reduce gives the mean loss over ranks and one the slowest rank's
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -50,7 +51,8 @@ def train(
         batches = engine.prepare_batch(micro_batches)
         device.synchronize()
         t0 = time.perf_counter()
-        loss = engine.train_step(batches)
+        with ctx.comm_log.step(step) if ctx.comm_log else contextlib.nullcontext():
+            loss = engine.train_step(batches)
         device.synchronize()
         elapsed = time.perf_counter() - t0
 
@@ -77,4 +79,5 @@ def train(
         "data": ledger.as_dict(),
         "all_step_times": history["all_step_times"],
         "checkpoint": checkpointer.stats.as_dict() if checkpointer else None,
+        "comm": ctx.comm_log.steps if ctx.comm_log else None,  # per step: bytes and time per collective kind
     }

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-from parabench import __version__, envreport
+from parabench import __version__, commreport, envreport
 from parabench.adapters.base import check_capabilities
 from parabench.adapters.registry import get_adapter
 from parabench.checkpoint import RUN_ID_ENV, STEPS_FILE, plan_resume, write_resume_file, write_stop_request
@@ -88,7 +88,9 @@ def usable_device(adapter, kind: str, launch: LaunchSpec) -> Literal["cpu", "cud
             "(launcher.dry_run=true writes the launch bundle for a machine that has it)",
         )
     if launch.nnodes == 1 and kind != "cpu" and launch.nproc_per_node > presence.count:
-        raise SpecError("launcher.nproc_per_node", f"{launch.nproc_per_node} ranks but only {presence.count} {kind} device(s)")
+        raise SpecError(
+            "launcher.nproc_per_node", f"{launch.nproc_per_node} ranks but only {presence.count} {kind} device(s)"
+        )
     return kind  # type: ignore[return-value]
 
 
@@ -463,6 +465,7 @@ def build_summary(job: JobSpec, adapter, results: list[dict]) -> dict[str, Any]:
         summary["model_state_diff_bytes"] = max(core) - expected.bytes
     extra = {k: v for r in results for k, v in r.get("extra", {}).items()}
     summary.update({f"extra.{k}": v for k, v in extra.items()})
+    summary.update(commreport.comm_summary(job, results, summary["step_time_median_s"]))  # measured vs formula
     return summary
 
 
@@ -567,6 +570,7 @@ def print_summary(job: JobSpec, s: dict[str, Any], tracker, run_dir: Path) -> No
         )
     lines += [
         f"  loss           {s['loss_first']:.6f} (step 0) -> {s['loss_final']:.6f} (step {len(s['losses']) - 1})",
+        *commreport.summary_lines(s),
         f"  init checksum  {s['initial_checksum']}",
         f"  data           {s['data_reader']}; rows checksum {s['data_checksum']}",
         f"  run dir        {run_dir}",

@@ -41,6 +41,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "parabench.migrate",
             "parabench.plan",
             "parabench.comm",
+            "parabench.commreport",
         ),
     ),
     (

@@ -3,6 +3,8 @@ over gloo and MindSpore's CPU backend with their results checked (a wrong reduct
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import bench, mlflow_runs
@@ -82,6 +84,14 @@ def test_gloo_sweep_prints_checked_table_and_logs_mlflow(results):
 
     history = MlflowClient().get_metric_history(run["run_id"], "all_gather.busbw_GBps")
     assert sorted(m.step for m in history) == [1024, 4096, 16384]
+    store = f"sqlite:///{results / 'mlflow.db'}"
+    proc = bench(["compare", "--experiment", "comm", "--tracking-uri", store, "--out", str(results / "rep")], results)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    page = (results / "rep" / "report.html").read_text()
+    for op in OPS:
+        assert f"id='busbw-{op}'" in page
+    data = json.loads(page.split("id='report-data'>")[1].split("</script>")[0])
+    assert [p[0] for p in data["comm"]["all_reduce"]["torch.distributed/gloo x2"]] == [1024, 4096, 16384]
 
 
 def test_a_wrong_reduction_is_an_error_not_a_bandwidth(results):
@@ -116,3 +126,85 @@ def test_mindspore_cpu_runs_what_mccl_can_and_names_the_rest(results):
     assert "WRONG" not in out
     runs = mlflow_runs(results, "comm")
     assert runs.iloc[0]["status"] == "FINISHED" and runs.iloc[0]["tags.refused.all_to_all"]
+
+
+# --------------------------------------------------------------------------------------------
+# Communication accounting in bench run, and bench compare.
+# --------------------------------------------------------------------------------------------
+TINY = ["+model=llama", "data.seq_len=64", "run.warmup_steps=0", "run.steps=1", "run.checksum=false"]
+
+
+def _assert_measured_equals_formula(summary: dict) -> dict:
+    """Every kind of the formula moved exactly its bus bytes; returns the measured kinds the formula
+    has no term for (scalars apart), which the summary lists."""
+    got, want = summary["comm_measured"], summary["comm_formula"]
+    for kind, w in want.items():
+        assert kind in got, (summary["backend"], kind, got)
+        assert got[kind]["bus_bytes"] == pytest.approx(w["bus_bytes"]), (summary["backend"], kind, got[kind], w)
+    extra = {k: v["bus_bytes"] for k, v in got.items() if k not in want and k != "scalar"}
+    assert summary["comm_diff_bus_bytes"] == pytest.approx(sum(extra.values()))
+    return extra
+
+
+@pytest.mark.slow
+def test_measured_bytes_per_step_equal_the_formula(results):
+    from conftest import summaries
+
+    backends = "ddp,fsdp,deepspeed/zero1,deepspeed/zero2,deepspeed/zero3,megatron/tp"
+    proc = bench(["run", "-m", *TINY, f"backend={backends}", "launcher.nproc_per_node=2"], results, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = bench(["run", *TINY, "backend=megatron", "backend.pp=2", "launcher.nproc_per_node=2"], results)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "communication" in proc.stdout and "measured - formula = +0 B" in proc.stdout  # pp=2
+    found = summaries(results)
+    assert len(found) == 7, sorted(found)
+    extras = {}
+    for summary in found.values():
+        extras[summary["backend"]] = _assert_measured_equals_formula(summary)
+    # what the formulas leave out, pinned: DeepSpeed ZeRO-3 broadcasts a few hundred bytes per step
+    assert all(not e for b, e in extras.items() if b != "deepspeed"), extras
+    assert all(v < 4096 for v in extras.get("deepspeed", {}).values()), extras
+    ddp = next(s for s in found.values() if s["backend"] == "ddp")
+    psi = ddp["num_params"]
+    assert ddp["comm_measured"]["all_reduce"]["bytes"] == 4 * psi  # fp32 gradients, once per step
+    assert ddp["comm_bus_bytes_per_step"] == pytest.approx(2 * (2 - 1) / 2 * 4 * psi)  # the ZeRO paper's 2 Psi
+    assert all(s["comm_padding_bytes"] == 0 for s in found.values())  # 2 ranks: every dimension divides
+
+
+def test_comm_columns_and_bus_bandwidth_plots_render(tmp_path):
+    import shutil
+    import subprocess
+
+    from parabench.compare import RunRecord, build_sections, render_html, render_text, report_dict
+
+    base = dict(device="cpu", device_name="cpu", precision="fp32", global_batch=4, seq_len=64, model="llama")
+    base |= dict(mfu=None, peak_tflops=None, peak_source="", rank_spread_s=0.0, peak_memory_bytes=1.0)
+    base |= dict(model_state_bytes=1.0, loss_final=9.0, step_time_median_s=1.0, tokens_per_s=10.0)
+    records = [
+        RunRecord(run_id="a", backend="ddp", variant="ddp", world_size=2, tokens_per_s_per_device=5.0, **base,
+                  comm_bytes_per_step=4 * 2**20, comm_formula_bytes_per_step=4 * 2**20, comm_share_of_step=0.25)
+    ]  # fmt: skip
+    report = report_dict(
+        build_sections(records, None, strict=False), {"created": "now", "tracking_uri": "x", "run_ids": ["a"]}
+    )
+    report["comm"] = {
+        "all_reduce": {"torch.distributed/gloo x2": [[1024.0, 0.01], [1048576.0, 0.9]]},
+        "all_gather": {"torch.distributed/gloo x2": [[1024.0, 0.02], [1048576.0, 0.5]]},
+    }
+    text = render_text(report)
+    assert "comm/step" in text and "4.000 MiB" in text and "25.0%" in text
+    page = render_html(report)
+    assert "id='busbw-all_reduce'" in page and "id='busbw-all_gather'" in page
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("chromium not installed (.ci/run installs it)")
+    (tmp_path / "report.html").write_text(page)
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", f"--user-data-dir={tmp_path / 'chrome'}"]
+    dom = subprocess.run(
+        [chromium, *flags, "--dump-dom", (tmp_path / "report.html").as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    assert 'id="busbw-all_reduce"' in dom and "all_reduce bus bandwidth" in dom and "polyline" in dom
+    assert json.loads(dom.split('id="report-data">')[1].split("</script>")[0])["comm"]["all_reduce"]

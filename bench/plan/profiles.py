@@ -51,6 +51,9 @@ class Profile:
     # attention through a fused kernel (SDPA, Transformer Engine, npu_fusion_attention): the
     # s x s scores are recomputed in the backward, not stored (Korthikanti's 5as/h term drops)
     fused_attention: Callable[[JobSpec], bool] = lambda job: True
+    # FSDP: parameters of the root module gathered once per micro-batch (commvolume's root_elements);
+    # None = commvolume's default (the root stays unsharded from forward to backward), 0 = resharded too
+    root_elements: Callable[[JobSpec], int | None] = lambda job: None
 
     def widths(self, job: JobSpec) -> Widths:
         return Widths.for_precision(job.run.precision, self.grad_fp32(job))
@@ -207,6 +210,17 @@ def _dp_layout(sharding: Callable[[JobSpec], Any]) -> Callable[[JobSpec], Layout
     return layout
 
 
+def _ds_sharding(job: JobSpec) -> str:
+    """DeepSpeed's communication as it runs with its defaults (commvolume: deepspeed_zero1/2 all-reduce
+    multi-rank gradient buckets; ZeRO-3 keeps parameters gathered from forward to backward while the
+    model fits stage3_max_live_parameters, default 1e9 elements)."""
+    o = job.backend.options
+    if o.zero_stage == 3:
+        live = job.model.num_params() <= (o.stage3_max_live_parameters or 10**9)
+        return "deepspeed_zero3_live" if live else "zero3"
+    return ("none", "deepspeed_zero1", "deepspeed_zero2")[o.zero_stage]
+
+
 def _ac(job: JobSpec) -> str:
     return "full" if getattr(job.backend.options, "activation_checkpointing", False) else "none"
 
@@ -228,10 +242,13 @@ PROFILES: dict[str, Profile] = {
         _fsdp_buffers,
         lambda j: 1.0,
         _ac,
+        # adapters/fsdp.py passes reshard_after_forward to the root's fully_shard too: the root is
+        # resharded after forward and gathered again for backward, like the layers (measured: docs/comm.md)
+        root_elements=lambda j: 0 if j.backend.options.reshard_after_forward else None,
     ),
     "deepspeed": Profile(
         _ds_options,
-        _dp_layout(lambda j: ("none", "zero1", "zero2", "zero3")[j.backend.options.zero_stage]),
+        _dp_layout(_ds_sharding),
         lambda j: j.run.precision == "fp32",
         _ds_states,
         _ds_buffers,

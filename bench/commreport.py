@@ -1,0 +1,118 @@
+"""Communication of a ``bench run`` job: what the ranks measured (:mod:`parabench.commlog`) next to
+the formula of its layout (:mod:`parabench.commvolume`, through the planner's backend profile).
+
+Per collective kind the summary holds, for the busiest rank (the largest value over ranks; every
+data-parallel rank moves the same, tensor and pipeline ranks need not), the mean per measured step
+of: ``bytes`` (sum of the calls' nccl-tests sizes), ``bus_bytes`` (bytes x bus factor: what the rank
+moves over its links, the ZeRO paper's "2 Psi") and ``seconds`` inside the calls. The formula is
+evaluated twice: with the elements the backend really communicates (its padding: DeepSpeed's flat
+buffers, FSDP2's dim-0 padding, Megatron's bucket padding) and without, so the padding is shown.
+Calls of at most a few elements (losses, gradient norms, overflow flags) are reported apart as
+``scalar``; the formulas have no term for them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from parabench.commvolume import Batch, step_comm
+from parabench.plan.profiles import PROFILES
+from parabench.spec import JobSpec
+
+FIELDS = ("calls", "bytes", "bus_bytes", "seconds", "async_calls")
+
+
+def measured(job: JobSpec, results: list[dict[str, Any]]) -> dict[str, dict[str, float]] | None:
+    """Per kind, the busiest rank's mean per measured step; None when no rank logged (MindSpore)."""
+    logs = [r.get("comm") for r in results]
+    if not logs or any(log is None for log in logs):
+        return None
+    out: dict[str, dict[str, float]] = {}
+    for log in logs:
+        steps = [s["kinds"] for s in log if s["step"] >= job.run.warmup_steps] or [s["kinds"] for s in log]
+        kinds = {k for s in steps for k in s}
+        for kind in kinds:
+            mean = {f: sum(s.get(kind, {}).get(f, 0) for s in steps) / max(len(steps), 1) for f in FIELDS}
+            prev = out.setdefault(kind, dict.fromkeys(FIELDS, 0.0))
+            if mean["bus_bytes"] > prev["bus_bytes"] or (
+                mean["bus_bytes"] == prev["bus_bytes"] and mean["bytes"] > prev["bytes"]
+            ):
+                out[kind] = mean
+    return out
+
+
+def formula(job: JobSpec, padded: bool = True) -> dict[str, dict[str, float]] | None:
+    """Per kind, bytes and bus bytes per step of the layout's formula; None for a backend the
+    planner has no profile of."""
+    profile = PROFILES.get(job.backend.name)
+    if profile is None:
+        return None
+    batch = Batch(job.data.seq_len, job.data.micro_batch_size, job.grad_accum)
+    elements = profile.states(job).elements if padded else None
+    comm = step_comm(
+        job.model,
+        profile.layout(job),
+        batch,
+        profile.widths(job),
+        dp_elements=elements or None,
+        root_elements=profile.root_elements(job),
+    )
+    out: dict[str, dict[str, float]] = {}
+    for c in comm.collectives:
+        rec = out.setdefault(c.kind, {"bytes": 0.0, "bus_bytes": 0.0, "calls": 0})
+        rec["bytes"] += c.size_bytes * c.calls
+        rec["bus_bytes"] += c.bus_bytes
+        rec["calls"] += c.calls
+    return out
+
+
+def comm_summary(job: JobSpec, results: list[dict[str, Any]], step_time_s: float) -> dict[str, Any]:
+    got = measured(job, results)
+    want, unpadded = formula(job), formula(job, padded=False)
+    out: dict[str, Any] = {"comm_measured": got, "comm_formula": want}
+    if got is not None:
+        main = {k: v for k, v in got.items() if k != "scalar"}
+        out["comm_bytes_per_step"] = sum(v["bytes"] for v in main.values())
+        out["comm_bus_bytes_per_step"] = sum(v["bus_bytes"] for v in main.values())
+        out["comm_time_s"] = sum(v["seconds"] for v in got.values())
+        out["comm_share_of_step"] = out["comm_time_s"] / step_time_s if step_time_s else None
+    if want is not None:
+        out["comm_formula_bus_bytes_per_step"] = sum(v["bus_bytes"] for v in want.values())
+        out["comm_formula_bytes_per_step"] = sum(v["bytes"] for v in want.values())
+        out["comm_padding_bytes"] = out["comm_formula_bytes_per_step"] - sum(
+            v["bytes"] for v in (unpadded or {}).values()
+        )
+        if got is not None:
+            out["comm_diff_bytes"] = out["comm_bytes_per_step"] - out["comm_formula_bytes_per_step"]
+            out["comm_diff_bus_bytes"] = out["comm_bus_bytes_per_step"] - out["comm_formula_bus_bytes_per_step"]
+    return out
+
+
+def summary_lines(s: dict[str, Any]) -> list[str]:
+    """The communication lines of the printed summary."""
+    got, want = s.get("comm_measured"), s.get("comm_formula")
+    if got is None:
+        return ["  communication  not measured for this backend (no torch.distributed calls to log)"]
+    lines = [
+        f"  communication  {s['comm_bytes_per_step'] / 2**20:.3f} MiB/step in collectives (busiest rank; bus "
+        f"{s['comm_bus_bytes_per_step'] / 2**20:.3f} MiB), {1e3 * s['comm_time_s']:.1f} ms inside the calls = "
+        f"{100 * (s['comm_share_of_step'] or 0):.1f}% of the step (blocking calls whole, async ones until enqueued)"
+    ]
+    for kind in sorted(set(got) | set(want or {})):
+        g, w = got.get(kind), (want or {}).get(kind)
+        meas = f"{g['bytes']:.0f} B (bus {g['bus_bytes']:.0f} B) in {g['calls']:.0f} calls" if g else "none"
+        form = (
+            "no formula term"
+            if kind == "scalar"
+            else (
+                f"formula {w['bytes']:.0f} B (bus {w['bus_bytes']:.0f} B) in {w['calls']:.0f}" if w else "formula: none"
+            )
+        )
+        lines.append(f"    {kind:<15} measured {meas}; {form}")
+    if want is not None:
+        lines.append(
+            f"    bus bytes/step: measured {s['comm_bus_bytes_per_step']:.0f} B, formula "
+            f"{s['comm_formula_bus_bytes_per_step']:.0f} B, measured - formula = {s['comm_diff_bus_bytes']:+.0f} B "
+            f"(sizes: {s['comm_diff_bytes']:+.0f} B; scalars apart); padding in the formula {s['comm_padding_bytes']:.0f} B"
+        )
+    return lines
