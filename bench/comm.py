@@ -58,6 +58,8 @@ class Prepared:
 
 def prepare(plain: dict[str, Any]) -> Prepared:
     job = comm_job(plain)
+    if job.launch.dry_run:
+        raise SpecError("launcher.dry_run", "bench comm writes no launch bundle; run it on the machine to measure")
     stack = stack_for(job.backend.name)
     adapter = get_adapter(job.backend.name)
     kind = usable_device(adapter, job.device.type, job.launch)

@@ -46,6 +46,7 @@ def test_alpha_beta_fit_recovers_a_model():
         (["backend=fsdp"], "backend=ddp measures"),
         (["backend=mindspore", "comm.ops=[all_to_all]", "launcher.nproc_per_node=2"], "Unsupported op [AlltoAll]"),
         (["comm.iters=0"], "comm.iters"),
+        (["launcher.dry_run=true"], "launcher.dry_run"),
     ],
 )
 def test_bad_input_is_refused_before_launch(args, must_name, tmp_path, capsys):
