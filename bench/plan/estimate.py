@@ -131,6 +131,7 @@ def estimate(job: JobSpec, cluster: Cluster, peak_tflops: float | None, cal: Cal
         Batch(job.data.seq_len, job.data.micro_batch_size, job.grad_accum),
         prof.widths(job),
         dp_elements=states.elements,
+        root_elements=prof.root_elements(job),
     )
     spans = _spans(job)
     times = {g: sum(c.seconds(*_link(cluster, spans[g], cal)) for c in comm.collectives if c.group == g) for g in spans}
