@@ -318,12 +318,14 @@ def _map(tasks: list[Task], options: Options, jobs: int | None, progress: bool |
         # fork: workers inherit the imported rules; nothing from the input is ever imported
         ctx = mp.get_context("fork") if sys.platform.startswith("linux") else mp.get_context()
         _preload(options)
-        # chunks keep pickling/IPC small; unordered so one slow file does not hold back the bar
-        chunk = max(1, min(16, len(tasks) // (jobs * 8) or 1))
+        # largest files first, in small chunks: a big file handed out last would leave the other
+        # workers idle at the end (Megatron-Core's largest .py is 15x its median); unordered so one
+        # slow file does not hold back the bar
+        chunk = max(1, min(4, len(tasks) // (jobs * 32) or 1))
         slots: list[FileResult | None] = [None] * len(tasks)
         with ctx.Pool(processes=jobs) as pool:
             for i, r in pool.imap_unordered(
-                _process_indexed, [(i, t, options) for i, t in enumerate(tasks)], chunksize=chunk
+                _process_indexed, [(i, tasks[i], options) for i in _largest_first(tasks)], chunksize=chunk
             ):
                 slots[i] = r
                 if bar:
@@ -332,6 +334,18 @@ def _map(tasks: list[Task], options: Options, jobs: int | None, progress: bool |
     if bar:
         bar.close()
     return out
+
+
+def _largest_first(tasks: list[Task]) -> list[int]:
+    """Task indices by input size, largest first (the order results come back in does not matter)."""
+
+    def size(i: int) -> int:
+        try:
+            return os.stat(tasks[i].src).st_size
+        except OSError:
+            return 0
+
+    return sorted(range(len(tasks)), key=lambda i: (-size(i), i))
 
 
 def _preload(options: Options) -> None:
