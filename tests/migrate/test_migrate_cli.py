@@ -237,7 +237,7 @@ def test_parallel_matches_serial(tmp_path: Path):
         d = src / f"pkg{i % 3}"
         d.mkdir(parents=True, exist_ok=True)
         body = "import torch\nx = torch.ones(2).cuda()\n" if i % 2 else "import os\nprint('hi')\n"
-        (d / f"m{i}.py").write_text(body)
+        (d / f"m{i}.py").write_text(body + "# pad\n" * (i * 7 % 23))  # sizes differ: the pool hands out largest first
     a, b = tmp_path / "a", tmp_path / "b"
     assert main([str(src), "--out", str(a), "-q", "-j", "1"]) == 0
     assert main([str(src), "--out", str(b), "-q", "-j", "2"]) == 0
