@@ -28,7 +28,6 @@ from parabench.migrate import api_map
 from parabench.migrate.core import MANUAL, Finding
 from parabench.migrate.rules._base import all_rules
 from parabench.migrate.rules._py import PyContext, _climb, cuda_refs, dotted
-from parabench.migrate.rules._walk import walk
 
 CODE = "PY914"
 # calls that answer "is there CUDA here?" -> their value on a machine without CUDA
@@ -102,9 +101,15 @@ def _atoms(ctx: PyContext) -> dict[cst.CSTNode, _Atom]:
         elif isinstance(edit, cst.Attribute):
             add((edit, False) if edit.attr.value == "is_cuda" else _call_atom(ctx, _climb(ctx, edit)[0]), edit)
     # an import rewritten as a whole (`from torch import cuda` -> `... npu as cuda`) flips its uses
-    for stmt in ctx.import_nodes:
-        edited = [n for n in walk(stmt)[0] if n in ctx.edits]
-        for local in _bound_names(stmt) if edited else ():
+    by_stmt: dict[cst.CSTNode, list[cst.CSTNode]] = {}
+    for edit in ctx.edits:
+        if edit in ctx.in_import:
+            stmt = edit
+            while not isinstance(stmt, (cst.Import, cst.ImportFrom)):
+                stmt = ctx.parent(stmt)
+            by_stmt.setdefault(stmt, []).append(edit)
+    for stmt, edited in by_stmt.items():
+        for local in _bound_names(stmt):
             for use in ctx.names.get(local, ()):
                 for edit in edited:
                     add(_call_atom(ctx, _climb(ctx, use)[0]), edit)

@@ -63,20 +63,15 @@ def _table(ctx, bind: Callable) -> dict[str, dict[cst.CSTNode | None, set[str]]]
             bind(stmt, bound)
             for name, quals in bound.items():
                 table.setdefault(name, {}).setdefault(scope, set()).update(quals)
-    for name, scopes in table.items():  # module level: its own imports win (`except ImportError: x = None`)
-        scopes[None] = scopes.get(None, set()) | _module_imports(ctx, name, bind)
+    if table:
+        module: dict[str, set[str]] = {}  # what the module's own imports bind
+        for stmt in ctx.import_nodes:
+            if _scope_of(ctx, stmt) is None:
+                bind(stmt, module)
+        for name, scopes in table.items():  # module level: its imports win (`except ImportError: x = None`)
+            scopes[None] = scopes.get(None, set()) | module.get(name, set())
     ctx.cache["scope_table"] = table
     return table
-
-
-def _module_imports(ctx, name: str, bind: Callable) -> set[str]:
-    out: set[str] = set()
-    for stmt in ctx.import_nodes:
-        if _scope_of(ctx, stmt) is None:
-            bound: dict[str, set[str]] = {}
-            bind(stmt, bound)
-            out |= bound.get(name, set())
-    return out
 
 
 def _binds(ctx, n: cst.Name) -> bool:
