@@ -132,7 +132,8 @@ def test_mindspore_cpu_runs_what_mccl_can_and_names_the_rest(results):
 # --------------------------------------------------------------------------------------------
 # Communication accounting in bench run, and bench compare.
 # --------------------------------------------------------------------------------------------
-TINY = ["+model=llama", "data.seq_len=64", "run.warmup_steps=0", "run.steps=1", "run.checksum=false"]
+# one warm-up step: the measured step is a steady one (DeepSpeed ZeRO-3 traces the module order in its first step)
+TINY = ["+model=llama", "data.seq_len=64", "run.warmup_steps=1", "run.steps=1", "run.checksum=false"]
 
 
 def _assert_measured_equals_formula(summary: dict) -> dict:
