@@ -98,7 +98,8 @@ def _cached_archive(name: str, version: str | None, dest: Path, binary: bool) ->
     return None
 
 
-def _unpack(archive: Path, into: Path) -> Path:
+def _unpack(archive: Path, into: Path) -> list[Path]:
+    """The unpacked source tree (an sdist's top folder; a wheel's packages, not its metadata)."""
     target = into / archive.name.removesuffix(".tar.gz").removesuffix(".zip").removesuffix(".whl")
     if not target.is_dir():
         tmp = Path(tempfile.mkdtemp(dir=into))
@@ -109,8 +110,10 @@ def _unpack(archive: Path, into: Path) -> Path:
             with tarfile.open(archive) as tf:
                 tf.extractall(tmp, filter="data")
         os.replace(tmp, target)
-    kids = [p for p in target.iterdir() if p.is_dir() and not p.name.endswith((".dist-info", ".data"))]
-    return kids[0] if archive.name.endswith(".tar.gz") and len(kids) == 1 else target
+    if archive.name.endswith(".whl"):
+        return sorted(p for p in target.iterdir() if p.is_dir() and not p.name.endswith((".dist-info", ".data")))
+    kids = [p for p in target.iterdir() if p.is_dir()]
+    return [kids[0]] if len(kids) == 1 else [target]
 
 
 def _installed_roots(name: str) -> list[Path]:
@@ -132,7 +135,7 @@ def fetch(spec: str, cache: Path, offline: bool) -> Source | None:
             archive = _cached_archive(name, version, folder, binary) or _pip_download(pinned, folder, binary)
             if archive is not None:
                 got = archive.name[len(name) + 1 :].split("-")[0].removesuffix(".tar.gz")
-                return Source(name, got, origin, [_unpack(archive, cache / "src")])
+                return Source(name, got, origin, _unpack(archive, cache / "src"))
     if installed is not None:
         return Source(name, installed, "installed", _installed_roots(name))
     return None
