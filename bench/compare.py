@@ -31,9 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from parabench import stability
+from parabench import stability, trackstore
 from parabench.errors import UserError
 from parabench.plots import bar_stack_svg, line_svg
+from parabench.spec import TrackingSpec
 from parabench.tracking import default_store_uri
 
 SECTION_KEYS = ("model", "device", "precision", "seq_len")
@@ -638,6 +639,8 @@ def _run(args) -> int:
     uri = args.tracking_uri or default_store_uri("results")
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).exists():
         raise UserError(f"--tracking-uri: no MLflow store at {uri} (run `bench run` first or pass --tracking-uri)")
+    # an unknown scheme, or a server that does not answer or refuses us: one line, not minutes of retries
+    trackstore.check(TrackingSpec(uri=uri, experiment=args.experiment or "Default"), key="--tracking-uri")
     client = MlflowClient(tracking_uri=uri)
     baseline = _parse_baseline(args.baseline)
     records = load_runs(client, args.runs, args.experiment, args.filter)

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-from parabench import __version__, commreport, envreport
+from parabench import __version__, commreport, envreport, trackstore
 from parabench.adapters.base import check_capabilities
 from parabench.adapters.registry import get_adapter
 from parabench.checkpoint import RUN_ID_ENV, STEPS_FILE, plan_resume, write_resume_file, write_stop_request
@@ -49,6 +49,7 @@ def prepare(plain: dict[str, Any]) -> JobSpec:
         plain = {**plain, "launcher": {**launcher, **_slurm_placement(launcher)}}
     job = from_config(plain)
     _check_data(job)
+    trackstore.check(job.tracking, probe=not job.launch.dry_run)  # a bundle's server is reached from elsewhere
     plan_resume(job, None)  # checkpoint keys and an explicit checkpoint, before anything starts
     adapter = get_adapter(job.backend.name)
     check_capabilities(adapter, job)
@@ -236,8 +237,8 @@ def launch(job: JobSpec, run_dir: Path, env: dict[str, str], port: int) -> tuple
             start_new_session=True,
         )
     last_change, last_step, reason = time.monotonic(), -1, ""
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # scancel, a time limit: stop like Ctrl-C
     try:
-        signal.signal(signal.SIGTERM, _raise_interrupt)  # scancel, a time limit: stop like Ctrl-C
         while proc.poll() is None:
             time.sleep(POLL_S)
             try:
@@ -261,6 +262,8 @@ def launch(job: JobSpec, run_dir: Path, env: dict[str, str], port: int) -> tuple
         bar.close()
         _stop(job, proc, run_dir, last_step)
         raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     bar.close()
     rc = proc.wait()
     if rc != 0 and not reason:

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from parabench import trackstore
 from parabench.spec import TrackingSpec
 
 PARENT_ENV = "PARABENCH_PARENT_RUN_ID"
@@ -45,21 +46,16 @@ def _client(tracking: TrackingSpec, results_dir: str):
     from mlflow.tracking import MlflowClient
 
     uri = store_uri(tracking, results_dir)
-    if uri.startswith("sqlite:///"):
-        Path(uri[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
     mlflow.set_tracking_uri(uri)
-    return MlflowClient(tracking_uri=uri)
+    with trackstore.store_lock(uri):  # a new SQLite file's schema is created here, once
+        return MlflowClient(tracking_uri=uri)
 
 
 def _experiment_id(client, name: str, results_dir: str) -> str:
-    exp = client.get_experiment_by_name(name)
-    if exp is not None:
-        if exp.lifecycle_stage == "deleted":
-            client.restore_experiment(exp.experiment_id)
-        return exp.experiment_id
     # a local store keeps artifacts beside it under results/; a server decides for itself
     artifacts = None if str(client.tracking_uri).startswith("http") else artifact_root(results_dir) + "/" + name
-    return client.create_experiment(name, artifact_location=artifacts)
+    with trackstore.store_lock(str(client.tracking_uri)):
+        return trackstore.experiment_id(client, name, artifacts)
 
 
 def flatten(node: Any, prefix: str = "") -> dict[str, str]:

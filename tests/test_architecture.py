@@ -72,6 +72,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "parabench.commlog",
             "parabench.metrics",
             "parabench.tracking",
+            "parabench.trackstore",
             "parabench.plots",
             "parabench.stability",
             "parabench.confutil",

@@ -1,0 +1,161 @@
+"""The MLflow store a job records into: checked before launch, and opened safely when many jobs
+share it.
+
+- :func:`check` refuses, before anything starts, a ``tracking.uri`` whose scheme MLflow has no store
+  for, and probes an MLflow server (``http(s)://``) once with a short timeout: a server that does
+  not answer, refuses the credentials (401/403) or is not an MLflow server is one line, exit 2,
+  within seconds (MLflow's own client would retry for minutes first).
+- :func:`experiment_id` gets or creates the experiment. Several ``bench run`` writing into one new
+  experiment at once race in MLflow's create-experiment (the name is UNIQUE) and, on a new SQLite
+  file, in its schema creation: a local SQLite store is opened under a file lock beside the
+  database, and a create that lost the race to another job takes the experiment that job created.
+- Experiments are created as model-training experiments (docs/sources.md#mlflow-experiment-kind),
+  so that MLflow 3's UI opens them on the runs table instead of its GenAI overview.
+
+Credentials for a server come from MLflow's standard variables (``MLFLOW_TRACKING_USERNAME`` /
+``MLFLOW_TRACKING_PASSWORD``, ``MLFLOW_TRACKING_TOKEN``), read by MLflow itself; no message here
+shows the user-info part of a URI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from parabench.errors import SpecError
+from parabench.spec import TrackingSpec
+
+# The schemes MLflow 3 has a tracking store for (mlflow/tracking/_tracking_service/utils.py,
+# _register_tracking_stores; database schemes may carry a driver: postgresql+psycopg2://).
+SCHEMES = ("", "file", "sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks", "databricks-uc", "uc")
+PROBE_TIMEOUT_S = 5.0
+PROBE_ENDPOINT = "/api/2.0/mlflow/experiments/get-by-name"
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"  # docs/sources.md#mlflow-experiment-kind
+TRAINING_KIND = "custom_model_development"
+
+
+def scheme(uri: str) -> str:
+    """The store scheme of a tracking URI: ``postgresql+psycopg2://h/db`` -> ``postgresql``."""
+    return urlsplit(uri).scheme.lower().split("+", 1)[0]
+
+
+def shown(uri: str) -> str:
+    """A URI as it may be printed: without ``user:password@``."""
+    parts = urlsplit(uri)
+    if "@" not in parts.netloc:
+        return uri
+    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
+
+
+def check(tracking: TrackingSpec, probe: bool = True, key: str = "tracking.uri") -> None:
+    """Refuse a tracking store that cannot take the run, before anything starts (one line, exit 2).
+    ``key``: the setting the user gave the URI with, named in the message."""
+    if not tracking.enabled or not tracking.uri:
+        return
+    kind = scheme(tracking.uri)
+    if kind not in SCHEMES:
+        raise SpecError(
+            key,
+            f"MLflow has no tracking store for the scheme '{kind}:' ({shown(tracking.uri)}); use http(s)://host:port "
+            "(an MLflow server), sqlite:///path.db, postgresql://..., mysql://... or a directory",
+        )
+    if probe and kind in ("http", "https"):
+        probe_server(tracking.uri, tracking.experiment, key)
+
+
+def probe_server(uri: str, experiment: str, key: str = "tracking.uri") -> None:
+    """One request, no retries, ``PROBE_TIMEOUT_S``: is an MLflow server there that takes our credentials?"""
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.rest_utils import http_request
+
+    where = shown(uri)
+    try:
+        resp = http_request(
+            get_default_host_creds(uri),
+            PROBE_ENDPOINT,
+            "GET",
+            max_retries=0,
+            backoff_factor=0,
+            timeout=PROBE_TIMEOUT_S,
+            raise_on_status=False,
+            params={"experiment_name": experiment},
+        )
+    except MlflowException as exc:  # MLflow wraps the connection error (refused, timed out, DNS)
+        raise SpecError(key, f"no MLflow server answers at {where} ({_why(str(exc))})") from None
+    code = resp.status_code
+    if code in (401, 403):
+        raise SpecError(
+            key,
+            f"the MLflow server at {where} refused the credentials (HTTP {code}); set MLFLOW_TRACKING_USERNAME "
+            "and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)",
+        )
+    if code == 200 or (code == 404 and _error_code(resp) == "RESOURCE_DOES_NOT_EXIST"):
+        return
+    raise SpecError(key, f"{where} answered HTTP {code} to MLflow's {PROBE_ENDPOINT}: not a working MLflow server")
+
+
+def _why(message: str) -> str:
+    if "refused" in message.lower():
+        return "connection refused"
+    if "timed out" in message.lower() or "timeout" in message.lower():
+        return f"no answer within {PROBE_TIMEOUT_S:g} s"
+    if "name or service not known" in message.lower() or "resolve" in message.lower():
+        return "host name not found"
+    return message.splitlines()[0][:200]
+
+
+def _error_code(resp) -> str | None:
+    try:
+        return resp.json().get("error_code")
+    except ValueError:  # not JSON: not an MLflow server
+        return None
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` store (None for any other store or an in-memory one)."""
+    if scheme(uri) != "sqlite" or not uri.startswith("sqlite:///") or uri == "sqlite:///:memory:":
+        return None
+    return Path(uri[len("sqlite:///") :].split("?", 1)[0])
+
+
+@contextlib.contextmanager
+def store_lock(uri: str) -> Iterator[None]:
+    """Exclusive while held, across processes, for a local SQLite store (its schema creation and the
+    first experiment); a no-op for any other store."""
+    db = sqlite_path(uri)
+    if db is None:
+        yield
+        return
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def experiment_id(client, name: str, artifact_location: str | None) -> str:
+    """Get or create the experiment ``name`` (restored if deleted); safe when other jobs do the same.
+    Call under :func:`store_lock` for a local SQLite store."""
+    from mlflow.exceptions import MlflowException
+
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        try:
+            return client.create_experiment(
+                name, artifact_location=artifact_location, tags={EXPERIMENT_KIND_TAG: TRAINING_KIND}
+            )
+        except MlflowException:
+            # Another job created it between our look-up and our create (a server answers
+            # RESOURCE_ALREADY_EXISTS or, if its database raised at commit, an internal error).
+            exp = client.get_experiment_by_name(name)
+            if exp is None:
+                raise
+    if exp.lifecycle_stage == "deleted":
+        client.restore_experiment(exp.experiment_id)
+    return exp.experiment_id
