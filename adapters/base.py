@@ -15,6 +15,7 @@ The harness never branches on the backend's name: everything backend-specific li
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -110,9 +111,19 @@ class TorchComm(Comm):
 
         self.dist = dist
         self.tensor_device = device.torch_device
-        dist.init_process_group(
-            backend=device.dist_backend, timeout=datetime.timedelta(seconds=job.launch.collective_timeout_s)
-        )
+        timeout = datetime.timedelta(seconds=job.launch.collective_timeout_s)
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if restart in ("", "0"):
+            dist.init_process_group(backend=device.dist_backend, timeout=timeout)
+            return
+        # A worker restarted by torchrun (launcher.max_restarts) joins through the agent's store, which
+        # still holds the previous attempt's keys: without a fresh prefix a rank read its dead peer's
+        # gloo address and failed to connect (docs/sources.md#torchrun-restarts).
+        from torch.distributed.rendezvous import rendezvous
+
+        store, rank, world = next(rendezvous("env://", timeout=timeout))
+        store = dist.PrefixStore(f"parabench/attempt{restart}", store)
+        dist.init_process_group(backend=device.dist_backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
     def reduce_stats(self, loss: float, seconds: float) -> tuple[float, float]:
         import torch

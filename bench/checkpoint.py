@@ -269,6 +269,15 @@ class CheckpointStats:
         }
 
 
+def _free(path: Path) -> str:
+    """The free space beside a failed write (torch's writers report a full disk as a bare position
+    mismatch: "unexpected pos")."""
+    try:
+        return f" ({shutil.disk_usage(path.parent).free / 2**20:.1f} MiB free on that file system)"
+    except OSError:
+        return ""
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -346,7 +355,7 @@ class Checkpointer:
             self.engine.save_checkpoint(tmp / "native", async_save=self.async_)
             _save_torch(harness, tmp / "harness" / f"rank{self.ctx.rank}.pt")
         except OSError as exc:
-            raise CheckpointError(f"checkpoint step {completed}: writing {tmp} failed: {exc}") from None
+            raise CheckpointError(f"checkpoint step {completed}: writing {tmp} failed: {exc}{_free(tmp)}") from None
         record = SaveRecord(completed, time.perf_counter() - t0, started=t0)
         self.stats.saves.append(record)
         self._pending = (record, tmp)
@@ -367,7 +376,9 @@ class Checkpointer:
             try:
                 record.bytes_total = self._publish(record.step, tmp)
             except OSError as exc:
-                raise CheckpointError(f"checkpoint step {record.step}: finishing {tmp} failed: {exc}") from None
+                raise CheckpointError(
+                    f"checkpoint step {record.step}: finishing {tmp} failed: {exc}{_free(tmp)}"
+                ) from None
         self.comm.barrier()
 
     def _publish(self, step: int, tmp: Path) -> int:

@@ -255,5 +255,6 @@ def test_disk_full_during_save_keeps_the_last_complete_checkpoint(tmp_path):
     assert "rc=1" in out, proc.stderr[-3000:]
     assert "step_000005\n" in out and "COMPLETE" in out  # the complete checkpoint of step 5 is kept
     lines = [x for x in proc.stderr.splitlines() if "checkpoint error" in x]
-    assert lines and "No space left on device" in lines[0], proc.stderr[-3000:]
+    # torch's writer reports ENOSPC as a position mismatch; the line adds the free space it found
+    assert lines and "step_000010.tmp failed" in lines[0] and "MiB free" in lines[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
