@@ -121,9 +121,8 @@ class TorchEngine(Engine):
 
     def load_checkpoint(self, directory):
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
         from torch.distributed.checkpoint.api import CheckpointException
+        from torch.distributed.checkpoint.state_dict import set_state_dict
 
         state = self._dcp_state()
         try:
