@@ -38,7 +38,8 @@ class DDPEngine(TorchEngine):
 class DDPAdapter(Adapter):
     name = "ddp"
     capabilities = Capabilities(
-        devices=frozenset({"cpu", "cuda", "npu"}), precisions=frozenset({"fp32", "bf16"}),
+        devices=frozenset({"cpu", "cuda", "npu"}),
+        precisions=frozenset({"fp32", "bf16"}),
         model_features=MODEL_FEATURES,
         checkpoint=DCP_SUPPORT,
     )
