@@ -13,6 +13,17 @@ MODES = ("static", "runtime")
 
 
 @dataclasses.dataclass(frozen=True)
+class FixedValues:
+    """A parser's set of accepted values that the migration does not extend (an enum, computed
+    choices): a value rewrite into a flag, field or key of one of ``names`` must stay in it."""
+
+    names: frozenset[str]  # flag/field/key names as argparse derives them (rules/_values.flag_name)
+    values: frozenset[str]
+    where: str  # file:line of the parser
+    why: str  # "choices from enum Backend", ...
+
+
+@dataclasses.dataclass(frozen=True)
 class Options:
     """What one migration run does (everything the CLI decides, nothing more)."""
 
@@ -21,6 +32,8 @@ class Options:
     safe_only: bool = False
     select: frozenset[str] | None = None  # rule codes or prefixes; None = all
     ignore: frozenset[str] = frozenset()
+    # found by the engine over the whole run before migrating (rules/_values.py), not by the CLI
+    fixed_values: tuple[FixedValues, ...] = ()
     # --mode runtime, set per file: why it is an entry point although it has no `__main__` guard
     # (a launch script or the package metadata starts it, or it trains at top level: migrate.entries)
     entry: str = ""

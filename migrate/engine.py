@@ -10,18 +10,20 @@ import dataclasses
 import difflib
 import errno
 import os
+import re
 import shutil
 import stat
 import sys
 from pathlib import Path
 
-from parabench.migrate.core import FileResult, Finding, Options
-from parabench.migrate.entries import find_entries
+from parabench.migrate.core import FileResult, Finding, FixedValues, Options
 from parabench.migrate.encoding import decode, encode
+from parabench.migrate.entries import find_entries
 from parabench.migrate.notebook import migrate_notebook
 from parabench.migrate.pyfile import may_hold_cuda, migrate_python
 from parabench.migrate.rules._base import TextDoc, all_rules, rules_for
 from parabench.migrate.rules._text import TextParseError
+from parabench.migrate.rules._values import EXTENDER, collect_fixed
 
 SKIP_DIRS = frozenset(
     {".git", ".hg", ".svn", "__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache", ".tox", ".venv"}
@@ -33,6 +35,7 @@ SYMLINK_SKIPS = {
     "symlink-out": "symlink points outside the source tree: not followed",
     "symlink-loop": "symlink loop (it points to itself, directly or through other links): not followed",
 }
+FIXED_GATE = re.compile(rb"[\"'](?:cuda|nccl|\w+:\w+,)")  # a quoted value the migration rewrites
 SERIAL_BELOW = 48  # fewer files than this: no process pool (start-up costs more than it saves)
 
 
@@ -227,6 +230,22 @@ def _write(task: Task, data: bytes) -> None:
     os.replace(tmp, task.dest)
 
 
+def fixed_values(tasks: list[Task], options: Options) -> tuple[FixedValues, ...]:
+    """Every accepted-value set of the run's Python files that the migration will not extend."""
+    extend = any(r.code == EXTENDER for r in rules_for("python", options))
+    found: set[FixedValues] = set()
+    for task in tasks:
+        if task.kind != "python":
+            continue
+        data = _read(task.src)
+        if not FIXED_GATE.search(data) or not (b"Enum" in data or b"add_argument" in data or not extend):
+            continue
+        source, _reason = decode(data, task.kind)
+        if source is not None:
+            found.update(collect_fixed(source.text, task.rel, extend))
+    return tuple(sorted(found, key=lambda f: (f.where, f.why, sorted(f.names))))
+
+
 def _process_indexed(args: tuple[int, Task, Options]) -> tuple[int, FileResult]:
     i, task, options = args
     return i, process(task, options)
@@ -270,6 +289,8 @@ def run(
         if in_place and kind == "file":
             continue
         tasks.append(Task(str(path), rel, kind, dest, diff, starts.get(rel, "")))
+    # the parsers' fixed value sets of the whole run, before any file is migrated (rules/_values.py)
+    options = dataclasses.replace(options, fixed_values=fixed_values(tasks, options))
     if in_place and backup:
         # back up exactly the files that will change, before anything is written
         probe = [dataclasses.replace(t, dest=None, diff=False) for t in tasks]

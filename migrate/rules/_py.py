@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
-import re
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -19,10 +18,8 @@ from parabench.migrate import api_map
 from parabench.migrate.core import MANUAL, REVIEW, Finding, Options
 from parabench.migrate.rules import _scope
 from parabench.migrate.rules._base import Rule, statement_first_line
+from parabench.migrate.rules._values import BACKEND_COMPOUND_RE, DEVICE_RE  # noqa: F401 - the rules import them from here
 from parabench.migrate.rules._walk import walk
-
-DEVICE_RE = re.compile(r"^cuda(:\d+)?$")
-BACKEND_COMPOUND_RE = re.compile(r"^(?:[a-z]+:[a-z]+,)*cuda:nccl(?:,[a-z]+:[a-z]+)*$")
 
 # Keyword arguments that name a device (docs/sources.md#transfer-to-npu: device rewriting of transfer_to_npu).
 DEVICE_KWARGS = frozenset({"device", "device_type", "map_location", "device_id", "default_device", "init_device"})
@@ -563,6 +560,8 @@ def _argument_role(ctx: PyContext, p: cst.Arg) -> str:
             return "backend" if qn & BACKEND_CALLS else "backend-other"
         if k == "accelerator":
             return "accelerator"
+        if k == "choices":  # accepted values: extended by PY130, never rewritten (rules/_values.py)
+            return "choices"
         if k in ("msg", "message", "help", "desc", "description"):
             return "prose"
         return "arg"

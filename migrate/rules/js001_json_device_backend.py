@@ -6,6 +6,7 @@ from parabench.migrate.core import REVIEW
 from parabench.migrate.rules._base import TextDoc, TextRule, register
 from parabench.migrate.rules._py import BACKEND_COMPOUND_RE, DEVICE_RE
 from parabench.migrate.rules._text import json_strings
+from parabench.migrate.rules._values import KEPT_TIP, kept_for_parser, kept_message
 
 
 @register
@@ -31,6 +32,11 @@ class JsonDeviceBackend(TextRule):
                 ("cuda:nccl", "npu:hccl", BACKEND_COMPOUND_RE.match(value)),
             ):
                 if ok and old in raw:
+                    fixed = kept_for_parser(doc.options, [str(key)], value, value.replace(old, new))
+                    if fixed is not None:  # the config's consumer would reject it (rules/_values.py)
+                        message = kept_message(fixed, value, value.replace(old, new))
+                        doc.manual(type(self), start, message, op=str(key), tip=KEPT_TIP)
+                        break
                     pos = start + raw.index(old)
                     doc.change(
                         type(self),

@@ -21,6 +21,7 @@ from parabench.migrate.rules._py import (
     string_role,
     string_value,
 )
+from parabench.migrate.rules.py130_accepted_values import kept_in_python
 
 ROLES = frozenset({"device", "compare-device"})
 
@@ -37,7 +38,7 @@ class DeviceString(PyRule):
         value = string_value(node)
         if value is None or not DEVICE_RE.match(value) or "cuda" not in node.value:
             return
-        if string_role(self.ctx, node) in ROLES:
+        if string_role(self.ctx, node) in ROLES and not kept_in_python(self, node, value, value.replace("cuda", "npu")):
             self.change(
                 node,
                 lambda n: replace_in_simple_string(n, "cuda", "npu"),

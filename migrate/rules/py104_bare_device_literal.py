@@ -24,6 +24,7 @@ from parabench.migrate.rules._py import (
     string_value,
 )
 from parabench.migrate.rules._reach import key_group, reaches_device
+from parabench.migrate.rules.py130_accepted_values import kept_in_python
 
 ROLES = frozenset({"other", "arg"})
 TIP = "check this string names a device (user-facing choices change too)"
@@ -53,7 +54,7 @@ class BareDeviceLiteral(PyRule):
                 )
             return
         why = reaches_device(self.ctx, node, role) if role in ROLES else None
-        if why:
+        if why and not kept_in_python(self, node, value, value.replace("cuda", "npu")):
             self.change(
                 node,
                 lambda n: replace_in_simple_string(n, "cuda", "npu"),

@@ -7,6 +7,7 @@ import libcst as cst
 from parabench.migrate.core import REVIEW
 from parabench.migrate.rules._base import register
 from parabench.migrate.rules._py import BACKEND_COMPOUND_RE, PyRule, replace_in_simple_string, string_role, string_value
+from parabench.migrate.rules.py130_accepted_values import kept_in_python
 
 ROLES = frozenset({"backend-other", "other", "arg"})
 
@@ -25,10 +26,14 @@ class BareBackendLiteral(PyRule):
             return
         role = string_role(self.ctx, node)
         if value == "nccl" and "nccl" in node.value and role in ROLES:
+            if kept_in_python(self, node, value, "hccl"):
+                return
             self.change(
                 node, lambda n: replace_in_simple_string(n, "nccl", "hccl"), f"'nccl' ({role}) -> 'hccl'", op="nccl"
             )
         elif BACKEND_COMPOUND_RE.match(value) and "cuda:nccl" in node.value and role in ROLES | {"backend"}:
+            if kept_in_python(self, node, value, value.replace("cuda:nccl", "npu:hccl")):
+                return
             self.change(
                 node,
                 lambda n: replace_in_simple_string(n, "cuda:nccl", "npu:hccl"),

@@ -6,6 +6,7 @@ from parabench.migrate.core import REVIEW
 from parabench.migrate.rules._base import TextDoc, TextRule, register
 from parabench.migrate.rules._py import BACKEND_COMPOUND_RE, DEVICE_RE
 from parabench.migrate.rules._text import yaml_pairs, yaml_replace, yaml_scalar
+from parabench.migrate.rules._values import KEPT_TIP, kept_for_parser, kept_message
 
 
 @register
@@ -35,6 +36,11 @@ class YamlDeviceBackend(TextRule):
             ("cuda:nccl", "npu:hccl", BACKEND_COMPOUND_RE.match(value)),
         ):
             if ok:
+                fixed = kept_for_parser(doc.options, [str(key)], value, value.replace(old, new))
+                if fixed is not None:  # the config's consumer would reject it (rules/_values.py)
+                    message = kept_message(fixed, value, value.replace(old, new))
+                    doc.manual(type(self), v.start_mark.index, message, op=str(key), tip=KEPT_TIP)
+                    break
                 edit = yaml_replace(doc, v, old, new)
                 if edit:
                     doc.change(type(self), *edit, f"{key}: {value} -> {value.replace(old, new)}", op=str(key))
