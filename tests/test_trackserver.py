@@ -131,6 +131,33 @@ def _concurrent_runs(tmp_path: Path, uri_args: list[str], experiment: str) -> li
     return done
 
 
+# What each of the store-level racers does: the runner's tracking calls, without training.
+JOB_RUN = """
+import sys
+from parabench.spec import TrackingSpec
+from parabench.tracking import JobRun
+t = JobRun(TrackingSpec(uri=sys.argv[1], experiment=sys.argv[2]), sys.argv[3])
+t.start("racer", {"a": "1"}, {"k": "v"})
+t.log_metrics([("loss", 1.0, 0)])
+t.end("FINISHED")
+"""
+
+
+def _concurrent_job_runs(tmp_path: Path, uri: str, experiment: str) -> list[subprocess.CompletedProcess]:
+    """CONCURRENT processes open the store, get or create the experiment and record a run, at once."""
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
+    cmd = [sys.executable, "-c", JOB_RUN, uri, experiment, str(tmp_path)]
+    procs = [
+        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(CONCURRENT)
+    ]
+    done = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return done
+
+
 def _assert_all_landed(done: list[subprocess.CompletedProcess], uri: str, experiment: str) -> None:
     for d in done:
         assert d.returncode == 0 and "Traceback" not in d.stderr, d.stderr[-3000:]
@@ -180,6 +207,16 @@ def test_experiments_are_created_as_model_training(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # Concurrent runs into one new experiment.
 # ------------------------------------------------------------------------------------------------
+def test_concurrent_job_runs_create_a_new_sqlite_store_and_experiment(tmp_path):
+    """Without the store lock, all eight died here in MLflow's schema migration of the new file."""
+    uri = f"sqlite:///{tmp_path / 'new' / 'mlflow.db'}"
+    _assert_all_landed(_concurrent_job_runs(tmp_path, uri, "race"), uri, "race")
+
+
+def test_concurrent_job_runs_on_the_server(mlflow_server, tmp_path):
+    _assert_all_landed(_concurrent_job_runs(tmp_path, mlflow_server, "job-race"), mlflow_server, "job-race")
+
+
 def test_concurrent_runs_into_a_new_experiment_on_sqlite(tmp_path):
     store = tmp_path / "shared" / "mlflow.db"  # new: its schema and the experiment are created by the race
     done = _concurrent_runs(tmp_path, [f"tracking.uri=sqlite:///{store}"], "race")
