@@ -281,6 +281,7 @@ class DeepSpeedAdapter(Adapter):
             # ZeRO files hold per-data-parallel-rank partitions: another world size needs DeepSpeed's
             # offline ds_to_universal.py conversion first (docs/resilience.md#deepspeed).
             reshard=frozenset(),
+            options=frozenset({"zero_stage"}),  # stage 3 partitions parameters, 1/2 only optimizer states
         ),
     )
     Options = DeepSpeedOptions
@@ -509,7 +510,9 @@ class DeepSpeedEngine(Engine):
     def load_checkpoint(self, directory: Path) -> None:
         """Everything save_checkpoint wrote; the working weights come from the fp32 masters
         (``load_from_fp32_weights``, DeepSpeed's default), so a bf16 resume is exact too."""
-        path, _ = self.engine.load_checkpoint(str(directory), load_optimizer_states=True, load_lr_scheduler_states=False)
+        path, _ = self.engine.load_checkpoint(
+            str(directory), load_optimizer_states=True, load_lr_scheduler_states=False
+        )
         if path is None:
             raise RuntimeError(f"deepspeed found no checkpoint in {directory} (no 'latest' tag file)")
 
