@@ -238,7 +238,7 @@ def fixed_values(tasks: list[Task], options: Options) -> tuple[FixedValues, ...]
         if task.kind != "python":
             continue
         data = _read(task.src)
-        if not FIXED_GATE.search(data) or not (b"Enum" in data or b"add_argument" in data or not extend):
+        if not FIXED_GATE.search(data) or not (b"Enum" in data or b"choices" in data or not extend):
             continue
         source, _reason = decode(data, task.kind)
         if source is not None:
