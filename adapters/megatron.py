@@ -45,12 +45,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from parabench.adapters.base import (
     Adapter,
     Availability,
     Capabilities,
+    CheckpointSupport,
     Engine,
     ModelStateBytes,
     StateFormula,
@@ -133,7 +135,19 @@ def rank_param_counts(job: JobSpec) -> dict[tuple[int, int], int]:
 class MegatronAdapter(Adapter):
     name = "megatron"
     capabilities = Capabilities(
-        devices=frozenset({"cpu", "cuda", "npu"}), precisions=frozenset({"fp32", "bf16"}), shards_model_states=True
+        devices=frozenset({"cpu", "cuda", "npu"}),
+        precisions=frozenset({"fp32", "bf16"}),
+        shards_model_states=True,
+        # dist_checkpointing stores every tensor as a ShardedTensor (global shape + this rank's
+        # offsets), so a job with another TP size or data-parallel size loads the same files
+        # (docs/resilience.md#megatron).
+        checkpoint=CheckpointSupport(
+            format="megatron-dist",
+            async_save=None,
+            reshard=frozenset({"tp", "world_size", "dp", "dp_shard"}),
+            # model0/model1.. per virtual stage; the distributed optimizer's param_state differs in kind
+            options=frozenset({"vpp", "distributed_optimizer"}),
+        ),
     )
     Options = MegatronOptions
 
@@ -336,6 +350,7 @@ class MegatronEngine(Engine):
         self.opts: MegatronOptions = job.backend.options
         self.device_type = job.device.type
         self._redirection = None
+        self._async_queue = None  # dist_checkpointing's background saves (run.checkpoint.async)
         self.counters = _Counters()
         try:
             if redirect_cuda and self.device_type in ("cpu", "npu"):
@@ -723,6 +738,63 @@ class MegatronEngine(Engine):
             canonical = {k: v for part in parts for k, v in part.items()}
         return {n: torch.from_numpy(v) for n, v in canonical.items()}
 
+    # -- checkpoints: megatron.core.dist_checkpointing ------------------------------------------
+    def _sharded_state_dict(self, is_loading: bool) -> dict:
+        """Megatron-LM's layout (training/checkpointing.py generate_state_dict): ``model`` (or
+        ``model0``, ``model1``.. per virtual stage) and ``optimizer``, whose states point at the
+        model's ShardedTensors; the distributed optimizer's default format is
+        ``fully_sharded_model_space`` (one ShardedTensor per parameter, reshardable)."""
+        models = [_unwrap(chunk) for chunk in self.chunks]  # GPTModel: Megatron-LM unwraps DDP/Float16Module too
+        if len(models) == 1:
+            state = {"model": models[0].sharded_state_dict()}
+        else:
+            state = {f"model{i}": model.sharded_state_dict() for i, model in enumerate(models)}
+        state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=is_loading)
+        return state
+
+    def _strategies(self, directory, saving: bool):
+        """torch_dist (PyTorch DCP files) with the work spread over the data-parallel replicas."""
+        from megatron.core.dist_checkpointing.serialization import (
+            get_default_load_sharded_strategy,
+            get_default_save_sharded_strategy,
+        )
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+            FullyParallelLoadStrategyWrapper,
+            FullyParallelSaveStrategyWrapper,
+        )
+
+        group = self.ps.get_data_parallel_group(with_context_parallel=True)
+        if saving:
+            return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"), group)
+        return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(directory)), group)
+
+    def save_checkpoint(self, directory, *, async_save: bool = False) -> None:
+        from megatron.core import dist_checkpointing
+
+        Path(directory).mkdir(parents=True, exist_ok=True)  # every rank: dist_checkpointing needs it to exist
+        state = self._sharded_state_dict(is_loading=False)
+        strategy = self._strategies(directory, saving=True)
+        request = dist_checkpointing.save(state, str(directory), strategy, async_sharded_save=async_save)
+        if request is not None:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self._async_queue = self._async_queue or AsyncCallsQueue()
+            self._async_queue.schedule_async_request(request)
+
+    def finish_checkpoint(self) -> None:
+        if self._async_queue is not None:
+            self._async_queue.maybe_finalize_async_calls(blocking=True, no_dist=False)
+
+    def load_checkpoint(self, directory) -> None:
+        from megatron.core import dist_checkpointing
+
+        state = self._sharded_state_dict(is_loading=True)
+        loaded = dist_checkpointing.load(state, str(directory), self._strategies(directory, saving=False))
+        models = [_unwrap(chunk) for chunk in self.chunks]
+        for i, model in enumerate(models):
+            model.load_state_dict(loaded["model" if len(models) == 1 else f"model{i}"])
+        self.optimizer.load_state_dict(loaded["optimizer"])
+
     def model_state_bytes(self) -> ModelStateBytes:
         params = [p for m in self.chunks for p in m.parameters()]
         optimizers = self._megatron_optimizers()
@@ -772,6 +844,9 @@ class MegatronEngine(Engine):
         }
 
     def close(self) -> None:
+        if self._async_queue is not None:
+            self._async_queue.close()  # waits for a save still running
+            self._async_queue = None
         ps = getattr(self, "ps", None)
         if ps is not None and ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()

@@ -43,6 +43,7 @@ from parabench.adapters.base import (
     Adapter,
     Availability,
     Capabilities,
+    CheckpointSupport,
     Comm,
     Engine,
     ModelStateBytes,
@@ -84,7 +85,13 @@ def _major(version: str | None) -> int:
 
 class MindSporeAdapter(Adapter):
     name = "mindspore"
-    capabilities = Capabilities(devices=frozenset({"cpu", "npu"}), precisions=frozenset({"fp32"}), launcher="msrun")
+    capabilities = Capabilities(
+        devices=frozenset({"cpu", "npu"}),
+        precisions=frozenset({"fp32"}),
+        launcher="msrun",
+        # mindspore.save_checkpoint(async_save="thread") snapshots the tensors, then writes in a thread.
+        checkpoint=CheckpointSupport(format="mindspore-ckpt", async_save=None),
+    )
     Options = MindSporeOptions
 
     @classmethod
@@ -275,6 +282,44 @@ class MindSporeEngine(Engine):
 
     def full_state_dict(self) -> dict[str, Any]:
         return {n: p.asnumpy().astype(self.np.float32) for n, p in zip(self.names, self.params)}
+
+    # -- checkpoints: mindspore.save_checkpoint / load_checkpoint -------------------------------
+    def _checkpointed(self) -> list:
+        """Every Parameter that carries state between steps: weights and both AdamW moments (the
+        gradient buffers are zero after each step; the step count goes in as ``step``)."""
+        return [*self.params, *self.optimizer.exp_avg, *self.optimizer.exp_avg_sq]
+
+    def save_checkpoint(self, directory, *, async_save: bool = False) -> None:
+        """One ``.ckpt`` file per rank (``rank<R>.ckpt``), as MindSpore's data-parallel training
+        saves it (ModelCheckpoint writes one file per device); the replicas are identical."""
+        directory.mkdir(parents=True, exist_ok=True)
+        self.ms.save_checkpoint(
+            [{"name": p.name, "data": p} for p in self._checkpointed()],
+            str(directory / f"rank{self.rank}.ckpt"),
+            async_save="thread" if async_save else False,
+            append_dict={"step": self.steps_done},
+        )
+
+    def finish_checkpoint(self) -> None:
+        import threading
+
+        # The writer thread save_checkpoint(async_save="thread") starts; MindSpore joins it by this
+        # name itself (mindspore/train/serialization.py, _wait_async_thread_save_ckpt).
+        for thread in threading.enumerate():
+            if thread.name == "asyn_save_ckpt":
+                thread.join()
+
+    def load_checkpoint(self, directory) -> None:
+        path = directory / f"rank{self.rank}.ckpt"
+        if not path.is_file():
+            raise FileNotFoundError(f"mindspore checkpoint {path} is missing")
+        loaded = self.ms.load_checkpoint(str(path))
+        missing = [p.name for p in self._checkpointed() if p.name not in loaded]
+        if missing or "step" not in loaded:
+            raise RuntimeError(f"{path} lacks {(missing or ['step'])[:3]}: not written by this model")
+        for p in self._checkpointed():
+            p.set_data(self.ms.Tensor(loaded[p.name].asnumpy()))
+        self.steps_done = int(loaded["step"].asnumpy())
 
     def model_state_bytes(self) -> ModelStateBytes:
         nbytes = lambda ps: sum(int(p.nbytes) for p in ps)  # noqa: E731
