@@ -19,6 +19,7 @@ import configparser
 import posixpath
 import re
 import shlex
+
 import tomllib
 
 # words that start a Python process running a script/module given later on the line

@@ -93,8 +93,11 @@ def _device_function_return(ctx: PyContext, ret: cst.Return) -> str | None:
 
 def _has_npu_branch(ctx: PyContext, fn: cst.FunctionDef) -> bool:
     for n in walk(fn)[0]:
-        if isinstance(n, cst.SimpleString) and (v := string_value(n)) and v.startswith("npu") and DEVICE_RE.match(
-            v.replace("npu", "cuda", 1)
+        if (
+            isinstance(n, cst.SimpleString)
+            and (v := string_value(n))
+            and v.startswith("npu")
+            and DEVICE_RE.match(v.replace("npu", "cuda", 1))
         ):
             return True
         if isinstance(n, cst.Attribute) and any(q.startswith(("torch.npu", "torch_npu")) for q in ctx.qnames(n)):

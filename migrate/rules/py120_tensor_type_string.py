@@ -124,9 +124,7 @@ def _name_compared_with_type(ctx: PyContext, assign: cst.Assign | cst.AnnAssign)
             if isinstance(ctx.parent(use), cst.Attribute) and ctx.parent(use).attr is not use:
                 continue
             target_node = ctx.parent(holder)
-            if isinstance(target_node, cst.ComparisonTarget) and isinstance(
-                target_node.operator, (cst.In, cst.NotIn)
-            ):
+            if isinstance(target_node, cst.ComparisonTarget) and isinstance(target_node.operator, (cst.In, cst.NotIn)):
                 comp = ctx.parent(target_node)
                 if _is_type_query(ctx, comp.left):
                     return True

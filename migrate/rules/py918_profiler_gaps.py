@@ -19,8 +19,8 @@ from parabench.migrate.rules.py121_profiler import (
     LEGACY_TIP,
     NO_TABLES,
     activity_of,
-    mapped_name,
     device_profiling,
+    mapped_name,
 )
 
 
@@ -57,10 +57,22 @@ class ProfilerGaps(PyRule):
                     tip="read the results with torch_npu.profiler.analyse / MindStudio Insight from the trace directory",
                 )
             elif isinstance(n, cst.SimpleString) and "cuda_time" in (string_value(n) or ""):
-                self.manual(n, f"{n.value}: no CUDA times in an NPU profile", op=string_value(n) or "", tip="use the npu_time keys")
-            elif isinstance(n, cst.Arg) and n.keyword is not None and n.keyword.value in ("experimental_config", "use_gzip"):
+                self.manual(
+                    n,
+                    f"{n.value}: no CUDA times in an NPU profile",
+                    op=string_value(n) or "",
+                    tip="use the npu_time keys",
+                )
+            elif (
+                isinstance(n, cst.Arg)
+                and n.keyword is not None
+                and n.keyword.value in ("experimental_config", "use_gzip")
+            ):
                 call = ctx.parent(n)
-                if isinstance(call, cst.Call) and mapped_name(ctx, call.func) in ("profile", "tensorboard_trace_handler"):
+                if isinstance(call, cst.Call) and mapped_name(ctx, call.func) in (
+                    "profile",
+                    "tensorboard_trace_handler",
+                ):
                     self.manual(
                         n,
                         f"{n.keyword.value}= of torch's profiler: not accepted by torch_npu's",
@@ -72,5 +84,12 @@ class ProfilerGaps(PyRule):
     def _report_legacy(self) -> None:
         for n in self.ctx.order:
             if isinstance(n, cst.Call) and self.ctx.qnames(n.func) & LEGACY:
-                if any(a.keyword and a.keyword.value in ("use_cuda", "use_device") for a in n.args) or "emit_nvtx" in self.ctx.code(n.func):
-                    self.manual(n, f"{self.ctx.code(n.func)}: CUDA timing of the autograd profiler", op="torch.autograd.profiler", tip=LEGACY_TIP)
+                if any(
+                    a.keyword and a.keyword.value in ("use_cuda", "use_device") for a in n.args
+                ) or "emit_nvtx" in self.ctx.code(n.func):
+                    self.manual(
+                        n,
+                        f"{self.ctx.code(n.func)}: CUDA timing of the autograd profiler",
+                        op="torch.autograd.profiler",
+                        tip=LEGACY_TIP,
+                    )

@@ -127,7 +127,7 @@ def test_migrated_nvtx_script_reaches_its_last_step_in_the_smoke_run(tmp_path: P
 
 _RUNTIME_TREE = {
     "scripts/train.sh": (
-        "#!/bin/bash\n# python tools/notes.py  (a comment, not a launch)\necho \"python tools/notes.py\"\n"
+        '#!/bin/bash\n# python tools/notes.py  (a comment, not a launch)\necho "python tools/notes.py"\n'
         "torchrun --nproc_per_node 2 --master_port 29500 pretrain.py \\\n    --lr 1e-4\n"
         "python -u -m pkg.run --steps 10\npython setup.py develop\n"
     ),

@@ -61,7 +61,7 @@ def test_guard_safety(rel: str):
         assert found == [], f"{rel} ({options.target}, select={options.select}): " + "; ".join(map(str, found))
 
 
-ISSUE_EXAMPLES = '''
+ISSUE_EXAMPLES = """
 import torch
 import torch.nn.functional as F
 
@@ -82,7 +82,7 @@ def gpu_count():
         import pynvml
         return pynvml.nvmlDeviceGetCount()
     return n
-'''
+"""
 
 
 def test_checker_catches_guards_renamed_by_spelling():
