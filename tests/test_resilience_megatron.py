@@ -49,7 +49,7 @@ def test_pipeline_size_and_optimizer_kind_are_refused_before_launch(tmp_path, ca
     fake_checkpoint(tmp_path / "ck", 5, job_of("backend=megatron", "backend.pp=2", "launcher.nproc_per_node=2"))
     ck = f"run.resume={tmp_path / 'ck'}"
     line = assert_refused_before_launch(
-        ["+model=llama", "backend=megatron", "backend.tp=2", "launcher.nproc_per_node=2", ck],
+        ["+model=llama", "backend=megatron", "launcher.nproc_per_node=2", ck],
         "backend.pp",
         tmp_path,
         capsys,
