@@ -31,6 +31,9 @@ class States:
     optimizer: float
     host: float = 0.0
     elements: int = 0  # elements the rank's data-parallel group synchronises (its shard, padded)
+    # of ``grads``: what DeepSpeed ZeRO-1/2 keeps beyond the rank's partition (boundary parameters
+    # whole, zero_partition_grad_numel); the papers' formulas have no such term
+    boundary: float = 0.0
 
     @property
     def total(self) -> float:
@@ -63,10 +66,34 @@ def _b(job: JobSpec) -> int:
     return 4 if job.run.precision == "fp32" else 2
 
 
+def _group_members(job: JobSpec) -> list[list[int]]:
+    """The element counts of the two AdamW groups every backend builds, in the model's parameter
+    order (torch_common.adamw_param_groups): decay = 2-D weights, then the rest."""
+    numels = [(len(s), math.prod(s)) for s in job.model.parameter_shapes().values()]
+    return [[n for d, n in numels if d >= 2], [n for d, n in numels if d < 2]]
+
+
 def _group_numels(job: JobSpec) -> list[int]:
-    """The two AdamW groups every backend builds (torch_common.adamw_param_groups): decay = 2-D weights."""
-    shapes = job.model.parameter_shapes().values()
-    return [sum(math.prod(s) for s in shapes if len(s) >= 2), sum(math.prod(s) for s in shapes if len(s) < 2)]
+    return [sum(g) for g in _group_members(job)]
+
+
+def zero_partition_grad_numel(groups: list[list[int]], dp: int) -> int:
+    """Gradient elements the busiest ZeRO-1/2 rank keeps after the reduction: DeepSpeed copies the
+    reduced gradient of every parameter that starts in, or straddles into, this rank's partition of
+    the flat group, whole (``copy_grads_in_partition`` sizes ``grads_in_partition`` as the sum of
+    ``params_in_partition`` numels, ``get_partition_info``; stage_1_and_2.py, DeepSpeed 0.16-0.19),
+    not just the partition's own slice."""
+    held = [0] * dp
+    for numels in groups:
+        part = round_up(sum(numels), 2 * dp) // dp  # the flat group padded to 2 x dp (deepspeed_flat_numel)
+        start = 0
+        for n in numels:
+            for r in range(dp):
+                lo, hi = r * part, (r + 1) * part
+                if lo <= start < hi or start < lo < start + n:
+                    held[r] += n
+            start += n
+    return max(held)
 
 
 # ---------------------------------------------------------------------------- ddp, mindspore
@@ -129,13 +156,16 @@ def _ds_states(job: JobSpec) -> States:
         padded = deepspeed_flat_numel(_group_numels(job), nd)
         part = padded / nd
         # ZeRO-1 keeps full gradients while they accumulate over micro-batches; with one
-        # micro-batch per step (and always in ZeRO-2) only this rank's partition stays
-        grads = b * psi if o.zero_stage == 1 and job.grad_accum > 1 else b * part
-        st = States(b * padded, grads, k * part)  # the working copy is the padded flat buffer
+        # micro-batch per step (and always in ZeRO-2) only the parameters of this rank's partition
+        # keep theirs, boundary parameters whole
+        full = o.zero_stage == 1 and job.grad_accum > 1
+        grads = b * psi if full else b * zero_partition_grad_numel(_group_members(job), nd)
+        boundary = 0.0 if full else grads - b * part
+        st = States(b * padded, grads, k * part, boundary=boundary)  # the working copy is the padded flat buffer
     host = st.optimizer if o.offload_optimizer != "none" else 0.0
     if o.offload_param != "none":
         host += st.params
-    return States(st.params, st.grads, st.optimizer, host, padded)
+    return States(st.params, st.grads, st.optimizer, host, padded, st.boundary)
 
 
 def _ds_buffers(job: JobSpec) -> float:
