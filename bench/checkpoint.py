@@ -8,7 +8,9 @@ Layout of one checkpoint, ``<run.checkpoint.dir>/step_000012/``::
 
 It is written under ``step_000012.tmp/`` and made visible by one ``os.rename`` after the marker is
 on disk, so a crash at any moment leaves either the previous complete checkpoint or a new one, never
-a half-written directory under a final name. Discovery takes the newest directory whose marker is
+a half-written directory under a final name. Saving a step that already exists (a resume from an
+older checkpoint) first renames the old one to ``step_000012.old``, which discovery uses while
+``step_000012`` is not visible and which is deleted only after the new one is. Discovery takes the newest directory whose marker is
 readable and whose files have the sizes it records; anything else is reported and skipped, and
 nothing but older *complete* checkpoints beyond ``run.checkpoint.keep`` is ever deleted.
 
@@ -29,11 +31,13 @@ from typing import Any
 
 from parabench.adapters.registry import get_adapter
 from parabench.errors import SpecError
+from parabench.faults import fire_fault
 from parabench.spec import JobSpec, to_dict
 
 MARKER = "COMPLETE"
 PREFIX = "step_"
 TMP = ".tmp"
+OLD = ".old"  # a complete checkpoint moved aside while the same step is published again
 RUN_ID_ENV = "PARABENCH_MLFLOW_RUN_ID"  # the job's MLflow run, recorded in each checkpoint's marker
 RESUME_FILE = "resume.json"
 STOP_FILE = "stop.json"  # written by the runner on SIGINT/SIGTERM with run.checkpoint.on_signal
@@ -98,16 +102,25 @@ def newest_complete(root: Path, warn=None) -> tuple[Path, dict[str, Any]] | None
     warn = warn or (lambda msg: print(f"parabench: warning: {msg}", file=sys.stderr, flush=True))
     if not root.is_dir():
         return None
+    names = {p.name for p in root.iterdir()}
+    # a set-aside step_N.old sorts just after step_N: it is used only where step_N is not visible
     candidates = sorted((p for p in root.iterdir() if p.name.startswith(PREFIX)), key=lambda p: p.name, reverse=True)
     for path in candidates:
         if path.name.endswith(TMP):
             warn(f"{path}: an unfinished save (skipped)")
             continue
+        if path.name.endswith(OLD) and path.name.removesuffix(OLD) in names:
+            continue  # superseded: the new step_N is visible (pruned at the next save)
         try:
             return path, read_marker(path)
         except CheckpointError as exc:
             warn(f"{exc}; skipped")
     return None
+
+
+def _final_dirs(root: Path) -> list[Path]:
+    """Checkpoint directories under their final name (not .tmp, not .old)."""
+    return [p for p in root.iterdir() if p.name.startswith(PREFIX) and not p.name.endswith((TMP, OLD))]
 
 
 def _resolve_path(text: str) -> tuple[Path, dict[str, Any]]:
@@ -353,6 +366,7 @@ class Checkpointer:
                 (tmp / "harness").mkdir(parents=True)
             self.comm.barrier()
             self.engine.save_checkpoint(tmp / "native", async_save=self.async_)
+            fire_fault(self.ctx.job, self.ctx.run_dir, self.ctx.rank, completed, at="save")  # fault.at=save
             _save_torch(harness, tmp / "harness" / f"rank{self.ctx.rank}.pt")
         except OSError as exc:
             raise CheckpointError(f"checkpoint step {completed}: writing {tmp} failed: {exc}{_free(tmp)}") from None
@@ -382,7 +396,11 @@ class Checkpointer:
         self.comm.barrier()
 
     def _publish(self, step: int, tmp: Path) -> int:
-        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        files = {
+            str(p.relative_to(tmp)): p.stat().st_size
+            for p in sorted(tmp.rglob("*"))
+            if p.is_file() and p != tmp / MARKER
+        }
         marker = {"step": step, "time": time.time(), "job": job_identity(self.ctx.job), "files": files}
         marker.update(world_size=self.ctx.world_size, mlflow_run_id=self.run_id)
         with open(tmp / MARKER, "w") as f:
@@ -390,17 +408,25 @@ class Checkpointer:
             f.flush()
             os.fsync(f.fileno())
         final = step_dir(self.root, step)
-        if final.exists():  # the same step saved again (a resume from an older checkpoint)
-            shutil.rmtree(final)
+        aside = final.with_name(final.name + OLD)
+        if final.exists():  # the same step saved again (a resume from an older checkpoint):
+            shutil.rmtree(aside, ignore_errors=True)  # moved aside, deleted once the new one is visible
+            os.rename(final, aside)
+            _fsync_dir(self.root)
         os.rename(tmp, final)
         _fsync_dir(self.root)
+        shutil.rmtree(aside, ignore_errors=True)
         self._prune()
         return sum(files.values())
 
     def _prune(self) -> None:
+        """Older complete checkpoints beyond ``keep``, and set-aside copies whose step is visible again."""
+        for old in self.root.glob(f"{PREFIX}*{OLD}"):
+            if old.with_name(old.name.removesuffix(OLD)).exists():
+                shutil.rmtree(old, ignore_errors=True)
         if self.keep <= 0:
             return
-        complete = sorted(p for p in self.root.iterdir() if p.name.startswith(PREFIX) and (p / MARKER).exists())
+        complete = sorted(p for p in _final_dirs(self.root) if (p / MARKER).exists())
         for old in complete[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
 

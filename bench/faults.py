@@ -32,10 +32,12 @@ def restart_count() -> int:
     return int(os.environ.get(RESTART_ENV, "0") or 0)
 
 
-def fire_fault(job: JobSpec, run_dir: Path, rank: int, step: int) -> None:
-    """Fire the configured fault before ``step`` on ``fault.rank``, once per run directory."""
+def fire_fault(job: JobSpec, run_dir: Path, rank: int, step: int, at: str = "step") -> None:
+    """Fire the configured fault on ``fault.rank`` where ``fault.at`` says: before ``step``
+    (``at="step"``, the loop) or inside the save after ``step`` completed steps (``at="save"``, the
+    checkpointer); once per run directory."""
     fault = job.fault
-    if fault.kind == "none" or rank != fault.rank or step != fault.step:
+    if fault.kind == "none" or rank != fault.rank or step != fault.step or at != fault.at:
         return
     folder = run_dir / "faults"
     folder.mkdir(exist_ok=True)
@@ -43,15 +45,17 @@ def fire_fault(job: JobSpec, run_dir: Path, rank: int, step: int) -> None:
         fd = os.open(folder / FIRED, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         return  # fired already (this is a restarted or resumed worker)
-    record = {"kind": fault.kind, "rank": rank, "step": step, "time": time.time(), "restart": restart_count()}
+    record = {"kind": fault.kind, "rank": rank, "step": step, "at": at, "time": time.time()}
+    record["restart"] = restart_count()
     os.write(fd, json.dumps(record).encode())
     os.fsync(fd)
     os.close(fd)
-    print(f"[parabench] injected fault: {fault.kind} on rank {rank} before step {step}", flush=True)
+    where = f"before step {step}" if at == "step" else f"during the checkpoint save after step {step}"
+    print(f"[parabench] injected fault: {fault.kind} on rank {rank} {where}", flush=True)
     if fault.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if fault.kind == "exception":
-        raise InjectedFault(f"fault.kind=exception on rank {rank} before step {step}")
+        raise InjectedFault(f"fault.kind=exception on rank {rank} {where}")
     while True:  # hang: never reach the next collective; the peers' collective timeout fires
         time.sleep(3600)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -237,6 +238,19 @@ class DeviceSpec:
 
 
 @dataclass(frozen=True)
+class K8sSpec:
+    """``launcher.k8s.*``: with ``launcher.dry_run=true``, also write a Kubeflow PyTorchJob manifest
+    (``pytorchjob.yaml``, parabench.k8s; docs/kubernetes.md)."""
+
+    pytorchjob: bool = False  # write pytorchjob.yaml (a ConfigMap with the bundle + the PyTorchJob) beside launch.sh
+    image: str | None = None  # container image with parabench and the backend installed (required with pytorchjob)
+    namespace: str = "default"
+    name: str | None = None  # the PyTorchJob's name (a DNS-1035 label); None: parabench-<backend>-<model>
+    volume_claim: str | None = None  # PersistentVolumeClaim for the run directory; None: emptyDir (lost with the pod)
+    mount_path: str = "/parabench"  # where the run directories live in the container
+
+
+@dataclass(frozen=True)
 class LaunchSpec:
     """torchrun-style launch; names follow torchrun's flags."""
 
@@ -255,6 +269,7 @@ class LaunchSpec:
     setup_timeout_s: float = 1800.0  # runner watchdog until the first step (imports, JIT op builds)
     hang_timeout_s: float = 600.0  # runner watchdog: no progress for this long -> kill, FAILED
     max_restarts: int = 0  # restart failed workers this often (torchrun --max-restarts); they resume
+    k8s: K8sSpec = K8sSpec()  # launcher.k8s.*: a Kubeflow PyTorchJob manifest in the dry-run bundle
 
     @property
     def world_size(self) -> int:
@@ -280,6 +295,9 @@ class FaultSpec:
     kind: typing.Literal["none", "kill", "hang", "exception"] = "none"
     rank: int = 0
     step: int = 0  # fires before this 0-based step runs, i.e. after `step` completed steps
+    # step: before that step; save: inside the checkpoint save after `step` completed steps, once
+    # the native files are written and before the harness state and the marker (a half-written save)
+    at: typing.Literal["step", "save"] = "step"
 
 
 @dataclass(frozen=True)
@@ -301,6 +319,9 @@ class TrackingSpec:
     enabled: bool = True
     uri: str | None = None  # None: sqlite:///<results_dir>/mlflow.db
     experiment: str = "parabench"
+    # a server that does not answer when the run starts: spool (run, record in the run directory,
+    # `bench sync` later) | refuse (exit 2 before launch)
+    on_unreachable: typing.Literal["spool", "refuse"] = "spool"
 
 
 @dataclass(frozen=True)
@@ -435,6 +456,43 @@ def validate_common(
         raise SpecError("device.threads_per_rank", f"must be >= 0 (0 = automatic), got {device.threads_per_rank}")
     if device.peak_tflops is not None and device.peak_tflops <= 0:
         raise SpecError("device.peak_tflops", f"must be > 0 or null, got {device.peak_tflops}")
+    validate_k8s(launch)
+
+
+# Kubernetes object names (kubernetes.io/docs/concepts/overview/working-with-objects/names; docs/sources.md#kubernetes-names):
+# a DNS-1123 label (namespaces, claims) and a DNS-1035 label (PyTorchJob names: the operator's webhook checks that).
+DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+DNS1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+
+
+def validate_k8s(launch: LaunchSpec) -> None:
+    """``launcher.k8s.*``: what a cluster would refuse, refused here before anything is written."""
+    k8s = launch.k8s
+    if not k8s.pytorchjob:
+        return
+    if not launch.dry_run:
+        raise SpecError(
+            "launcher.k8s.pytorchjob",
+            "the manifest is part of the launch bundle: add launcher.dry_run=true (then kubectl apply -f pytorchjob.yaml)",
+        )
+    if not k8s.image or not k8s.image.strip() or any(c.isspace() for c in k8s.image):
+        raise SpecError(
+            "launcher.k8s.image", "required with launcher.k8s.pytorchjob=true: an image with parabench installed"
+        )
+    # The operator names pods and services <name>-worker-<i>, a DNS-1035 label of at most 63 characters too.
+    longest = 63 - len(f"-worker-{launch.nnodes}")
+    names = [
+        ("namespace", k8s.namespace, DNS1123_LABEL, 63, "a DNS-1123 label"),
+        ("volume_claim", k8s.volume_claim, DNS1123_LABEL, 63, "a DNS-1123 label"),
+        ("name", k8s.name, DNS1035_LABEL, longest, "a DNS-1035 label (starts with a letter)"),
+    ]
+    for key, value, pattern, most, what in names:
+        if value is not None and (len(value) > most or not pattern.fullmatch(value)):
+            raise SpecError(
+                f"launcher.k8s.{key}", f"{value!r} is not {what}: lower-case letters, digits and '-', at most {most}"
+            )
+    if not k8s.mount_path.startswith("/"):
+        raise SpecError("launcher.k8s.mount_path", f"{k8s.mount_path!r} is not an absolute path")
 
 
 def _validate_data(data: DataSpec, model: ModelSpec) -> None:
@@ -494,6 +552,13 @@ def validate_resilience(run: RunSpec, launch: LaunchSpec, fault: FaultSpec) -> N
     total = run.warmup_steps + run.steps
     if fault.step >= total:
         raise SpecError("fault.step", f"{fault.step} is not before the last step (the job runs {total} steps)")
+    every = ckpt.every
+    if fault.at == "save" and (not every or not fault.step or fault.step % every):
+        raise SpecError(
+            "fault.at",
+            f"save: fault.step={fault.step} must be a step a checkpoint is saved at "
+            f"(a positive multiple of run.checkpoint.every={every})",
+        )
 
 
 def validate_parallel(parallel: ParallelDims, model: ModelSpec, data: DataSpec) -> None:

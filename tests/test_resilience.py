@@ -15,11 +15,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from conftest import FAST, REPO, assert_refused_before_launch, bench, mlflow_runs
-from parabench.checkpoint import MARKER, check_compatible, job_identity, newest_complete, plan_resume
+from parabench.checkpoint import MARKER, Checkpointer, check_compatible, job_identity, newest_complete, plan_resume
 from parabench.confutil import compose, to_plain
 from parabench.errors import SpecError
 from parabench.jobs import from_config
@@ -92,6 +93,37 @@ def test_partial_and_corrupt_checkpoints_are_skipped_with_a_warning(tmp_path):
     assert "unfinished save" in warnings[0] and "3 bytes" in warnings[1] and "partial" in warnings[2]
 
 
+def test_saving_a_step_again_never_leaves_a_moment_without_the_complete_one(tmp_path, monkeypatch):
+    """Re-publishing step_N moves the complete one aside; a crash between the two renames (the new
+    step_N.tmp not yet visible) leaves step_N.old, which discovery uses; the next save removes it."""
+    job = job_of(f"run.checkpoint.dir={tmp_path}", "run.checkpoint.every=5")
+    ctx = SimpleNamespace(job=job, comm=None, run_dir=tmp_path, rank=0, world_size=1)
+    saver = Checkpointer(engine=None, ctx=ctx)
+    old = fake_checkpoint(tmp_path, 10, job)
+    (tmp_path / "step_000010.tmp" / "native").mkdir(parents=True)
+    (tmp_path / "step_000010.tmp" / "native" / "data").write_bytes(b"y" * 7)
+    real_rename = os.rename
+
+    def crash_on_publish(src, dst):
+        if str(src).endswith(".tmp"):
+            raise OSError("simulated crash before the new checkpoint became visible")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", crash_on_publish)
+    with pytest.raises(OSError, match="simulated crash"):
+        saver._publish(10, tmp_path / "step_000010.tmp")
+    monkeypatch.setattr(os, "rename", real_rename)
+    assert not old.exists()
+    warnings: list[str] = []
+    path, marker = newest_complete(tmp_path, warn=warnings.append)
+    assert path.name == "step_000010.old" and marker["files"] == {"native/data": 10}  # the previous one
+    assert len(warnings) == 1 and "unfinished save" in warnings[0]
+    saver._publish(10, tmp_path / "step_000010.tmp")  # the save done again: visible, aside deleted
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000010"]
+    path, marker = newest_complete(tmp_path)
+    assert path == old and marker["files"] == {"native/data": 7}
+
+
 @pytest.mark.parametrize(
     ("overrides", "key"),
     [
@@ -129,6 +161,23 @@ def test_bad_resume_inputs_are_refused_before_launch(tmp_path, capsys):
     assert_refused_before_launch(
         ["+model=llama", "backend=mindspore", "launcher.max_restarts=1"], "launcher.max_restarts", tmp_path, capsys
     )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "says"),
+    [
+        (["run.checkpoint.every=-1"], "run.checkpoint.every", "must be >= 0"),
+        (["run.checkpoint.async=true"], "run.checkpoint.async", "needs run.checkpoint.every"),
+        (["fault.kind=kill", "fault.rank=2", "launcher.nproc_per_node=2"], "fault.rank", "world size 2"),
+        (["fault.kind=kill", "fault.step=12", "run.warmup_steps=2", "run.steps=10"], "fault.step", "runs 12 steps"),
+        (["fault.kind=kill", "fault.at=save", "fault.step=7", "run.checkpoint.every=5"], "fault.at", "multiple"),
+        (["fault.kind=kill", "fault.at=save", "fault.step=5"], "fault.at", "run.checkpoint.every=0"),
+        (["fault.kind=kill", "fault.at=load"], "fault.at", "load"),
+    ],
+)
+def test_bad_checkpoint_and_fault_keys_are_refused_before_launch(overrides, key, says, tmp_path, capsys):
+    line = assert_refused_before_launch(["+model=llama", *overrides], key, tmp_path, capsys)
+    assert says in line
 
 
 # --------------------------------------------------------------------------------------------
@@ -178,6 +227,29 @@ def test_hang_is_detected_by_the_collective_timeout_and_recovered(results, unint
     summary = run_ok([*args, "launcher.max_restarts=1", "launcher.collective_timeout_s=20"], results)
     assert_recovered(summary, uninterrupted("ddp"))
     assert summary["time_to_detect_s"] >= 20  # waited for the collective timeout
+    (run,) = (row for _, row in mlflow_runs(results).iterrows())
+    assert run["status"] == "FINISHED" and run["metrics.restarts"] == 1
+
+
+def test_rank_killed_during_a_save_loses_only_that_save_and_recovers(results, uninterrupted):
+    """fault.at=save: rank 1 dies inside the step-10 save, after its DCP files and before the harness
+    state and the marker. The half-written step_000010.tmp is never loaded: the restarted workers
+    resume from step 5 (the previous complete checkpoint, kept), recompute 5 steps and finish with
+    the losses of the uninterrupted run."""
+    args = [*TWENTY, "backend=ddp", *CKPT, "fault.kind=kill", "fault.rank=1", "fault.step=10", "fault.at=save"]
+    proc = bench(["run", *args, "launcher.max_restarts=1", "launcher.collective_timeout_s=20"], results)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = (p.parent for p in results.glob("runs/*/*/*/summary.json"))
+    logs = {r: (run_dir / "logs" / f"rank{r}.log").read_text() for r in (0, 1)}  # both attempts
+    assert "injected fault: kill on rank 1 during the checkpoint save after step 10" in logs[1]
+    for log in logs.values():  # each restarted rank saw the half-written save and skipped it
+        assert "step_000010.tmp: an unfinished save (skipped)" in log
+    summary = only_summary(results)
+    assert summary["restarts"] == 1 and summary["resumed_step"] == 5 and summary["steps_recomputed"] == 5
+    assert summary["losses"] == uninterrupted("ddp")["losses"]
+    assert summary["data_checksum"] == uninterrupted("ddp")["data_checksum"]
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert ckpts == ["step_000010", "step_000015"]  # step 10 saved again after the resume; keep=2
     (run,) = (row for _, row in mlflow_runs(results).iterrows())
     assert run["status"] == "FINISHED" and run["metrics.restarts"] == 1
 
