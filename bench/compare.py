@@ -33,6 +33,7 @@ from typing import Any
 
 from parabench import stability, trackstore
 from parabench.errors import UserError
+from parabench.plan import versus
 from parabench.plots import bar_stack_svg, line_svg
 from parabench.spec import TrackingSpec
 from parabench.tracking import default_store_uri
@@ -69,6 +70,7 @@ class RunRecord:
     comm_bytes_per_step: float | None = None  # bus bytes of the busiest rank per step (parabench.commreport)
     comm_formula_bytes_per_step: float | None = None
     comm_share_of_step: float | None = None
+    params: dict[str, str] = field(default_factory=dict)  # the run's MLflow params (plan rows match on them)
 
     def section(self) -> tuple:
         return tuple(getattr(self, k) for k in SECTION_KEYS)
@@ -223,6 +225,7 @@ def _record(client, run) -> RunRecord:
         comm_bytes_per_step=_f(m, "comm_bus_bytes_per_step"),
         comm_formula_bytes_per_step=_f(m, "comm_formula_bus_bytes_per_step"),
         comm_share_of_step=_f(m, "comm_share_of_step"),
+        params=dict(p),
     )
 
 
@@ -499,6 +502,8 @@ def render_text(report: dict[str, Any], markdown: bool = False) -> str:
             out.write(("- " if markdown else "  note: ") + n + "\n")
         out.write(stability.table(sec["rows"], markdown))
         out.write("\n")
+    for line in versus.render_lines(report.get("predicted") or [], report.get("plans", 0), markdown):
+        out.write(line + "\n")
     for line in _legend(report["meta"]):
         out.write(("- " if markdown else "") + line + "\n")
     return out.getvalue()
@@ -568,6 +573,7 @@ def render_html(report: dict[str, Any]) -> str:
         curves = {label: list(enumerate(losses)) for label, losses in sec["loss_curves"].items() if losses}
         parts.append(line_svg("Loss curves", "step", "loss", curves, plot_id=f"loss-{i}", from_zero=False))
         parts.append("</div>")
+    parts += _versus_table(report.get("predicted") or [])
     parts += _comm_plots(report.get("comm") or {})
     legend = "".join(f"<li>{html.escape(line)}</li>" for line in _legend(report["meta"]))
     data = html.escape(json.dumps(report), quote=False)
@@ -581,6 +587,16 @@ def render_html(report: dict[str, Any]) -> str:
         f"</head><body>{''.join(parts)}<ul>{legend}</ul>"
         f"<script type='application/json' id='report-data'>{data}</script></body></html>"
     )
+
+
+def _versus_table(entries: list[dict[str, Any]]) -> list[str]:
+    """Predicted (bench plan) vs measured, as the text report has it."""
+    if not entries:
+        return []
+    heads, cells = versus.table(entries)
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in heads)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in cells)
+    return [f"<h2>Predicted (bench plan) vs measured</h2><table id='predicted'><tr>{head}</tr>{body}</table>"]
 
 
 def _comm_plots(curves: dict[str, dict[str, list[list[float]]]]) -> list[str]:
@@ -658,6 +674,8 @@ def _run(args) -> int:
     }
     report = report_dict(sections, meta)
     report["comm"] = comm
+    plans = versus.load_plans(client, args.experiment)  # bench plan runs: predicted vs measured
+    report["plans"], report["predicted"] = len(plans), versus.versus(plans, records)
     out = Path(args.out) if args.out else Path("results/reports") / f"compare-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     out.mkdir(parents=True, exist_ok=True)
     rendered = {

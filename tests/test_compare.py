@@ -133,3 +133,72 @@ def test_compare_cli_errors_are_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no MLflow store" in err
     assert main(["--baseline", "oops", "--tracking-uri", f"sqlite:///{tmp_path / 'none.db'}"]) == 2
+
+
+# --------------------------------------------------------------------------------------------
+# Predicted (bench plan) vs measured (bench run).
+# --------------------------------------------------------------------------------------------
+def test_plan_rows_meet_only_the_runs_that_carry_all_their_params():
+    from parabench.plan.versus import versus
+
+    match = {"backend.name": "ddp", "data.micro_batch_size": "2", "model.hidden_size": "64", "device": "cpu"}
+    row = {"rank": 1, "layout": "ddp dp1 mbs2", "overrides": "backend=ddp", "match": match,
+           "step_s": 0.5, "tokens_per_s_per_device": 300.0, "device_bytes": 2e8}  # fmt: skip
+    plan = {"run_id": "p", "name": "plan-x", "doc": {"context": {"calibration": "c"}, "ranked": [row]}}
+    params = {k: v for k, v in match.items() if k != "device"}
+    same = [rec("a", "ddp", 1, 200, step_time_median_s=0.4, peak_memory_bytes=1.6e8, params=params),
+            rec("b", "ddp", 1, 260, step_time_median_s=0.6, peak_memory_bytes=2.4e8, params=params)]  # fmt: skip
+    other = rec("c", "ddp", 1, 999, params={**params, "data.micro_batch_size": "4"})
+    elsewhere = rec("d", "ddp", 1, 999, params=params, device="cuda")
+    (entry,) = versus([plan], [*same, other, elsewhere])
+    assert entry["run_ids"] == ["a", "b"]
+    assert entry["step_s"] == {"predicted": 0.5, "measured": 0.5, "error": 0.0}  # median of 0.4 and 0.6
+    assert entry["tokens_per_s_per_device"]["measured"] == 230.0  # tps / world of each, median
+    assert entry["tokens_per_s_per_device"]["error"] == pytest.approx(300 / 230 - 1)
+    assert entry["device_bytes"]["error"] == pytest.approx(0.0)
+
+
+@pytest.mark.slow
+def test_compare_puts_a_plan_beside_the_run_of_its_row(results):
+    """bench plan with tracking on, bench run of the plan's row 1 (its printed overrides), then
+    bench compare: the predicted and measured step time, tokens/s and peak memory with the error."""
+    from mlflow.tracking import MlflowClient
+
+    from conftest import bench, mlflow_runs
+
+    tiny = ["+model=llama", "model.vocab_size=1000", "model.hidden_size=64", "model.intermediate_size=172",
+            "model.num_hidden_layers=2", "model.num_attention_heads=4", "model.num_key_value_heads=2",
+            "data.seq_len=32", "data.global_batch_size=4", "run.warmup_steps=1", "run.steps=3",
+            "run.checksum=false", f"run.results_dir={results}"]  # fmt: skip
+    plan_args = ["cluster=cpu", "plan.devices=1", "plan.backends=[ddp]", "plan.micro_batch_sizes=[2]", "plan.top=1"]
+    proc = bench(["plan", *tiny, *plan_args, "--format", "json"], results)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(proc.stdout)["ranked"][0]
+    # the plan is an MLflow run: kind tag, context params, both tables as artifacts, row 1's figures
+    (plan,) = mlflow_runs(results, "parabench-plan").itertuples()
+    client = MlflowClient(f"sqlite:///{results / 'mlflow.db'}")
+    run = client.get_run(plan.run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["parabench.kind"] == "plan"
+    assert run.data.params["plan.cluster"] == "cpu" and run.data.params["plan.devices"] == "1"
+    assert sorted(a.path for a in client.list_artifacts(plan.run_id)) == ["plan.json", "plan.md"]
+    assert run.data.metrics["predicted_step_time_s"] == pytest.approx(row["step_s"])
+    proc = bench(["run", *tiny, *row["overrides"].split()], results)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (job,) = mlflow_runs(results, "parabench").itertuples()
+    store = f"sqlite:///{results / 'mlflow.db'}"
+    out = results / "rep"
+    proc = bench(
+        ["compare", "--experiment", "parabench", "--tracking-uri", store, "--out", str(out), "--no-log"], results
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "predicted (bench plan) vs measured (bench run)" in proc.stdout and "ddp dp1 mbs2" in proc.stdout
+    (entry,) = json.loads((out / "report.json").read_text())["predicted"]
+    assert entry["run_ids"] == [job.run_id] and entry["plan_run_id"] == plan.run_id
+    measured = client.get_run(job.run_id).data.metrics
+    for key, metric in (("step_s", "step_time_median_s"), ("tokens_per_s_per_device", "tokens_per_s_per_device"),
+                        ("device_bytes", "peak_memory_bytes_max")):  # fmt: skip
+        q = entry[key]
+        assert q["predicted"] == pytest.approx(row[key]) and q["measured"] == pytest.approx(measured[metric])
+        assert q["error"] == pytest.approx((q["predicted"] - q["measured"]) / q["measured"])
+        assert f"{100 * q['error']:+.1f}%" in proc.stdout
+    assert "id='predicted'" in (out / "report.html").read_text()

@@ -16,8 +16,9 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import sys
-import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -169,13 +170,17 @@ def _track(first: dict[str, Any], found: Searched, top: int, context: dict[str, 
     tracking = build(TrackingSpec, first.get("tracking"), "tracking")
     if not tracking.enabled:
         return
-    run = JobRun(dataclasses.replace(tracking, experiment=f"{tracking.experiment}-plan"), first["run"]["results_dir"])
-    run.start(f"plan-{context['model']}-{context['cluster']}x{context['devices']}", _params(context), {"kind": "plan"})
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        (root / "plan.md").write_text(render(found, top, context, "md"))
-        (root / "plan.json").write_text(render(found, top, context, "json"))
-        run.log_artifacts([root / "plan.md", root / "plan.json"], root)
+    name = f"plan-{context['model']}-{context['cluster']}x{context['devices']}"
+    results_dir = first["run"]["results_dir"]
+    # the plan's files (and the tracking spool, for bench sync if the store fails) stay under results/plans/
+    root = Path(results_dir) / "plans" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{name}"
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "plan.md").write_text(render(found, top, context, "md"))
+    (root / "plan.json").write_text(render(found, top, context, "json"))
+    run = JobRun(dataclasses.replace(tracking, experiment=f"{tracking.experiment}-plan"), results_dir, run_dir=root)
+    tags = {"parabench.kind": "plan", "model": context["model"], "cluster": context["cluster"]}
+    run.start(name, _params(context), tags)
+    run.log_artifacts([root / "plan.md", root / "plan.json"], root)
     best: Estimate = found.ranked[0]
     run.log_metrics(
         [

@@ -9,15 +9,32 @@ from typing import Any
 
 from parabench.plan.estimate import Estimate
 from parabench.plan.search import Searched, describe, why_lost, why_wins
+from parabench.spec import to_dict
+from parabench.tracking import flatten
 
 GIB = 1024**3
 REJECTED = 3  # nearest rejected rows shown of each kind (slower, does not fit)
+
+
+def match_params(e: Estimate, plain: dict[str, Any]) -> dict[str, str]:
+    """The MLflow params (as ``bench run`` logs them: runner's flatten of the composed config and the
+    resolved model) and the ``device`` tag that a measured run of this row has: ``bench compare``
+    puts the row beside the runs that carry all of them."""
+    keys = flatten({"backend": plain["backend"], "model": to_dict(e.job.model)})
+    for k in ("global_batch_size", "micro_batch_size", "seq_len"):
+        keys[f"data.{k}"] = str(plain["data"][k])
+    keys["run.precision"] = str(plain["run"]["precision"])
+    keys["launcher.nproc_per_node"] = str(plain["launcher"]["nproc_per_node"])
+    keys["launcher.nnodes"] = str(plain["launcher"]["nnodes"])
+    keys["device"] = e.job.device.type
+    return keys
 
 
 def _row(e: Estimate, rank: int | str, why: str, overrides: list[str]) -> dict[str, Any]:
     return {
         "rank": rank,
         "layout": describe(e),
+        "device_bytes": e.device_bytes,
         "device_gib": round(e.device_bytes / GIB, 3),
         "margin_gib": round(e.margin_bytes / GIB, 3),
         "states_gib": round((e.states.total - e.states.host) / GIB, 3),
@@ -36,9 +53,13 @@ def _row(e: Estimate, rank: int | str, why: str, overrides: list[str]) -> dict[s
 
 def rows(found: Searched, top: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     best = found.ranked[0]
-    ranked = [_row(e, i + 1, why_wins(e, best), found.overrides[id(e)]) for i, e in enumerate(found.ranked[:top])]
-    rejected = [_row(e, "-", why_wins(e, best), found.overrides[id(e)]) for e in found.ranked[top : top + REJECTED]]
-    rejected += [_row(e, "x", why_lost(e), found.overrides[id(e)]) for e in found.unfit[:REJECTED]]
+
+    def row(e: Estimate, rank: int | str, why: str) -> dict[str, Any]:
+        return {**_row(e, rank, why, found.overrides[id(e)]), "match": match_params(e, found.plains[id(e)])}
+
+    ranked = [row(e, i + 1, why_wins(e, best)) for i, e in enumerate(found.ranked[:top])]
+    rejected = [row(e, "-", why_wins(e, best)) for e in found.ranked[top : top + REJECTED]]
+    rejected += [row(e, "x", why_lost(e)) for e in found.unfit[:REJECTED]]
     return ranked, rejected
 
 
@@ -49,7 +70,7 @@ def render(found: Searched, top: int, context: dict[str, Any], fmt: str) -> str:
         return json.dumps(doc, indent=2, default=str)
     if fmt == "csv":
         buf = io.StringIO()
-        w = csv.DictWriter(buf, fieldnames=list(ranked[0]))
+        w = csv.DictWriter(buf, fieldnames=[k for k in ranked[0] if k != "match"], extrasaction="ignore")
         w.writeheader()
         w.writerows(ranked + rejected)
         return buf.getvalue()
