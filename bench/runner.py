@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-from parabench import __version__, commreport, envreport, trackstore
+from parabench import __version__, commreport, envreport, k8s, trackstore
 from parabench.adapters.base import check_capabilities
 from parabench.adapters.registry import get_adapter
 from parabench.checkpoint import RUN_ID_ENV, STEPS_FILE, plan_resume, write_resume_file, write_stop_request
@@ -157,6 +157,19 @@ def write_bundle(job: JobSpec, run_dir: Path, env: dict[str, str], port: int) ->
     path.chmod(0o755)
     return path
 
+    if job.launch.k8s.pytorchjob:
+        write_pytorchjob(job, run_dir, env, launcher.bundle_command(job, port), port)
+    return path
+
+
+def write_pytorchjob(job: JobSpec, run_dir: Path, env: dict[str, str], command: str, port: int) -> Path:
+    """``pytorchjob.yaml`` beside ``launch.sh`` (launcher.k8s.pytorchjob=true): the bundle's files in a
+    ConfigMap and a Kubeflow PyTorchJob running ``command`` (parabench.k8s)."""
+    names = ["spec.json", "config.resolved.yaml", *get_adapter(job.backend.name).bundle_files(job)]
+    files = {n: (run_dir / n).read_text() for n in names if (run_dir / n).is_file()}
+    path = run_dir / k8s.MANIFEST
+    path.write_text(k8s.render(k8s.manifests(job, env, command, port, files)))
+    print(f"dry run: Kubeflow PyTorchJob written to {path} (kubectl apply -f {path.name})")
 
 class _Progress:
     """tqdm bar driven by rank 0's progress file."""

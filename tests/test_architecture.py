@@ -48,6 +48,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
         "processes",
         (
             "parabench.launchers",
+            "parabench.k8s",
             "parabench.worker",
             "parabench.loop",
             "parabench.jobs",
