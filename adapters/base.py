@@ -32,6 +32,8 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
     from _typeshed import DataclassInstance
 
+    from parabench.canonical import CanonicalState
+
 
 @dataclass(frozen=True)
 class Capabilities:
@@ -44,6 +46,7 @@ class Capabilities:
     multi_node: bool = True
     model_features: frozenset[str] = frozenset()  # optional model parts it implements (spec.MODEL_FEATURES)
     checkpoint: CheckpointSupport | None = None  # None: run.checkpoint / run.resume are refused before launch
+    convert: ConvertSupport | None = None  # None: bench convert refuses it as source or target
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,14 @@ class CheckpointSupport:
     reshard: frozenset[str] = frozenset()
     # backend.* option keys that shape the saved state (e.g. zero_stage): must match on resume
     options: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class ConvertSupport:
+    """How a backend takes part in ``bench convert`` (docs/convert.md): its engine maps its state to
+    the canonical full tensors (``Engine.export_canonical``) and back (``Engine.import_canonical``)."""
+
+    optimizer: str | None = None  # None: AdamW moments and step are carried; else why they are not
 
 
 @dataclass(frozen=True)
@@ -216,6 +227,16 @@ class Engine(ABC):
     def load_checkpoint(self, directory: Path) -> None:
         """Collective: restore model + optimizer state from ``directory`` (native format)."""
         raise NotImplementedError(f"{type(self).__name__} does not checkpoint")
+
+    def export_canonical(self) -> CanonicalState:
+        """Collective: the full canonical state (weights, AdamW moments, optimizer step) as fp32 CPU
+        tensors under canonical names, complete on rank 0 at least (``bench convert``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not convert")
+
+    def import_canonical(self, state: CanonicalState) -> None:
+        """Collective: take the AdamW moments and step of ``state`` (the weights already came in
+        through ``model.weights``, the path every backend initialises from)."""
+        raise NotImplementedError(f"{type(self).__name__} does not convert")
 
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         pass

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parabench.adapters.base import Adapter, Availability, Capabilities, StateFormula, WorkerContext
+from parabench.adapters.base import Adapter, Availability, Capabilities, ConvertSupport, StateFormula, WorkerContext
 from parabench.adapters.torch_common import DCP_SUPPORT, TorchEngine
 from parabench.errors import SpecError
 from parabench.model import build_llama, set_activation_checkpointing
@@ -42,6 +42,7 @@ class DDPAdapter(Adapter):
         precisions=frozenset({"fp32", "bf16"}),
         model_features=MODEL_FEATURES,
         checkpoint=DCP_SUPPORT,
+        convert=ConvertSupport(),
     )
     Options = DDPOptions
 

@@ -40,11 +40,13 @@ from parabench.adapters.base import (
     Availability,
     Capabilities,
     CheckpointSupport,
+    ConvertSupport,
     Engine,
     ModelStateBytes,
     StateFormula,
     WorkerContext,
 )
+from parabench.canonical import MOMENTS, CanonicalState
 from parabench.devices import ProbeFailed, resolve, run_probe
 from parabench.errors import SpecError
 from parabench.metrics import held_bytes, optimizer_state_tensors
@@ -283,6 +285,7 @@ class DeepSpeedAdapter(Adapter):
             reshard=frozenset(),
             options=frozenset({"zero_stage"}),  # stage 3 partitions parameters, 1/2 only optimizer states
         ),
+        convert=ConvertSupport(),
     )
     Options = DeepSpeedOptions
 
@@ -516,6 +519,59 @@ class DeepSpeedEngine(Engine):
         if path is None:
             raise RuntimeError(f"deepspeed found no checkpoint in {directory} (no 'latest' tag file)")
 
+    # -- bench convert ------------------------------------------------------------------------
+    # DeepSpeed's own accessors of the full fp32 optimizer state per parameter (deepspeed.utils
+    # safe_get/set_full_optimizer_state; docs/sources.md#canonical-conversion): stage 3 all-gathers
+    # its partitions (exact); stage 1/2 fragments are gathered bit-exactly (_gather_hp_fragments).
+    def _basic_optimizer(self):
+        opt = self.engine.optimizer
+        return getattr(opt, "optimizer", opt)  # ZeRO wraps the client AdamW
+
+    def _full_moment(self, p, key: str):
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        if hasattr(p, "ds_id"):
+            full = safe_get_full_optimizer_state(p, key)
+        elif hasattr(p, "_hp_mapping"):
+            full = _gather_hp_fragments(p, key)
+        else:  # no ZeRO: the client AdamW's own state, on the fp32 master where there is one
+            master = self._master_for(p)
+            full = self._basic_optimizer().state[p if master is None else master][key]
+        return full.detach().float().cpu().reshape(p.ds_shape if hasattr(p, "ds_shape") else p.shape).clone()
+
+    def export_canonical(self):
+
+        weights = self.full_state_dict()
+        moments = {k: {n: self._full_moment(p, k) for n, p in zip(self.names, self.params)} for k in MOMENTS}
+        steps = {float(s["step"]) for s in self._basic_optimizer().state.values() if "step" in s}
+        if len(steps) > 1:
+            raise RuntimeError(f"AdamW step counts differ between parameter groups: {sorted(steps)}")
+        return CanonicalState(weights, moments, int(steps.pop()) if steps else 0)
+
+    def import_canonical(self, state):
+        from deepspeed.utils import safe_set_full_optimizer_state
+
+        if state.moments is None:
+            return  # weights only: AdamW starts fresh, as in a new run
+        dev = self.ctx.device.torch_device
+        for name, p in zip(self.names, self.params):
+            for key, values in state.moments.items():
+                value = values[name].to(dev)
+                if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):
+                    safe_set_full_optimizer_state(p, value, key)
+                else:
+                    master = self._master_for(p)
+                    target = self._basic_optimizer().state[p if master is None else master][key]
+                    target.copy_(value.view_as(target))
+        for entry in self._basic_optimizer().state.values():
+            if "step" in entry:
+                old = entry["step"]
+                entry["step"] = (
+                    self._torch.tensor(float(state.step), dtype=old.dtype) if hasattr(old, "dtype") else state.step
+                )
+        self.engine.global_steps = state.step  # the checkpoint tag (global_step<N>) and DeepSpeed's counters
+        self.engine.global_samples = state.step * self.engine.train_batch_size()
+
     # -- accounting -------------------------------------------------------------------------
     def _grad_bytes(self) -> dict[str, int]:
         opt = self.engine.optimizer
@@ -624,8 +680,9 @@ def _clear_stale_build_locks(root: Path, max_age_s: float) -> None:
             pass
 
 
-def _gather_hp_fragments(param):
-    """The full fp32 master of a stage-1/2 (or BF16_Optimizer) parameter, bit-exact.
+def _gather_hp_fragments(param, optim_state_key: str | None = None):
+    """The full fp32 master (or, with ``optim_state_key``, its AdamW moment) of a stage-1/2 (or
+    BF16_Optimizer) parameter, bit-exact.
 
     DeepSpeed's ``safe_get_full_fp32_param`` sums zero-padded fragments with an all-reduce, which
     turns -0.0 into +0.0 (the canonical init has a few) and so changes the weights checksum. Summing
@@ -637,7 +694,7 @@ def _gather_hp_fragments(param):
     buf = torch.zeros(param.numel(), dtype=torch.int32, device=param.device)
     if mapping is not None:  # None: no part of this parameter lives in this rank's partition
         address = mapping.lp_fragment_address
-        fragment = mapping.get_hp_fragment().detach().float().contiguous().view(torch.int32).flatten()
+        fragment = mapping.get_hp_fragment(optim_state_key).detach().float().contiguous().view(torch.int32).flatten()
         buf.narrow(0, address.start, address.numel).copy_(fragment)
     dist.all_reduce(buf, group=param._dp_group)
     return buf.view(torch.float32).view(param.shape)

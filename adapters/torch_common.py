@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from parabench.adapters.base import CheckpointSupport, Engine, ModelStateBytes, WorkerContext
+from parabench.canonical import MOMENTS, CanonicalState
 from parabench.metrics import torch_model_state
 from parabench.model import causal_lm_loss, decay_mask
 from parabench.spec import OptimSpec
@@ -137,3 +138,38 @@ class TorchEngine(Engine):
         except CheckpointException as exc:
             raise OSError(dcp_failure(exc)) from None
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    # -- bench convert: the canonical state through torch.distributed.checkpoint.state_dict ----------
+    # The full (unsharded) optimizer state dict under the unwrapped module's names, which are the
+    # canonical names: DDP's replicated tensors as they are, FSDP2's DTensor shards all-gathered
+    # (set_* scatters them back); docs/sources.md#canonical-conversion.
+    def export_canonical(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        weights = self.full_state_dict()
+        optim = get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=True))
+        state = optim["state"]
+        moments = {k: {n: state[n][k].detach().float().cpu().clone() for n in weights} for k in MOMENTS}
+        steps = {float(state[n]["step"]) for n in weights}
+        if len(steps) != 1:
+            raise RuntimeError(f"AdamW step counts differ between parameters: {sorted(steps)}")
+        return CanonicalState(weights, moments, int(steps.pop()))
+
+    def import_canonical(self, state):
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        if state.moments is None:
+            return  # weights only (e.g. from Hugging Face): AdamW starts fresh, as in a new run
+        options = StateDictOptions(full_state_dict=True)
+        optim = get_optimizer_state_dict(self.model, self.optimizer, options=options)  # initialises the state
+        for name, entry in optim["state"].items():
+            for key in entry:
+                if key == "step":
+                    entry[key] = torch.tensor(float(state.step), dtype=entry[key].dtype)
+                else:
+                    entry[key] = state.moments[key][name].to(entry[key].device, entry[key].dtype)
+        set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=optim, options=options)

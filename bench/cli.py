@@ -28,6 +28,8 @@ commands:
   comm      collectives benchmark (nccl-tests style): time, algbw, busbw per op and size: bench comm --help
               bench comm launcher.nproc_per_node=2
   compare   tables and an HTML report comparing recorded runs: bench compare --help
+  convert   carry a checkpoint to another stack or layout (weights, AdamW state, step): bench convert --help
+              bench convert results/.../checkpoints --to fsdp --out ckpt-fsdp
   plan      which backend and layout for a model on a cluster, predicted and explained:
               bench plan +model=llama3-70b cluster=h100-sxm plan.devices=64 run.precision=bf16
   env       list every backend and device, available or not, and why; the versions that matter
@@ -192,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         from parabench.compare import main as compare_main
 
         return compare_main(rest)
+    if command == "convert":
+        from parabench.convert import main as convert_main
+
+        return convert_main(rest)
     if command == "plan":
         from parabench.plan.command import main as plan_main
 
@@ -209,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return smoke_main(rest)
     print(
-        f"bench: error: unknown command {command!r} (choose from run, comm, compare, plan, env, migrate, smoke; see bench --help)",
+        f"bench: error: unknown command {command!r} (choose from run, comm, compare, convert, plan, env, migrate, smoke; see bench --help)",
         file=sys.stderr,
     )
     return 2

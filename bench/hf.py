@@ -250,3 +250,27 @@ def load_weights(weights: str, names: Iterable[str]) -> dict[str, Any]:
             for name in group:
                 out[name] = f.get_tensor(name).float().numpy()
     return {name: out[name] for name in wanted}
+
+
+# --------------------------------------------------------------------------------------------
+# ModelSpec -> config.json (bench convert --to hf): the reverse of spec_fields
+# --------------------------------------------------------------------------------------------
+def hf_config(spec: ModelSpec) -> dict[str, Any]:
+    """A transformers config.json for the canonical model: LlamaForCausalLM, or Qwen2 (q/k/v biases)
+    and Mistral (a sliding window), the architectures spec_fields reads back to the same spec."""
+    arch = "Qwen2ForCausalLM" if spec.qkv_bias else "MistralForCausalLM" if spec.sliding_window else "LlamaForCausalLM"
+    cfg: dict[str, Any] = {
+        "architectures": [arch],
+        "model_type": {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}.get(arch, "qwen2"),
+        **{k: getattr(spec, k) for k in REQUIRED},
+        "num_key_value_heads": spec.num_key_value_heads,
+        **{k: getattr(spec, k) for k in DEFAULTS},
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+        "rope_scaling": dict(vars(spec.rope_scaling)) if spec.rope_scaling else None,
+    }
+    if spec.sliding_window:
+        cfg.update(sliding_window=spec.sliding_window, use_sliding_window=True)
+    return cfg

@@ -42,6 +42,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "parabench.plan",
             "parabench.comm",
             "parabench.commreport",
+            "parabench.convert",
         ),
     ),
     (
@@ -55,6 +56,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "parabench.checkpoint",
             "parabench.faults",
             "parabench.commworker",
+            "parabench.convertworker",
         ),
     ),
     ("backends", ("parabench.adapters",)),
@@ -77,6 +79,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "parabench.plots",
             "parabench.stability",
             "parabench.confutil",
+            "parabench.canonical",
         ),
     ),
     ("contract", ("parabench.spec", "parabench.errors", "parabench")),

@@ -1,0 +1,143 @@
+"""Per-rank entry point of ``bench convert``: ``python -m parabench.convertworker RUN_DIR``.
+
+Started by the backend's own launcher (torchrun or msrun) with the job of one side of a conversion
+(``spec.json``) and what to do (``convert.json``):
+
+* ``export``: the SOURCE backend with the source checkpoint's own layout loads the native checkpoint
+  (``Engine.load_checkpoint``), gathers the canonical full tensors (``Engine.export_canonical``) and
+  rank 0 writes the canonical directory (parabench.canonical) with the source ranks' harness states;
+* ``import``: the TARGET backend with the target layout starts from the canonical weights (the job's
+  ``model.weights``, the path every backend initialises from), takes the AdamW moments and step
+  (``Engine.import_canonical``), exports again to check the canonical checksum, and writes a native
+  checkpoint (``Engine.save_checkpoint``) with per-rank harness files and a COMPLETE marker naming
+  the target job, so that ``bench run ... run.resume=<out>`` continues from it.
+
+Rank 0 writes ``result.json`` (checksums, sizes) for the command to report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from parabench import canonical
+from parabench.adapters.base import WorkerContext
+from parabench.adapters.registry import get_adapter
+from parabench.checkpoint import MARKER, _ledger_checksum, job_identity, read_marker
+from parabench.devices import DEVICES
+from parabench.jobs import load_job
+from parabench.launchers import get_launcher
+from parabench.worker import _redirect_output, _serve_msrun_scheduler
+
+REQUEST = "convert.json"
+RESULT = "result.json"
+
+
+def _export(engine, ctx, request: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    source = Path(request["source"])
+    marker = read_marker(source)
+    engine.load_checkpoint(source / "native")
+    state = engine.export_canonical()
+    if ctx.rank != 0:
+        return {}
+    world = int(marker["world_size"])
+    harness = [torch.load(source / "harness" / f"rank{r}.pt", weights_only=True) for r in range(world)]
+    info = {"source": {"path": str(source), "marker_step": marker["step"], "job": marker["job"], "world_size": world}}
+    manifest = canonical.write(Path(request["canonical"]), state, harness, info)
+    return {"checksum": manifest["checksum"], "tensors": manifest["tensors"], "bytes": manifest["bytes"]}
+
+
+def _harness(ctx, engine, saved: list[dict[str, Any]], step: int) -> dict[str, Any]:
+    """This target rank's harness state: RNG streams of the source rank it stands for, the source's
+    loss history, and the data ledger checksum resharded as a resume would (checkpoint._ledger_checksum)."""
+    dp_rank, dp_size = engine.data_parallel()
+    mine = saved[ctx.rank % len(saved)]
+    ledger = SimpleNamespace(dp_rank=dp_rank, dp_size=dp_size)
+    checksum = _ledger_checksum([s["ledger"] for s in saved], ledger)
+    return {
+        "step": step,
+        "rng": mine["rng"],
+        "ledger": {"dp_rank": dp_rank, "dp_size": dp_size, "checksum": checksum},
+        "history": saved[0]["history"],
+    }
+
+
+def _publish(ctx, tmp: Path, final: Path, step: int) -> int:
+    files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+    marker = {"step": step, "time": time.time(), "job": job_identity(ctx.job), "files": files}
+    marker.update(world_size=ctx.world_size, mlflow_run_id=None, converted=True)
+    (tmp / MARKER).write_text(json.dumps(marker, indent=1))
+    os.rename(tmp, final)
+    return sum(files.values())
+
+
+def _import(engine, ctx, request: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    state, saved = canonical.load(Path(request["canonical"]))
+    engine.import_canonical(state)
+    after = engine.export_canonical()  # what the target framework now holds, read back through it
+    if state.moments is None:  # weights only: compare what was carried
+        after = canonical.CanonicalState(after.weights, None, state.step, state.no_optimizer)
+    step = int(saved[0]["step"]) if saved else state.step
+    final = Path(request["out"]) / f"step_{step:06d}"
+    tmp = final.with_name(final.name + ".tmp")
+    if ctx.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "harness").mkdir(parents=True)
+    ctx.comm.barrier()
+    engine.save_checkpoint(tmp / "native")
+    harness = _harness(ctx, engine, saved, step) if saved else None
+    if harness is not None:
+        torch.save(harness, tmp / "harness" / f"rank{ctx.rank}.pt")
+    ctx.comm.barrier()
+    if ctx.rank != 0:
+        return {}
+    nbytes = _publish(ctx, tmp, final, step)
+    return {"checksum": canonical.checksum(after), "checkpoint": str(final), "checkpoint_bytes": nbytes}
+
+
+def _run(run_dir: Path, rank: int, local_rank: int, world: int) -> int:
+    job = load_job(run_dir / "spec.json")
+    request = json.loads((run_dir / REQUEST).read_text())
+    adapter = get_adapter(job.backend.name)
+    device = DEVICES[job.device.type](local_rank)
+    ctx = WorkerContext(job=job, rank=rank, world_size=world, local_rank=local_rank, device=device, run_dir=run_dir)
+    ctx.comm = adapter.init_worker(ctx)
+    engine = adapter.create_engine(ctx)
+    result = (_export if request["mode"] == "export" else _import)(engine, ctx, request)
+    if rank == 0:
+        (run_dir / RESULT).write_text(json.dumps(result, indent=1))
+    engine.close()
+    ctx.comm.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    if os.environ.get("MS_ROLE") == "MS_SCHED":
+        return _serve_msrun_scheduler()
+    argv = sys.argv[1:] if argv is None else argv
+    run_dir = Path(argv[0])
+    job = load_job(run_dir / "spec.json")
+    rank, local_rank, world = get_launcher(get_adapter(job.backend.name).capabilities.launcher).coords()
+    _redirect_output(run_dir, rank)
+    print(f"[parabench convert] rank {rank}/{world} pid {os.getpid()}", flush=True)
+    try:
+        return _run(run_dir, rank, local_rank, world)
+    except Exception:  # the command prints this log's tail and exits 1
+        traceback.print_exc()
+        sys.stderr.flush()
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
