@@ -1,6 +1,7 @@
 """bench compare: grouping, ratios, efficiencies and refusals on synthetic records; renderers."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -202,3 +203,31 @@ def test_compare_puts_a_plan_beside_the_run_of_its_row(results):
         assert q["error"] == pytest.approx((q["predicted"] - q["measured"]) / q["measured"])
         assert f"{100 * q['error']:+.1f}%" in proc.stdout
     assert "id='predicted'" in (out / "report.html").read_text()
+    _calibrate_on(results, store, client.get_run(job.run_id), tiny, plan_args)
+
+
+def _calibrate_on(results, store, run, tiny, plan_args):
+    """bench plan --calibrate on the recorded run: the efficiency is the hand formula
+    C / T (C = the step's model FLOPs per device at the peak the run's MFU used, T the measured
+    median step; one rank: no communication, no bubble), named with its fit error in the plan."""
+    from conftest import bench
+    from parabench.flops import flops_per_token
+    from parabench.jobs import job_from_json
+
+    cwd = results.parent  # the calibration is stored under ./results/plan/ of the working directory
+    proc = bench(["plan", "--calibrate", "parabench", "--tracking-uri", store], results, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    job = job_from_json((Path(run.data.tags["run_dir"]) / "spec.json").read_text())
+    m = run.data.metrics
+    flops = flops_per_token(job.model, job.data.seq_len) * job.tokens_per_step
+    eff = flops / (m["peak_tflops_per_device"] * 1e12) / m["step_time_median_s"]
+    assert f"efficiency ddp/cpu: {100 * eff:.1f}% of peak" in proc.stdout, proc.stdout
+    assert (
+        "calibration parabench: 1 runs" in proc.stdout
+        and "fit error (median over the runs): step time 0.0%" in proc.stdout
+    )
+    cal = json.loads((cwd / "results" / "plan" / "parabench.json").read_text())
+    assert cal["efficiency"]["ddp/cpu"] == pytest.approx(eff) and cal["time_error"] == pytest.approx(0, abs=1e-9)
+    proc = bench(["plan", *tiny, *plan_args, "plan.calibration=parabench", "tracking.enabled=false"], results, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "calibration parabench (1 runs; fit error: step time 0%, memory 0%)" in proc.stdout, proc.stdout

@@ -227,3 +227,120 @@ def test_model_state_bytes_predicted_equal_measured(sweep, ranks, tmp_path):
         assert busiest == (predicted.params, predicted.grads, predicted.optimizer), (spec.parent.name, held)
         if job.backend.name == "deepspeed" and job.backend.options.zero_stage == 2:
             assert predicted.boundary > 0  # on 3 ranks this model's partitions cut through parameters
+
+
+# --------------------------------------------------------------------------------------------
+# Activation memory and the time model, against hand-computed values.
+# --------------------------------------------------------------------------------------------
+# The llama config (h = 256, a = 8, L = 4, V = 32,000) at s = 128, b = 2 in bf16 (the 2-byte
+# activations of Korthikanti et al. 2022, arXiv 2205.05198, Table 2): s b h = 65,536 and
+# 5 a s / h = 5 * 8 * 128 / 256 = 20. Each value below is Table 2's per-layer formula times the
+# layers a device holds; the fp32 logits and their gradient (2 s b V / t x 4 bytes, outside the
+# table) are subtracted.
+SBH, L = 128 * 2 * 256, 4
+ACT = ["run.precision=bf16", "data.seq_len=128", "data.micro_batch_size=2"]
+
+
+def _acts(backend, world, gbs, recompute="none", *extra, **options):
+    from parabench.plan.estimate import activation_bytes
+
+    job = _job(backend, world, *ACT, f"data.global_batch_size={gbs}", *extra, **options)
+    logits = 2 * 128 * 2 * 32000 * 4 / job.parallel.tp
+    return activation_bytes(job, recompute, fused_attention=False) - logits
+
+
+@pytest.mark.parametrize(
+    ("options", "recompute", "per_layer"),
+    [
+        ({}, "none", 34 + 20),  # no parallelism: sbh (34 + 5as/h)
+        ({"tp": 2}, "none", 10 + 24 / 2 + 20 / 2),  # TP: sbh (10 + 24/t + 5as/(ht))
+        ({"tp": 2, "sequence_parallel": True}, "none", 34 / 2 + 20 / 2),  # TP + SP: sbh (34/t + 5as/(ht))
+        ({"tp": 2}, "selective", 10 + 24 / 2),  # TP + selective: sbh (10 + 24/t)
+        ({"tp": 2, "sequence_parallel": True}, "selective", 34 / 2),  # TP + SP + selective: 34 sbh / t
+    ],
+)
+def test_activation_bytes_korthikanti_table_2(options, recompute, per_layer):
+    world = options.get("tp", 1)
+    assert _acts("megatron", world, 2, recompute, **options) == pytest.approx(SBH * per_layer * L)
+
+
+def test_activation_bytes_full_recompute_fp32_and_pipeline_in_flight():
+    # full recompute: 2 sbh per layer (the layer inputs) + one layer's activations live while it is recomputed
+    assert _acts("ddp", 1, 2, "full") == pytest.approx(2 * SBH * L + SBH * 54)
+    assert _acts("ddp", 1, 2, "none", "run.precision=fp32") == pytest.approx(2 * SBH * 54 * L)  # 4-byte
+    # 1F1B, p = 2, m = 4: the first stage holds L/p layers for min(p, m) = 2 micro-batches
+    assert _acts("megatron", 2, 8, pp=2) == pytest.approx(SBH * 54 * (L / 2) * 2)
+    # interleaved (v = 2): (1 + (p - 1) / (p v)) = 1.25 times that (Korthikanti et al. 2022, section 4.2.3)
+    assert _acts("megatron", 2, 8, pp=2, vpp=2) == pytest.approx(SBH * 54 * (L / 2) * 2 * 1.25)
+
+
+def _estimate(backend, world, *overrides, cal=None, **options):
+    from parabench.plan.cluster import load
+    from parabench.plan.estimate import Calibration, estimate
+
+    job = _job(backend, world, "run.precision=bf16", *overrides, **options)
+    return estimate(job, load("h100-sxm"), 989.0, cal or Calibration())
+
+
+def test_pipeline_bubble_is_p_minus_1_over_v_m():
+    # Narayanan et al. 2021, section 2.2: bubble = (p - 1) / m of the compute, (p - 1) / (v m) interleaved
+    one = _estimate("megatron", 2, "data.global_batch_size=8", "data.micro_batch_size=2", pp=2)
+    assert one.job.grad_accum == 4 and one.bubble_s == pytest.approx(one.compute_s * 1 / 4)
+    two = _estimate("megatron", 2, "data.global_batch_size=8", "data.micro_batch_size=2", pp=2, vpp=2)
+    assert two.bubble_s == pytest.approx(two.compute_s * 1 / (2 * 4))
+    assert two.step_s == pytest.approx(two.compute_s + two.bubble_s + two.exposed_comm_s)
+
+
+@pytest.mark.parametrize(
+    ("backend", "options", "overlap"),
+    [
+        ("ddp", {}, 1.0),  # DDP's bucketed all-reduce runs during the backward
+        ("fsdp", {}, 1.0),
+        ("deepspeed", {"zero_stage": 1}, 0.0),  # overlap_comm defaults off for ZeRO-1/2
+        ("deepspeed", {"zero_stage": 3}, 1.0),  # and on for ZeRO-3
+        ("deepspeed", {"zero_stage": 2, "overlap_comm": True}, 1.0),
+        ("megatron", {}, 0.0),  # overlap_grad_reduce off
+        ("megatron", {"overlap_grad_reduce": True}, 1.0),
+    ],
+)
+def test_overlap_assumption_per_backend(backend, options, overlap):
+    e = _estimate(backend, 2, "data.global_batch_size=4", **options)
+    assert e.comm_s > 0
+    hidden = overlap * min(e.comm_s, e.compute_s * 2 / 3)  # data-parallel only: at most 2/3 of the compute
+    assert e.exposed_comm_s == pytest.approx(e.comm_s - hidden)
+
+
+def test_mfu_is_the_calibrated_efficiency_without_communication_or_bubble():
+    from parabench.flops import flops_per_token
+    from parabench.plan.estimate import Calibration
+
+    cal = Calibration("t", efficiency={"ddp/cuda": 0.37}, runs=1)
+    e = _estimate("ddp", 1, "data.global_batch_size=2", cal=cal)
+    assert e.comm_s == 0 and e.bubble_s == 0 and e.mfu == pytest.approx(0.37)
+    tokens = e.job.tokens_per_step
+    assert e.step_s == pytest.approx(flops_per_token(e.job.model, e.job.data.seq_len) * tokens / (989e12 * 0.37))
+    full = _estimate("ddp", 1, "data.global_batch_size=2", cal=cal, activation_checkpointing=True)
+    assert full.mfu == pytest.approx(0.37 * 3 / 4)  # one more forward: 4/3 the FLOPs, MFU counts the model's
+
+
+def test_formats_carry_the_same_rows_and_say_the_plan_is_uncalibrated(capsys):
+    import csv
+    import io
+
+    args = ["+model=llama", "cluster=cpu", "plan.backends=[ddp,fsdp]", "plan.micro_batch_sizes=[1,2]", "plan.top=2"]
+    out = {fmt: _plan(capsys, *args, "--format", fmt) for fmt in ("json", "table", "md", "csv")}
+    assert all(code == 0 for code, _, _ in out.values()), {k: v[2] for k, v in out.items()}
+    doc = json.loads(out["json"][1])
+    best = doc["ranked"][0]
+    table, md = out["table"][1], out["md"][1]
+    for text in (table, md):
+        assert "no calibration: default efficiencies and overheads, step times uncertain by about +-50%" in text
+        assert "uncertain cluster values (no solid public source): " in text
+        assert f"1: bench run {doc['context']['job_overrides']} {best['overrides']}" in text
+        assert best["layout"] in text and f"{best['step_s']:.4g}" in text and f"{100 * best['mfu']:.1f}%" in text
+    assert any(line.split()[:3] == ["rank", "layout", "device_gib"] for line in table.splitlines())
+    assert "| rank | layout | device_gib |" in md and "|---|---|" in md
+    rows = list(csv.DictReader(io.StringIO(out["csv"][1])))
+    assert len(rows) == len(doc["ranked"]) + len(doc["rejected"]) and "match" not in rows[0]
+    assert rows[0]["layout"] == best["layout"] and float(rows[0]["step_s"]) == pytest.approx(best["step_s"])
+    assert rows[0]["overrides"] == best["overrides"]

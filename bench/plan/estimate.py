@@ -91,13 +91,16 @@ class Estimate:
 
 def activation_bytes(job: JobSpec, recompute: str, fused_attention: bool = False) -> float:
     """Activations a device holds at its peak (Korthikanti et al. 2022, Table 2, for 2-byte
-    activations; fp32 doubles them) plus the fp32 logits and their gradient of the last stage."""
+    activations; fp32 doubles them) plus the fp32 logits and their gradient of the last stage.
+    ``recompute``: none | selective | full (docs/sources.md#activation-memory)."""
     m, d, o = job.model, job.data, job.backend.options
     s, b, h, a = d.seq_len, d.micro_batch_size, m.hidden_size, m.num_attention_heads
     t, p = getattr(o, "tp", 1), getattr(o, "pp", 1)
     v, sp = getattr(o, "vpp", 1), getattr(o, "sequence_parallel", False)
     s //= getattr(o, "cp", 1)
-    attn = 0.0 if fused_attention else 5 * a * s / (h * t)
+    # selective recomputation (Korthikanti et al. 2022, section 5) recomputes the attention scores,
+    # softmax and dropout: their 5as/h term drops, as with a fused attention kernel
+    attn = 0.0 if fused_attention or recompute == "selective" else 5 * a * s / (h * t)
     per_layer = s * b * h * ((34 / t if sp else 10 + 24 / t) + attn) if t > 1 else s * b * h * (34 + attn)
     width = (4 if job.run.precision == "fp32" else 2) / 2
     layers = m.num_hidden_layers / p
