@@ -129,6 +129,11 @@ class MindSporeOps:
         data = input_value(r, idx).astype(self.dtype) if filled else np.zeros(count, self.dtype)
         result: dict[str, Any] = {}
         if op == "all_reduce":
+            if corrupt and filled and r == 0:
+                # the injected wrong reduction: MindSpore's CPU AllReduce reduces with SUM only
+                # (allreduce_cpu_kernel.cc: "AllReduce only support reduce sum on CPU"), so rank 0
+                # adds a wrong contribution instead of TorchOps' MAX: every rank's sum is off by one
+                data = data + 1
             tensor, prim, want = ms.Tensor(data), self._sum, (lambda: expected_sum(n, idx))
         elif op == "all_gather":
             tensor, prim = ms.Tensor(data[r * piece : (r + 1) * piece]), self.msops.AllGather()

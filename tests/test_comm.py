@@ -95,9 +95,12 @@ def test_gloo_sweep_prints_checked_table_and_logs_mlflow(results):
     assert [p[0] for p in data["comm"]["all_reduce"]["torch.distributed/gloo x2"]] == [1024, 4096, 16384]
 
 
-def test_a_wrong_reduction_is_an_error_not_a_bandwidth(results):
-    args = ["comm", "launcher.nproc_per_node=2", *SMALL, "comm.ops=[all_reduce,broadcast]", "comm.corrupt=all_reduce"]
-    proc = bench([*args, f"run.results_dir={results}"], results)
+@pytest.mark.parametrize("backend", ["ddp", "mindspore"])
+def test_a_wrong_reduction_is_an_error_not_a_bandwidth(backend, results):
+    if backend == "mindspore":
+        pytest.importorskip("mindspore")
+    args = ["comm", f"backend={backend}", "launcher.nproc_per_node=2", *SMALL, "comm.ops=[all_reduce,broadcast]"]
+    proc = bench([*args, "comm.corrupt=all_reduce", f"run.results_dir={results}"], results)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "bench comm: error: wrong results (all_reduce) at 3 (op, size) points" in proc.stderr
     table = proc.stdout.split("\nall_reduce")[1].split("\nbroadcast")[0]
