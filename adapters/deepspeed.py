@@ -548,11 +548,32 @@ class DeepSpeedEngine(Engine):
             raise RuntimeError(f"AdamW step counts differ between parameter groups: {sorted(steps)}")
         return CanonicalState(weights, moments, int(steps.pop()) if steps else 0)
 
+    def _ensure_optimizer_state(self) -> None:
+        """torch's AdamW creates its state at the first step (ZeRO's initialize_optimizer_states no
+        longer steps): create it as AdamW would (zero moments, step 0.0 as a CPU float32 tensor;
+        torch/optim/adamw.py ``_init_group``) on each flat fp32 partition, and link ZeRO-1/2's
+        per-parameter fragments to it as a checkpoint load does (``_link_all_hp_params``)."""
+        opt, basic = self.engine.optimizer, self._basic_optimizer()
+        flats = getattr(opt, "fp32_partitioned_groups_flat", None)  # stage 3
+        if flats is None:
+            flats = getattr(opt, "single_partition_of_fp32_groups", None) or []  # stage 1/2
+        torch = self._torch
+        for flat in flats:
+            if "exp_avg" not in basic.state.get(flat, {}):
+                basic.state[flat] = {
+                    "step": torch.tensor(0.0, dtype=torch.float32),
+                    "exp_avg": torch.zeros_like(flat, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(flat, memory_format=torch.preserve_format),
+                }
+        if hasattr(opt, "single_partition_of_fp32_groups") and hasattr(opt, "_link_all_hp_params"):
+            opt._link_all_hp_params()
+
     def import_canonical(self, state):
         from deepspeed.utils import safe_set_full_optimizer_state
 
         if state.moments is None:
             return  # weights only: AdamW starts fresh, as in a new run
+        self._ensure_optimizer_state()
         dev = self.ctx.device.torch_device
         for name, p in zip(self.names, self.params):
             for key, values in state.moments.items():

@@ -126,6 +126,8 @@ def target_job(name: str, overrides: list[str], identity: dict[str, Any], world_
                     f"the checkpoint holds another model ({source_model['name']}: {key}={value}; asked: {asked.get(key)})",
                 )
     plain["model"] = source_model
+    if name == identity["backend"]:  # the same stack: the source's options unless given (a layout change)
+        plain["backend"].update({k: v for k, v in identity["options"].items() if not _given(overrides, f"backend.{k}")})
     if not _given(overrides, "run.precision"):
         plain["run"]["precision"] = identity["precision"]
     if not _given(overrides, "launcher.nproc_per_node"):

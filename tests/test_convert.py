@@ -1,0 +1,175 @@
+"""bench convert (issue 19, docs/convert.md): a DeepSpeed ZeRO-3 checkpoint carried to FSDP resumes as
+an uninterrupted DDP run does; DeepSpeed -> canonical -> DeepSpeed is bitwise in DeepSpeed's own files;
+the Hugging Face export reads back as the same model; bad input is refused before anything is written.
+
+One tiny model (2 layers, hidden 64, vocab 512) keeps every launch short: the DeepSpeed run that
+writes the source checkpoint is shared by the module's tests."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FAST, bench
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+TINY = [
+    "model.vocab_size=512",
+    "model.hidden_size=64",
+    "model.intermediate_size=128",
+    "model.num_hidden_layers=2",
+    "model.num_attention_heads=4",
+    "model.num_key_value_heads=2",
+    "launcher.nproc_per_node=2",
+    "tracking.enabled=false",
+]
+DS3 = ["backend=deepspeed", "backend.zero_stage=3"]
+STEPS = 20
+SAVED = 10
+
+
+def _losses(results: Path, backend: str) -> list[float]:
+    (path,) = results.glob(f"runs/*/*/{backend}/ranks/rank0.json")
+    return json.loads(path.read_text())["losses"]
+
+
+def _run(args: list[str], results: Path):
+    proc = bench(["run", *FAST, *TINY, *args], results)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _convert(args: list[str]):
+    proc = bench(["convert", *args], Path("."))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def ds_checkpoint(tmp_path_factory) -> tuple[Path, Path]:
+    """ZeRO-3 on 2 ranks, checkpointed after step 10 (run to 11: the last step is never saved)."""
+    results = tmp_path_factory.mktemp("ds")
+    _run([*DS3, f"run.steps={SAVED + 1}", f"run.checkpoint.every={SAVED}"], results)
+    (ckpt,) = results.glob(f"runs/*/*/deepspeed/checkpoints/step_{SAVED:06d}")
+    return results, ckpt
+
+
+@pytest.fixture(scope="module")
+def to_fsdp(ds_checkpoint, tmp_path_factory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("conv") / "fsdp"
+    return out, _convert([str(ds_checkpoint[1]), "--to", "fsdp", "--out", str(out), *TINY[:-2]])
+
+
+def test_deepspeed_zero3_to_fsdp_resumes_like_ddp(ds_checkpoint, to_fsdp, tmp_path):
+    out, printed = to_fsdp
+    record = json.loads((out / "convert.json").read_text())
+    assert record["checksum_before"] == record["checksum_after"], printed
+    assert "(match)" in printed and "optimizer state: included" in printed, printed
+    assert "deepspeed (deepspeed; world_size=2 dp=2 zero_stage=3; fp32) step 10" in printed, printed
+    assert (out / f"step_{SAVED:06d}" / "COMPLETE").is_file()
+
+    _run(["backend=fsdp", f"run.steps={STEPS}", f"run.resume={out}"], tmp_path / "fsdp")
+    _run(["backend=ddp", f"run.steps={STEPS}"], tmp_path / "ddp")
+    resumed, reference = _losses(tmp_path / "fsdp", "fsdp"), _losses(tmp_path / "ddp", "ddp")
+    source = _losses(ds_checkpoint[0], "deepspeed")
+    assert len(resumed) == len(reference) == STEPS
+    assert resumed[:SAVED] == source[:SAVED]  # the loss history travels with the harness state
+    rel = [abs(a - b) / abs(b) for a, b in zip(resumed, reference, strict=True)]
+    print(f"fsdp resumed from the converted ZeRO-3 checkpoint vs ddp: max relative {max(rel):.3g}")
+    assert max(rel[SAVED:]) < 1e-5, rel
+
+
+def _tensors(value, prefix: str = ""):
+    """Every tensor inside a (nested) torch.load result, by its path."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        yield prefix, value
+    elif isinstance(value, dict):
+        for k in sorted(value, key=str):
+            yield from _tensors(value[k], f"{prefix}/{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _tensors(v, f"{prefix}/{i}")
+
+
+def test_deepspeed_round_trip_is_bitwise(ds_checkpoint, tmp_path):
+    """ZeRO-3 -> canonical -> ZeRO-3 with the same layout: every tensor of DeepSpeed's own files
+    (fp32 partitions, both moments, step) and the harness state are bit-for-bit the original's."""
+    import torch
+
+    out = tmp_path / "ds"
+    printed = _convert([str(ds_checkpoint[1]), "--to", "deepspeed", "--out", str(out), *TINY[:-2]])
+    assert "(match)" in printed, printed
+    new = out / f"step_{SAVED:06d}"
+    for old_file in sorted((ds_checkpoint[1] / "native").rglob("*.pt")):
+        rel = old_file.relative_to(ds_checkpoint[1] / "native")
+        a = dict(_tensors(torch.load(old_file, weights_only=False, map_location="cpu")))
+        b = dict(_tensors(torch.load(new / "native" / rel, weights_only=False, map_location="cpu")))
+        assert a.keys() == b.keys(), rel
+        for key in a:
+            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), f"{rel}{key}"
+    for r in range(2):
+        a = torch.load(ds_checkpoint[1] / "harness" / f"rank{r}.pt", weights_only=True)
+        b = torch.load(new / "harness" / f"rank{r}.pt", weights_only=True)
+        assert (a["step"], a["history"], a["ledger"]) == (b["step"], b["history"], b["ledger"])
+        assert torch.equal(a["rng"]["torch"], b["rng"]["torch"])
+
+
+def test_hf_export_reads_back_as_the_same_model(to_fsdp, tmp_path):
+    """--to hf from the canonical directory: config.json + model.safetensors that parabench's Hugging
+    Face reader (names, shapes, dtypes) takes as the same model, whose logits are the canonical ones.
+    (transformers is not a dependency; where it is installed LlamaForCausalLM reads the same files.)"""
+    import torch
+    from safetensors import safe_open
+
+    from parabench.hf import check_weights, spec_fields
+    from parabench.jobs import model_spec
+    from parabench.model import build_llama, load_canonical
+
+    out = tmp_path / "hf"
+    printed = _convert([str(to_fsdp[0] / "canonical"), "--to", "hf", "--out", str(out)])
+    assert "optimizer state: not included in the hf export" in printed, printed
+    spec = model_spec(spec_fields({"path": str(out)}))
+    check_weights(spec)  # every canonical name with its shape, nothing else
+    source = json.loads((to_fsdp[0] / "canonical" / "manifest.json").read_text())["source"]["job"]["model"]
+    assert {k: getattr(spec, k) for k in source if k != "rope_scaling"} == {
+        k: v for k, v in source.items() if k != "rope_scaling"
+    }
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(n).get_dtype() for n in f.keys()} == {"F32"}
+        assert set(f.keys()) == set(spec.parameter_shapes())
+    hf_model, canon = build_llama(spec, seed=0), build_llama(spec)
+    canon_spec = model_spec({**spec.__dict__, "weights": str(to_fsdp[0] / "canonical" / "model.safetensors")})
+    load_canonical(canon, canon_spec, seed=0)
+    tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(hf_model(tokens), canon(tokens))
+
+
+def _refused(argv: list[str], must_name: str, out: Path, capsys) -> None:
+    from parabench.cli import main
+
+    code = main(["convert", *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and err.startswith("bench: error:") and must_name in err, err
+    assert "Traceback" not in err and not out.exists()
+
+
+def test_bad_input_is_refused_before_anything_is_written(ds_checkpoint, tmp_path, capsys):
+    ckpt, out = ds_checkpoint[1], tmp_path / "out"
+    _refused([str(ckpt), "--to", "fsdp", "--out", str(out), "model.hidden_size=128"], "model.hidden_size", out, capsys)
+    _refused([str(ckpt), "--to", "megatron", "--out", str(out), "backend.tp=3"], "backend.tp", out, capsys)
+    partial = tmp_path / "partial"
+    shutil.copytree(ckpt, partial)
+    (partial / "harness" / "rank1.pt").unlink()
+    _refused([str(partial), "--to", "fsdp", "--out", str(out)], "rank1.pt is missing", out, capsys)
+    future = tmp_path / "future"
+    future.mkdir()
+    (future / "manifest.json").write_text(json.dumps({"format": "parabench-canonical", "version": 99}))
+    _refused([str(future), "--to", "fsdp", "--out", str(out)], "version 99", out, capsys)
