@@ -29,6 +29,8 @@ MODEL = [
 SWEEP = [
     ["backend=ddp", "launcher.nproc_per_node=1", "data.global_batch_size=8", "data.micro_batch_size=4"],
     ["backend=ddp", "launcher.nproc_per_node=2", "data.global_batch_size=8", "data.micro_batch_size=4"],
+    # a second 1-rank run: the efficiency at 2 threads per rank is fitted apart from 1 thread's
+    ["backend=fsdp", "launcher.nproc_per_node=1", "data.global_batch_size=8", "data.micro_batch_size=4"],
     ["backend=ddp", "launcher.nproc_per_node=2", "data.global_batch_size=8", "data.micro_batch_size=2"],
     ["backend=fsdp", "launcher.nproc_per_node=2", "data.global_batch_size=8", "data.micro_batch_size=4"],
     ["backend=fsdp", "launcher.nproc_per_node=2", "data.global_batch_size=8", "data.micro_batch_size=2"],

@@ -18,12 +18,12 @@ from parabench.runner import prepare
 GB = 1e9
 
 
-def _job(backend: str, world: int, *overrides: str, **options):
+def _job(backend: str, world: int, *overrides: str, device: str = "cpu", **options):
     plain = to_plain(compose(["+model=llama", f"backend={backend}", *overrides]))
     cfg = copy.deepcopy(plain)
     cfg["backend"].update(options)
     cfg["launcher"].update(nproc_per_node=world, dry_run=True)
-    cfg["device"]["type"] = "cpu"
+    cfg["device"]["type"] = device
     cfg["tracking"]["enabled"] = False
     return prepare(cfg)
 
@@ -274,11 +274,11 @@ def test_activation_bytes_full_recompute_fp32_and_pipeline_in_flight():
     assert _acts("megatron", 2, 8, pp=2, vpp=2) == pytest.approx(SBH * 54 * (L / 2) * 2 * 1.25)
 
 
-def _estimate(backend, world, *overrides, cal=None, **options):
+def _estimate(backend, world, *overrides, cal=None, device="cuda", **options):
     from parabench.plan.cluster import load
     from parabench.plan.estimate import Calibration, estimate
 
-    job = _job(backend, world, "run.precision=bf16", *overrides, **options)
+    job = _job(backend, world, "run.precision=bf16", *overrides, device=device, **options)
     return estimate(job, load("h100-sxm"), 989.0, cal or Calibration())
 
 
@@ -301,6 +301,7 @@ def test_pipeline_bubble_is_p_minus_1_over_v_m():
         ("deepspeed", {"zero_stage": 2, "overlap_comm": True}, 1.0),
         ("megatron", {}, 0.0),  # overlap_grad_reduce off
         ("megatron", {"overlap_grad_reduce": True}, 1.0),
+        ("deepspeed", {"zero_stage": 3, "device": "cpu"}, 0.0),  # a synchronized device: no reduction stream
     ],
 )
 def test_overlap_assumption_per_backend(backend, options, overlap):
@@ -344,3 +345,13 @@ def test_formats_carry_the_same_rows_and_say_the_plan_is_uncalibrated(capsys):
     assert len(rows) == len(doc["ranked"]) + len(doc["rejected"]) and "match" not in rows[0]
     assert rows[0]["layout"] == best["layout"] and float(rows[0]["step_s"]) == pytest.approx(best["step_s"])
     assert rows[0]["overrides"] == best["overrides"]
+
+
+def test_cpu_efficiency_is_looked_up_at_the_ranks_thread_count_first():
+    from parabench.plan.estimate import Calibration
+
+    cal = Calibration("t", efficiency={"ddp/cpu/t2": 0.2, "*/cpu/t1": 0.4, "ddp/cpu": 0.3, "*/cpu": 0.35})
+    assert cal.eff("ddp", "cpu", 2) == 0.2  # this backend at 2 threads
+    assert cal.eff("ddp", "cpu", 1) == 0.4  # no ddp run at 1 thread: every backend's at 1 thread
+    assert cal.eff("fsdp", "cpu", 4) == 0.35 and cal.eff("ddp", "cpu") == 0.3
+    assert cal.eff("ddp", "cuda", 2) == 0.45  # no fit for the kind: the default

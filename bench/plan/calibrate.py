@@ -3,7 +3,8 @@
 Two parameters per ``backend/device kind``, each fitted as the median over that backend's runs:
 * efficiency: the share of the peak the compute reaches, from the measured step time minus the
   predicted exposed communication: eff = C (1 + bubble) / (T - E), C the model FLOPs of a device's
-  step at the peak, E the predicted exposed communication;
+  step at the peak, E the predicted exposed communication; CPU runs are fitted per intra-op thread
+  count too (``backend/cpu/tN``, ``*/cpu/tN``), which a prediction for that count uses first;
 * overhead: measured peak memory minus the predicted model states, activations and buffers
   (runtime, framework, allocator caching; on CPU the process's libraries).
 ``*/<kind>`` holds the median over all backends, used for a backend without runs of its own.
@@ -21,7 +22,7 @@ from pathlib import Path
 from parabench.errors import UserError
 from parabench.jobs import job_from_json
 from parabench.plan import cluster as clusters
-from parabench.plan.estimate import Calibration, estimate
+from parabench.plan.estimate import Calibration, efficiency_keys, estimate
 from parabench.spec import JobSpec
 
 STORE = Path("results") / "plan"  # fitted calibrations, <name>.json
@@ -37,6 +38,7 @@ class Record:
     peak_bytes: float  # measured: max over ranks of the peak memory
     peak_tflops: float  # the peak the run's MFU used
     kind: str
+    threads: int | None = None  # intra-op threads per rank (CPU runs: derived.threads_per_rank)
 
 
 def _client(tracking_uri: str | None):
@@ -83,8 +85,10 @@ def records(experiment: str, tracking_uri: str | None) -> list[Record]:
         spec = mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="spec.json",
                                                    tracking_uri=client.tracking_uri)  # fmt: skip
         job = job_from_json(Path(spec).read_text())
+        threads = run.data.params.get("derived.threads_per_rank") or ""
         out.append(Record(run.info.run_id, job, m["step_time_median_s"], m["peak_memory_bytes_max"],
-                          m["peak_tflops_per_device"], job.device.type))  # fmt: skip
+                          m["peak_tflops_per_device"], job.device.type,
+                          int(threads) if threads.isdigit() and job.device.type == "cpu" else None))  # fmt: skip
     if not out:
         raise UserError(f"--calibrate: experiment {experiment!r} holds no finished run with a step time and a peak")
     return out
@@ -102,7 +106,8 @@ def cluster_for(kind: str) -> clusters.Cluster:
 def _parts(r: Record) -> tuple[float, float, float, float]:
     """(compute at the peak x (1 + bubble), exposed comm, memory without overhead, step at eff 1)."""
     key = f"{r.job.backend.name}/{r.kind}"
-    e = estimate(r.job, cluster_for(r.kind), r.peak_tflops, Calibration(efficiency={key: 1.0}, overhead={key: 0.0}))
+    unit = Calibration(efficiency={key: 1.0}, overhead={key: 0.0})
+    e = estimate(r.job, cluster_for(r.kind), r.peak_tflops, unit, r.threads)
     return e.compute_s + e.bubble_s, e.exposed_comm_s, e.device_bytes, e.step_s
 
 
@@ -111,9 +116,10 @@ def fit_records(recs: list[Record], name: str, links: dict[str, list[float]] | N
     over: dict[str, list[float]] = {}
     for r in recs:
         compute, exposed, memory, _ = _parts(r)
-        for key in (f"{r.job.backend.name}/{r.kind}", f"*/{r.kind}"):
+        for key in efficiency_keys(r.job.backend.name, r.kind, r.threads):
             if r.step_s > exposed:
                 eff.setdefault(key, []).append(compute / (r.step_s - exposed))
+        for key in (f"{r.job.backend.name}/{r.kind}", f"*/{r.kind}"):
             over.setdefault(key, []).append(r.peak_bytes - memory)
     cal = Calibration(
         name,
@@ -131,7 +137,7 @@ def fit_records(recs: list[Record], name: str, links: dict[str, list[float]] | N
 
 def predict(r: Record, cal: Calibration) -> tuple[float, float]:
     """(step time, peak memory per device) the calibration predicts for a recorded run's job."""
-    e = estimate(r.job, cluster_for(r.kind), r.peak_tflops, cal)
+    e = estimate(r.job, cluster_for(r.kind), r.peak_tflops, cal, r.threads)
     return e.step_s, e.device_bytes
 
 

@@ -41,9 +41,14 @@ class Calibration:
     runs: int = 0
     links: dict[str, list[float]] = field(default_factory=dict)  # device kind -> [alpha s, bytes/s] (bench comm)
 
-    def eff(self, backend: str, kind: str) -> float:
-        key = f"{backend}/{kind}"
-        return self.efficiency.get(key, self.efficiency.get(f"*/{kind}", DEFAULT_EFFICIENCY[kind]))
+    def eff(self, backend: str, kind: str, threads: int | None = None) -> float:
+        """The fitted share of the peak: for a CPU rank first at its intra-op thread count (``/tN``:
+        parallel regions synchronise their threads, and the model's small GEMMs gain less from a
+        second thread than the large GEMM the peak is measured with), then over all thread counts."""
+        for key in efficiency_keys(backend, kind, threads):
+            if key in self.efficiency:
+                return self.efficiency[key]
+        return DEFAULT_EFFICIENCY[kind]
 
     def over(self, backend: str, kind: str) -> float:
         key = f"{backend}/{kind}"
@@ -51,6 +56,12 @@ class Calibration:
 
     def calibrated(self, backend: str, kind: str) -> bool:
         return f"{backend}/{kind}" in self.efficiency
+
+
+def efficiency_keys(backend: str, kind: str, threads: int | None) -> list[str]:
+    """Calibration keys, most specific first (docs/plan.md#calibration)."""
+    coarse = [f"{backend}/{kind}", f"*/{kind}"]
+    return [f"{backend}/{kind}/t{threads}", f"*/{kind}/t{threads}", *coarse] if threads else coarse
 
 
 @dataclass(frozen=True)
@@ -115,7 +126,15 @@ def activation_bytes(job: JobSpec, recompute: str, fused_attention: bool = False
     return stored * width * in_flight + logits
 
 
-def estimate(job: JobSpec, cluster: Cluster, peak_tflops: float | None, cal: Calibration) -> Estimate:
+def threads_of(cluster: Cluster) -> int | None:
+    """Intra-op threads of a rank the plan assumes: the cluster file's (CPU only)."""
+    return int((cluster.measured or {}).get("threads_per_rank", 1)) if cluster.device_kind == "cpu" else None
+
+
+def estimate(
+    job: JobSpec, cluster: Cluster, peak_tflops: float | None, cal: Calibration, threads: int | None = None
+) -> Estimate:
+    """``threads``: a recorded CPU run's threads per rank (default: the cluster's)."""
     prof = PROFILES[job.backend.name]
     states = prof.states(job)
     recompute = prof.recompute(job)
@@ -126,7 +145,8 @@ def estimate(job: JobSpec, cluster: Cluster, peak_tflops: float | None, cal: Cal
     flops = flops_per_token(job.model, job.data.seq_len) * job.tokens_per_step / job.parallel.world_size
     if recompute == "full":
         flops *= 4 / 3
-    eff = cal.eff(job.backend.name, cluster.device_kind)
+    kind = cluster.device_kind
+    eff = cal.eff(job.backend.name, kind, (threads or threads_of(cluster)) if kind == "cpu" else None)
     compute = flops / (peak_tflops * 1e12 * eff) if peak_tflops else float("nan")
     comm = step_comm(
         job.model,

@@ -177,6 +177,17 @@ def _ds_buffers(job: JobSpec) -> float:
     return 0.0
 
 
+def _ds_overlap(job: JobSpec) -> float:
+    """overlap_comm (default on for ZeRO-3, off for 1-2) hides the reduction behind the backward
+    only on a device with streams: DeepSpeed's CPU accelerator is a synchronized device, which
+    gets no reduction stream (stage_1_and_2.py, stage3.py: ``None if is_synchronized_device()``),
+    so there the reductions block the backward."""
+    o = job.backend.options
+    if job.device.type == "cpu":
+        return 0.0
+    return float(o.overlap_comm if o.overlap_comm is not None else o.zero_stage == 3)
+
+
 def _ds_options(world: int, per_node: int) -> Iterator[dict[str, Any]]:
     for stage in (0, 1, 2, 3):
         for ac in (False, True):
@@ -282,11 +293,7 @@ PROFILES: dict[str, Profile] = {
         lambda j: j.run.precision == "fp32",
         _ds_states,
         _ds_buffers,
-        lambda j: float(
-            j.backend.options.overlap_comm
-            if j.backend.options.overlap_comm is not None
-            else j.backend.options.zero_stage == 3
-        ),
+        _ds_overlap,
         _ac,
     ),
     "megatron": Profile(
