@@ -69,6 +69,8 @@ class ConvertSupport:
     the canonical full tensors (``Engine.export_canonical``) and back (``Engine.import_canonical``)."""
 
     optimizer: str | None = None  # None: AdamW moments and step are carried; else why they are not
+    # backend.* switches (booleans) under which the state is laid out in a way export/import does not map
+    unsupported_options: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

@@ -541,6 +541,7 @@ class DeepSpeedEngine(Engine):
 
     def export_canonical(self):
 
+        self._link_optimizer_fragments()
         weights = self.full_state_dict()
         moments = {k: {n: self._full_moment(p, k) for n, p in zip(self.names, self.params)} for k in MOMENTS}
         steps = {float(s["step"]) for s in self._basic_optimizer().state.values() if "step" in s}
@@ -565,8 +566,15 @@ class DeepSpeedEngine(Engine):
                     "exp_avg": torch.zeros_like(flat, memory_format=torch.preserve_format),
                     "exp_avg_sq": torch.zeros_like(flat, memory_format=torch.preserve_format),
                 }
-        if hasattr(opt, "single_partition_of_fp32_groups") and hasattr(opt, "_link_all_hp_params"):
-            opt._link_all_hp_params()
+        self._link_optimizer_fragments()
+
+    def _link_optimizer_fragments(self) -> None:
+        """ZeRO-1/2 link each parameter's view of the AdamW state only at the next step
+        (``_lazy_init_hp_params_optimizer_state``); after a load or a fresh state, link them now."""
+        opt = self.engine.optimizer
+        if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+            opt._hp_optimizer_states_linked = False
+            opt._lazy_init_hp_params_optimizer_state()
 
     def import_canonical(self, state):
         from deepspeed.utils import safe_set_full_optimizer_state

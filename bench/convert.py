@@ -55,17 +55,21 @@ def _parser() -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------------------------
 # The source: what it is and the job that wrote it.
 # --------------------------------------------------------------------------------------------
+def _canonical_source(path: Path) -> tuple[str, Path, dict[str, Any]]:
+    try:
+        return "canonical", path, canonical.read_manifest(path)
+    except ValueError as exc:
+        raise SpecError("SRC", str(exc)) from None
+
+
 def find_source(text: str) -> tuple[str, Path, dict[str, Any]]:
-    """("native", step dir, marker) or ("canonical", dir, manifest)."""
+    """("native", step dir, marker) or ("canonical", dir, manifest): a canonical directory itself, else
+    the native checkpoint (the newest complete one of a directory), else a conversion's canonical/."""
     path = Path(text).expanduser()
     if not path.is_dir():
         raise SpecError("SRC", f"no such checkpoint directory: {path}")
-    for cand in (path, path / "canonical"):
-        if (cand / canonical.MANIFEST).exists():
-            try:
-                return "canonical", cand, canonical.read_manifest(cand)
-            except ValueError as exc:
-                raise SpecError("SRC", str(exc)) from None
+    if (path / canonical.MANIFEST).exists():
+        return _canonical_source(path)
     try:
         if (path / MARKER).exists() or path.name.startswith("step_"):
             found = path, read_marker(path)
@@ -73,6 +77,8 @@ def find_source(text: str) -> tuple[str, Path, dict[str, Any]]:
             found = newest_complete(path) or newest_complete(path / "checkpoints")
     except CheckpointError as exc:
         raise SpecError("SRC", str(exc)) from None
+    if not found and (path / "canonical" / canonical.MANIFEST).exists():
+        return _canonical_source(path / "canonical")
     if not found:
         raise SpecError("SRC", f"no complete parabench checkpoint in {path}")
     marker = found[1]
@@ -137,7 +143,13 @@ def target_job(name: str, overrides: list[str], identity: dict[str, Any], world_
 
 
 def _check_convertible(job: JobSpec, role: str) -> None:
-    if get_adapter(job.backend.name).capabilities.convert is None:
+    support = get_adapter(job.backend.name).capabilities.convert
+    for key in sorted(support.unsupported_options if support else ()):
+        if getattr(job.backend.options, key):
+            raise SpecError(
+                f"backend.{key}", f"{job.backend.name} with {key}=true is not converted yet (docs/convert.md)"
+            )
+    if support is None:
         raise SpecError(
             "--to" if role == "target" else "SRC",
             f"backend {job.backend.name} has no canonical export/import yet (docs/convert.md)",

@@ -57,8 +57,9 @@ def _export(engine, ctx, request: dict[str, Any]) -> dict[str, Any]:
 
 
 def _harness(ctx, engine, saved: list[dict[str, Any]], step: int) -> dict[str, Any]:
-    """This target rank's harness state: RNG streams of the source rank it stands for, the source's
-    loss history, and the data ledger checksum resharded as a resume would (checkpoint._ledger_checksum)."""
+    """This target rank's harness state: the RNG streams and history of the source rank it stands for
+    (rank mod the source world size; the loss list is the same on every rank), and the data ledger
+    checksum resharded as a resume would (checkpoint._ledger_checksum)."""
     dp_rank, dp_size = engine.data_parallel()
     mine = saved[ctx.rank % len(saved)]
     ledger = SimpleNamespace(dp_rank=dp_rank, dp_size=dp_size)
@@ -67,7 +68,7 @@ def _harness(ctx, engine, saved: list[dict[str, Any]], step: int) -> dict[str, A
         "step": step,
         "rng": mine["rng"],
         "ledger": {"dp_rank": dp_rank, "dp_size": dp_size, "checksum": checksum},
-        "history": saved[0]["history"],
+        "history": mine["history"],
     }
 
 
