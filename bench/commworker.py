@@ -70,7 +70,7 @@ class TorchOps:
             return (
                 (lambda: dist.all_gather_into_tensor(big, inp)),
                 (lambda: big),
-                (lambda: self._values(idx // piece, idx % piece)),
+                (lambda: self._values(idx // piece, idx)),  # rank k sent values(k, i) at global index i
             )
         if op == "reduce_scatter":
             out = big[r * piece : (r + 1) * piece] if inplace else torch.empty(piece, dtype=self.dtype, device=dev)
@@ -137,7 +137,7 @@ class MindSporeOps:
             tensor, prim, want = ms.Tensor(data), self._sum, (lambda: expected_sum(n, idx))
         elif op == "all_gather":
             tensor, prim = ms.Tensor(data[r * piece : (r + 1) * piece]), self.msops.AllGather()
-            want = lambda: input_value(idx // piece, idx % piece)  # noqa: E731
+            want = lambda: input_value(idx // piece, idx)  # noqa: E731  (rank k sent values(k, i) at index i)
         else:  # broadcast
             tensor = ms.Tensor(data if r == 0 else np.zeros(count, self.dtype))
             bcast = self.msops.Broadcast(0)

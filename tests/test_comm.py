@@ -214,3 +214,53 @@ def test_comm_columns_and_bus_bandwidth_plots_render(tmp_path):
     ).stdout
     assert 'id="busbw-all_reduce"' in dom and "all_reduce bus bandwidth" in dom and "polyline" in dom
     assert json.loads(dom.split('id="report-data">')[1].split("</script>")[0])["comm"]["all_reduce"]
+
+
+@pytest.mark.slow
+def test_compare_over_a_real_sweep_shows_the_comm_columns(results):
+    """A ddp/fsdp sweep on 2 ranks, then bench compare: per backend the measured bus bytes per step,
+    the formula's and the communication share, the numbers of the runs' own summaries."""
+    from conftest import summaries
+
+    proc = bench(["run", "-m", *TINY, "backend=ddp,fsdp", "launcher.nproc_per_node=2"], results)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = {s["backend"]: s for s in summaries(results).values()}
+    assert sorted(found) == ["ddp", "fsdp"]
+    out = results / "rep"
+    store = f"sqlite:///{results / 'mlflow.db'}"
+    proc = bench(
+        ["compare", "--experiment", "parabench", "--tracking-uri", store, "--out", str(out), "--no-log"], results
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["backend"]: r for r in json.loads((out / "report.json").read_text())["sections"][0]["rows"]}
+    lines: dict[str, str] = {}  # the first line per backend: the main table (the stability table follows)
+    for line in proc.stdout.splitlines():
+        if line.split()[:1] in (["ddp"], ["fsdp"]):
+            lines.setdefault(line.split()[0], line)
+    for name, s in found.items():
+        row = rows[name]
+        assert (
+            row["comm_bytes_per_step"] == pytest.approx(s["comm_bus_bytes_per_step"]) and s["comm_bus_bytes_per_step"]
+        )
+        assert row["comm_formula_bytes_per_step"] == pytest.approx(s["comm_formula_bus_bytes_per_step"])
+        assert row["comm_share_of_step"] == pytest.approx(s["comm_share_of_step"]) and s["comm_share_of_step"] > 0
+        cells = (f"{row['comm_bytes_per_step'] / 2**20:.3f} MiB", f"{row['comm_formula_bytes_per_step'] / 2**20:.3f} MiB",
+                 f"{100 * row['comm_share_of_step']:.1f}%")  # fmt: skip
+        assert all(c in lines[name] for c in cells), (lines[name], cells)
+    psi = found["ddp"]["num_params"]
+    assert (
+        rows["ddp"]["comm_bytes_per_step"] == rows["ddp"]["comm_formula_bytes_per_step"] == 4 * psi
+    )  # 2(n-1)/n x 4 Psi
+
+
+def test_sizes_that_do_not_split_are_rounded_and_the_rounding_shown(results):
+    # 1002 B is 250.5 fp32 elements: all_gather/reduce_scatter on 2 ranks run 1000 B (125 elements per rank)
+    args = ["comm", "launcher.nproc_per_node=2", "comm.ops=[all_gather,reduce_scatter,all_reduce]",
+            "comm.min_bytes=1002", "comm.max_bytes=1002", "comm.warmup_iters=1", "comm.iters=2"]  # fmt: skip
+    proc = bench([*args, f"run.results_dir={results}"], results)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for op in ("all_gather", "reduce_scatter"):
+        (line,) = [x for x in proc.stdout.split(f"\n{op}  (busbw")[1].splitlines()[2:3]]
+        assert line.split()[:2] == ["1000", "250"] and line.endswith("(rounded from 1002 B)"), line
+    line = proc.stdout.split("\nall_reduce  (busbw")[1].splitlines()[2]
+    assert line.split()[:2] == ["1000", "250"] and line.endswith("(rounded from 1002 B)"), line  # whole elements
