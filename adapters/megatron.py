@@ -53,12 +53,14 @@ from parabench.adapters.base import (
     Availability,
     Capabilities,
     CheckpointSupport,
+    ConvertSupport,
     Engine,
     ModelStateBytes,
     StateFormula,
     WorkerContext,
 )
 from parabench.adapters.megatron_compat import adamw_options, build_chunk, num_layers_to_build, patch_fp8_fallback
+from parabench.canonical import MOMENTS, CanonicalState
 from parabench.devices import package_version
 from parabench.errors import SpecError
 from parabench.metrics import held_bytes, optimizer_state_tensors
@@ -150,6 +152,8 @@ class MegatronAdapter(Adapter):
             # model0/model1.. per virtual stage; the distributed optimizer's param_state differs in kind
             options=frozenset({"vpp", "distributed_optimizer"}),
         ),
+        # the distributed optimizer keeps AdamW state on flat buffer slices: not mapped yet
+        convert=ConvertSupport(unsupported_options=frozenset({"distributed_optimizer"})),
     )
     Options = MegatronOptions
 
@@ -712,6 +716,12 @@ class MegatronEngine(Engine):
         return loss
 
     def full_state_dict(self):
+        return self._gather_canonical(lambda name, p: p)
+
+    def _gather_canonical(self, value_of):
+        """Canonical full tensors of ``value_of(name, param)`` over every chunk's parameters: gathered
+        over the TP group and mapped back (fused QKV / gate-up split, megatron_mapping.from_megatron;
+        elementwise states such as AdamW moments map exactly as the weights do), then over the stages."""
         import numpy as np
         import torch
         import torch.distributed as dist
@@ -722,7 +732,7 @@ class MegatronEngine(Engine):
         tp_group, tp = ps.get_tensor_model_parallel_group(), self.opts.tp
         canonical: dict[str, np.ndarray] = {}
         for c, chunk in enumerate(self.chunks):
-            local = {n: p.detach().float() for n, p in _unwrap(chunk).named_parameters()}
+            local = {n: value_of(n, p).detach().float() for n, p in _unwrap(chunk).named_parameters()}
             shards = []
             if tp > 1:
                 gathered = {}
@@ -739,6 +749,59 @@ class MegatronEngine(Engine):
             dist.all_gather_object(parts, canonical, group=ps.get_pipeline_model_parallel_group())
             canonical = {k: v for part in parts for k, v in part.items()}
         return {n: torch.from_numpy(v) for n, v in canonical.items()}
+
+    # -- bench convert: AdamW state per parameter, through the same mapping as the weights ----------
+    def _adam_state(self, p) -> dict:
+        """The torch AdamW state of model parameter ``p``: on its fp32 main copy under bf16
+        (Float16OptimizerWithFloat16Params), on ``p`` itself in fp32; created as AdamW would
+        (zero moments, step 0.0) where no step has run yet."""
+        import torch
+
+        for mo in self._megatron_optimizers():
+            pairs = [
+                (a, b)
+                for g16, g32 in zip(getattr(mo, "float16_groups", []), getattr(mo, "fp32_from_float16_groups", []))
+                for a, b in zip(g16, g32)
+            ]
+            main = next((b for a, b in pairs if a is p), None)
+            if main is None and any(q is p for g in mo.optimizer.param_groups for q in g["params"]):
+                main = p
+            if main is not None:
+                state = mo.optimizer.state[main]
+                if "exp_avg" not in state:
+                    state.update(
+                        step=torch.tensor(0.0), exp_avg=torch.zeros_like(main), exp_avg_sq=torch.zeros_like(main)
+                    )
+                return state
+        raise RuntimeError("a megatron parameter is in none of the optimizer's groups")
+
+    def export_canonical(self):
+        weights = self.full_state_dict()
+        moments = {k: self._gather_canonical(lambda _n, p, k=k: self._adam_state(p)[k]) for k in MOMENTS}
+        steps = {float(self._adam_state(p)["step"]) for c in self.chunks for p in _unwrap(c).parameters()}
+        if len(steps) != 1:
+            raise RuntimeError(f"AdamW step counts differ between parameters: {sorted(steps)}")
+        return CanonicalState(weights, moments, int(steps.pop()))
+
+    def import_canonical(self, state):
+        import torch
+
+        from parabench.adapters.megatron_mapping import canonical_names, to_megatron
+
+        if state.moments is None:
+            return
+        spec = self.ctx.job.model
+        for c, chunk in enumerate(self.chunks):
+            params = dict(_unwrap(chunk).named_parameters())
+            wanted = canonical_names(spec, self.layout, self.stage, c)
+            for key, values in state.moments.items():
+                full = {n: values[n].numpy() for n in wanted}
+                for name, value in to_megatron(full, spec, self.layout, self.stage, c, self.tp_rank).items():
+                    target = self._adam_state(params[name])[key]
+                    target.copy_(torch.from_numpy(value).view_as(target))
+            for p in params.values():
+                self._adam_state(p)["step"] = torch.tensor(float(state.step))
+        self.steps = state.step
 
     # -- checkpoints: megatron.core.dist_checkpointing ------------------------------------------
     def _sharded_state_dict(self, is_loading: bool) -> dict:
