@@ -146,9 +146,8 @@ class MegatronAdapter(Adapter):
         checkpoint=CheckpointSupport(
             format="megatron-dist",
             async_save=None,
-            # The format reshards, but a tp=2 -> tp=1 resume measured wrong AdamW state after the load
-            # (docs/resilience.md#megatron): refused until that is fixed, never a silently wrong resume.
-            reshard=frozenset(),
+            # tp and data-parallel size reshard (tested tp=2 -> tp=1, docs/resilience.md#megatron)
+            reshard=frozenset({"tp", "world_size", "dp", "dp_shard"}),
             # model0/model1.. per virtual stage; the distributed optimizer's param_state differs in kind
             options=frozenset({"vpp", "distributed_optimizer"}),
         ),
@@ -409,6 +408,7 @@ class MegatronEngine(Engine):
             )
             canonical = initial_weights(spec, job.run.seed, canonical_names(spec, layout, stage, c))
             self._load(model, to_megatron(canonical, spec, layout, stage, c, tp_rank))
+            _mark_tensor_parallel(model)
             model.to(torch.cuda.current_device())
             if bf16:
                 from megatron.core.transformer.module import Float16Module
@@ -919,6 +919,24 @@ class MegatronEngine(Engine):
         if self._redirection is not None:
             self._redirection.remove()
             self._redirection = None
+
+
+def _mark_tensor_parallel(model) -> None:
+    """Give every tensor-parallel weight the marks Megatron's own init sets
+    (``set_tensor_model_parallel_attributes``), which ``perform_initialization=False`` skips
+    (docs/sources.md#megatron-tensor-parallel-marks). Unmarked, ``param_is_not_tensor_parallel_duplicate``
+    counts the shards of tp rank 0 only in the gradient norm: with tp=2 it was the true norm / sqrt(2),
+    so ``optim.grad_clip`` let through sqrt(2) x the clipped gradient, and AdamW's moments had twice
+    the scale (squared) of a tp=1 run's (a tp=2 -> tp=1 resume then went wrong)."""
+    from megatron.core.tensor_parallel import layers
+
+    dims = {layers.ColumnParallelLinear: 0, layers.VocabParallelEmbedding: 0, layers.RowParallelLinear: 1}
+    for module in model.modules():
+        mode = {"column": 0, "row": 1}.get(getattr(module, "parallel_mode", None))  # Transformer Engine layers
+        dim = next((d for cls, d in dims.items() if isinstance(module, cls)), mode)
+        weight = getattr(module, "weight", None)
+        if dim is not None and weight is not None and not getattr(weight, "tensor_model_parallel", False):
+            layers.set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
 
 
 def _sequence_parallel_rmsnorm():
