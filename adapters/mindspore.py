@@ -45,11 +45,13 @@ from parabench.adapters.base import (
     Capabilities,
     CheckpointSupport,
     Comm,
+    ConvertSupport,
     Engine,
     ModelStateBytes,
     StateFormula,
     WorkerContext,
 )
+from parabench.canonical import MOMENTS, CanonicalState
 from parabench.devices import (
     DEVICES,
     NPUDevice,
@@ -91,6 +93,7 @@ class MindSporeAdapter(Adapter):
         launcher="msrun",
         # mindspore.save_checkpoint(async_save="thread") snapshots the tensors, then writes in a thread.
         checkpoint=CheckpointSupport(format="mindspore-ckpt", async_save=None),
+        convert=ConvertSupport(),
     )
     Options = MindSporeOptions
 
@@ -320,6 +323,22 @@ class MindSporeEngine(Engine):
         for p in self._checkpointed():
             p.set_data(self.ms.Tensor(loaded[p.name].asnumpy()))
         self.steps_done = int(loaded["step"].asnumpy())
+
+    # -- bench convert: the replicas hold full tensors under canonical names ----------------------
+    def export_canonical(self):
+        moments = {
+            k: {n: p.asnumpy().astype(self.np.float32) for n, p in zip(self.names, getattr(self.optimizer, k))}
+            for k in MOMENTS
+        }
+        return CanonicalState(self.full_state_dict(), moments, self.steps_done)
+
+    def import_canonical(self, state):
+        if state.moments is None:
+            return
+        for key, values in state.moments.items():
+            for name, p in zip(self.names, getattr(self.optimizer, key)):
+                p.set_data(self.ms.Tensor(values[name].numpy()))
+        self.steps_done = state.step  # the bias corrections of the next step (AdamW.step_scalars)
 
     def model_state_bytes(self) -> ModelStateBytes:
         nbytes = lambda ps: sum(int(p.nbytes) for p in ps)  # noqa: E731

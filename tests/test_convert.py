@@ -62,12 +62,20 @@ def ds_checkpoint(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
+def ddp_losses(tmp_path_factory) -> list[float]:
+    """The uninterrupted reference: ddp on 2 ranks for 20 steps."""
+    results = tmp_path_factory.mktemp("ddp")
+    _run(["backend=ddp", f"run.steps={STEPS}"], results)
+    return _losses(results, "ddp")
+
+
+@pytest.fixture(scope="module")
 def to_fsdp(ds_checkpoint, tmp_path_factory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("conv") / "fsdp"
     return out, _convert([str(ds_checkpoint[1]), "--to", "fsdp", "--out", str(out), *TINY[:-2]])
 
 
-def test_deepspeed_zero3_to_fsdp_resumes_like_ddp(ds_checkpoint, to_fsdp, tmp_path):
+def test_deepspeed_zero3_to_fsdp_resumes_like_ddp(ds_checkpoint, to_fsdp, ddp_losses, tmp_path):
     out, printed = to_fsdp
     record = json.loads((out / "convert.json").read_text())
     assert record["checksum_before"] == record["checksum_after"], printed
@@ -76,8 +84,7 @@ def test_deepspeed_zero3_to_fsdp_resumes_like_ddp(ds_checkpoint, to_fsdp, tmp_pa
     assert (out / f"step_{SAVED:06d}" / "COMPLETE").is_file()
 
     _run(["backend=fsdp", f"run.steps={STEPS}", f"run.resume={out}"], tmp_path / "fsdp")
-    _run(["backend=ddp", f"run.steps={STEPS}"], tmp_path / "ddp")
-    resumed, reference = _losses(tmp_path / "fsdp", "fsdp"), _losses(tmp_path / "ddp", "ddp")
+    resumed, reference = _losses(tmp_path / "fsdp", "fsdp"), ddp_losses
     source = _losses(ds_checkpoint[0], "deepspeed")
     assert len(resumed) == len(reference) == STEPS
     assert resumed[:SAVED] == source[:SAVED]  # the loss history travels with the harness state
@@ -196,8 +203,7 @@ def test_deepspeed_to_megatron_tp2_pp2_and_back_to_zero1(ds_checkpoint, tmp_path
     printed = _convert([str(ds_checkpoint[1]), "--to", "megatron", *MEGATRON, "--out", str(to_mg), *TINY[:-2]])
     assert "(match)" in printed and "tp=2 pp=2 world_size=4" in printed, printed
     _run(["backend=megatron", *MEGATRON, f"run.steps={STEPS}", f"run.resume={to_mg}"], tmp_path / "r_mg")
-    _run(["backend=ddp", f"run.steps={STEPS}"], tmp_path / "ddp")
-    reference = _losses(tmp_path / "ddp", "ddp")
+    reference = ddp_losses
     rel_mg = _relative(_losses(tmp_path / "r_mg", "megatron"), reference)
 
     back = tmp_path / "zero1"
@@ -208,3 +214,21 @@ def test_deepspeed_to_megatron_tp2_pp2_and_back_to_zero1(ds_checkpoint, tmp_path
     rel_ds = _relative(_losses(tmp_path / "r_ds", "deepspeed"), reference)
     print(f"vs ddp, steps 11-20: megatron tp2xpp2 resumed {rel_mg:.3g}, deepspeed ZeRO-1 resumed {rel_ds:.3g}")
     assert rel_mg < 1e-5 and rel_ds < 1e-5, (rel_mg, rel_ds)
+
+
+@pytest.mark.mindspore
+def test_to_mindspore_and_back_to_ddp(to_fsdp, ddp_losses, tmp_path):
+    """The canonical state of the ZeRO-3 checkpoint -> mindspore (msrun, 2 ranks) resumed, and that
+    mindspore checkpoint -> ddp resumed: both within 1e-5 of the uninterrupted ddp run."""
+    pytest.importorskip("mindspore")
+    to_ms, back = tmp_path / "mindspore", tmp_path / "ddp"
+    printed = _convert([str(to_fsdp[0] / "canonical"), "--to", "mindspore", "--out", str(to_ms)])
+    assert "(match)" in printed and "mindspore (mindspore-ckpt; world_size=2" in printed, printed
+    _run(["backend=mindspore", f"run.steps={STEPS}", f"run.resume={to_ms}"], tmp_path / "r_ms")
+    rel_ms = _relative(_losses(tmp_path / "r_ms", "mindspore"), ddp_losses)
+    printed = _convert([str(to_ms), "--to", "ddp", "--out", str(back)])
+    assert "(match)" in printed and "native mindspore" in printed, printed
+    _run(["backend=ddp", f"run.steps={STEPS}", f"run.resume={back}"], tmp_path / "r_ddp")
+    rel_ddp = _relative(_losses(tmp_path / "r_ddp", "ddp"), ddp_losses)
+    print(f"vs ddp, steps 11-20: mindspore resumed {rel_ms:.3g}, ddp resumed from mindspore {rel_ddp:.3g}")
+    assert rel_ms < 1e-5 and rel_ddp < 1e-5, (rel_ms, rel_ddp)
