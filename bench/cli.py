@@ -65,10 +65,21 @@ class _PreparedJobs:
     def _key(plain: dict[str, Any]) -> str:
         return json.dumps(plain, sort_keys=True, default=str)
 
-    def add(self, plain: dict[str, Any]) -> None:
+    def add(self, plain: dict[str, Any], remote: bool = False) -> None:
+        """Validate a job; one that ``remote`` (a Slurm node) runs is checked as far as it can be
+        here, without this machine's devices and Slurm placement (its node prepares it again)."""
         from parabench.runner import prepare
 
-        self.jobs[self._key(plain)] = prepare(plain)
+        if not remote:
+            self.jobs[self._key(plain)] = prepare(plain)
+            return
+        launcher = plain.get("launcher") or {}
+        if not launcher.get("slurm"):
+            raise UserError(
+                "hydra/launcher=slurm_torchrun runs one task per node: add launcher.slurm=true "
+                "(each node takes its rank and the master address from the allocation)"
+            )
+        prepare({**plain, "launcher": {**launcher, "dry_run": True}})
 
     def job(self, plain: dict[str, Any]):
         from parabench.runner import prepare
@@ -83,7 +94,13 @@ def _preflight(args) -> _PreparedJobs | None:
     if args.cfg or args.info or args.help or args.hydra_help or args.shell_completion:
         return None
     combos = expand_sweep(args.overrides) if args.multirun else [list(args.overrides)]
-    first = compose(combos[0], return_hydra_config=args.multirun)
+    first = compose(combos[0], return_hydra_config=True)
+    remote = first.hydra.launcher.get("_target_") == "hydra_plugins.parabench_slurm.SlurmLauncher"
+    if remote:  # Hydra starts its launcher only in multirun mode: one job is a sweep of one (docs/slurm.md)
+        from parabench.slurm import check_submission
+
+        check_submission(first.hydra.launcher.get("partition"))
+        args.multirun, combos = True, expand_sweep(args.overrides)
     if args.multirun:  # an experiment's hydra.sweeper.params add sweep dimensions of their own
         sweep_params = first.hydra.sweeper.get("params") or {}
         given = {o.split("=", 1)[0].lstrip("+~") for o in args.overrides}
@@ -93,7 +110,7 @@ def _preflight(args) -> _PreparedJobs | None:
             first = compose(combos[0])
     prepared = _PreparedJobs()
     for i, combo in enumerate(combos):
-        prepared.add(to_plain(first if i == 0 else compose(combo)))
+        prepared.add(to_plain(first if i == 0 else compose(combo)), remote)
     return prepared
 
 
@@ -121,9 +138,13 @@ def _job(cfg, prepared: _PreparedJobs):
             summaries.append(execute(job, plain, run_dir, {**tags, "repeat": rep}))
         return summaries
     except UserError as exc:  # found once the run directory is known (e.g. its checkpoints)
+        if os.getpid() != prepared.pid:  # on a Slurm node: the launcher that submitted it reports it
+            raise
         print(f"bench: error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
     except RunFailed as exc:
+        if os.getpid() != prepared.pid:
+            raise
         if hc.mode == RunMode.MULTIRUN:
             prepared.failed.append(f"{hc.job.num}: {exc}")
             return None
@@ -149,6 +170,8 @@ def cmd_run(argv: list[str]) -> int:
 
     def task(cfg):
         return _job(cfg, prepared)
+
+    task.failed = prepared.failed if prepared is not None else []  # type: ignore[attr-defined]  # parabench.slurm
 
     # What @hydra.main does, with our parsed arguments instead of sys.argv.
     setbase("1.3")

@@ -45,6 +45,8 @@ def register_resolvers() -> None:
 
     if not OmegaConf.has_resolver("mul"):
         OmegaConf.register_new_resolver("mul", lambda *xs: math.prod(int(x) for x in xs))
+    if not OmegaConf.has_resolver("slurm_gpus"):  # conf/hydra/launcher/slurm_torchrun.yaml: GPUs per node
+        OmegaConf.register_new_resolver("slurm_gpus", lambda device, n: None if device in ("cpu", "npu") else int(n))
 
 
 def compose(overrides: list[str], return_hydra_config: bool = False, config_name: str = "config"):

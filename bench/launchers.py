@@ -8,8 +8,10 @@ environment variables). The dry-run bundle (``launch.sh``) uses the same command
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
+import subprocess
 import sys
 from collections.abc import Sequence
 from typing import ClassVar
@@ -175,8 +177,6 @@ LAUNCHERS: dict[str, type[Launcher]] = {Torchrun.name: Torchrun, Msrun.name: Msr
 def expand_nodelist(nodelist: str) -> list[str]:
     """Slurm's compressed host list ("gpu[01-03,07],cpu5") -> host names (scontrol's expansion, for
     the common forms)."""
-    import re
-
     hosts: list[str] = []
     for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
         if plain:
@@ -191,16 +191,29 @@ def expand_nodelist(nodelist: str) -> list[str]:
     return hosts
 
 
+def slurm_node_address(node: str) -> str:
+    """How the other nodes reach ``node``: Slurm's NodeAddr (``scontrol show node``; it defaults to
+    the node name, and differs where names do not resolve, e.g. several slurmd on one host;
+    docs/sources.md#slurm)."""
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        return node
+    proc = subprocess.run([scontrol, "show", "node", "-o", node], capture_output=True, text=True, timeout=60)
+    found = re.search(r"\bNodeAddr=(\S+)", proc.stdout)
+    return found.group(1) if proc.returncode == 0 and found else node
+
+
 def slurm_placement(env: dict[str, str]) -> dict[str, object]:
     """launcher.* values for one node of a Slurm allocation with one task per node (the node
-    runs torchrun for its local ranks): nnodes, node_rank, master_addr (the first host)."""
+    runs torchrun for its local ranks): nnodes, node_rank, master_addr (the first host's address)."""
     missing = [k for k in ("SLURM_NNODES", "SLURM_NODEID", "SLURM_JOB_NODELIST") if k not in env]
     if missing:
         raise RuntimeError(f"launcher.slurm=true but this is not a Slurm job step ({', '.join(missing)} unset)")
+    first = expand_nodelist(env["SLURM_JOB_NODELIST"])[0]
     return {
         "nnodes": int(env["SLURM_NNODES"]),
         "node_rank": int(env["SLURM_NODEID"]),
-        "master_addr": expand_nodelist(env["SLURM_JOB_NODELIST"])[0],
+        "master_addr": slurm_node_address(first) if "SLURM_JOB_ID" in env else first,
     }
 
 

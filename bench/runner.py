@@ -103,6 +103,19 @@ def _slurm_placement(launcher: dict[str, Any]) -> dict[str, Any]:
         raise SpecError("launcher.slurm", str(exc)) from None
 
 
+def _interrupted_status(exc: KeyboardInterrupt, tracker) -> str:
+    """MLflow status of an interrupted job: KILLED (Ctrl-C, a SIGTERM to bench run), or FAILED with the
+    reason when Slurm ended the job step: it sends SIGTERM on scancel, at the time limit, on
+    preemption and when a node of the job fails (docs/sources.md#slurm)."""
+    signum = getattr(exc, "signum", signal.SIGINT)
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if signum != signal.SIGTERM or not job_id:
+        return "KILLED"
+    why = f"Slurm job {job_id} ended by SIGTERM (scancel, its time limit, preemption or a failed node)"
+    tracker.set_tags({"failure_reason": why})
+    return "FAILED"
+
+
 # --------------------------------------------------------------------------------------------
 # Launch.
 # --------------------------------------------------------------------------------------------
@@ -382,8 +395,8 @@ def execute(
         status = "FINISHED"
         print_summary(job, summary, tracker, run_dir)
         return summary
-    except KeyboardInterrupt:
-        status = "KILLED"
+    except KeyboardInterrupt as exc:
+        status = _interrupted_status(exc, tracker)
         _log_partial(tracker, run_dir)
         raise
     finally:

@@ -37,6 +37,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "parabench.runner",
             "parabench.compare",
             "parabench.sweep",
+            "parabench.slurm",
             "parabench.envreport",
             "parabench.migrate",
             "parabench.plan",
