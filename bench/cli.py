@@ -1,4 +1,4 @@
-"""The ``bench`` command: run | comm | compare | env | migrate | smoke.
+"""The ``bench`` command: run | comm | compare | convert | sync | plan | env | migrate | smoke.
 
 Each command's module is imported when that command runs, and Hydra only by ``bench run``:
 ``bench --help`` loads neither torch nor Hydra nor any training framework.
@@ -12,10 +12,11 @@ import signal
 import sys
 from typing import Any
 
-from parabench import __version__
+from parabench import __version__, trackstore
 from parabench.confutil import compose, expand_sweep, register_resolvers, to_plain
 from parabench.devices import AUTOLOAD_ENV
 from parabench.errors import RunFailed, UserError
+from parabench.tracking import sync_main
 
 USAGE = """usage: bench <command> [args]
 
@@ -28,6 +29,7 @@ commands:
   comm      collectives benchmark (nccl-tests style): time, algbw, busbw per op and size: bench comm --help
               bench comm launcher.nproc_per_node=2
   compare   tables and an HTML report comparing recorded runs: bench compare --help
+  sync      upload what runs spooled while their MLflow server was unreachable: bench sync [RUN_DIR...]
   convert   carry a checkpoint to another stack or layout (weights, AdamW state, step): bench convert --help
               bench convert results/.../checkpoints --to fsdp --out ckpt-fsdp
   plan      which backend and layout for a model on a cluster, predicted and explained:
@@ -48,6 +50,7 @@ def _quiet_environment() -> None:
         os.environ.setdefault(key, value)
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # no network calls from the harness
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
+    trackstore.bound_retries(os.environ)  # a server that went away: seconds, then the run spools
 
 
 class _PreparedJobs:
@@ -217,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         from parabench.compare import main as compare_main
 
         return compare_main(rest)
+    if command == "sync":
+        return sync_main(rest)
     if command == "convert":
         from parabench.convert import main as convert_main
 
@@ -238,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return smoke_main(rest)
     print(
-        f"bench: error: unknown command {command!r} (choose from run, comm, compare, convert, plan, env, migrate, smoke; see bench --help)",
+        f"bench: error: unknown command {command!r} (choose from run, comm, compare, convert, sync, plan, env, migrate, smoke; see bench --help)",
         file=sys.stderr,
     )
     return 2

@@ -33,9 +33,10 @@ from parabench.jobs import from_config
 from parabench.launchers import get_launcher, slurm_placement
 from parabench.metrics import summarize
 from parabench.spec import JobSpec, LaunchSpec, resolve_device, to_dict
-from parabench.tracking import JobRun, flatten, git_sha, is_secret, store_uri
+from parabench.tracking import JobRun, StepTail, flatten, git_sha, is_secret, store_uri
 
 POLL_S = 0.2
+LIVE_S = 2.0  # rank 0's finished steps go to MLflow in a batch this often during the run
 STOP_GRACE_S = 60.0  # run.checkpoint.on_signal: how long the workers get to write the last checkpoint
 TAIL_LINES = 25
 
@@ -49,7 +50,8 @@ def prepare(plain: dict[str, Any]) -> JobSpec:
         plain = {**plain, "launcher": {**launcher, **_slurm_placement(launcher)}}
     job = from_config(plain)
     _check_data(job)
-    trackstore.check(job.tracking, probe=not job.launch.dry_run)  # a bundle's server is reached from elsewhere
+    # a bundle's server is reached from elsewhere; a server that does not answer: the run spools
+    trackstore.check(job.tracking, probe=not job.launch.dry_run, unreachable_ok=job.tracking.on_unreachable == "spool")
     plan_resume(job, None)  # checkpoint keys and an explicit checkpoint, before anything starts
     adapter = get_adapter(job.backend.name)
     check_capabilities(adapter, job)
@@ -245,8 +247,10 @@ def _tail(path: Path, n: int = TAIL_LINES) -> str:
     return "\n".join(lines[-n:])
 
 
-def launch(job: JobSpec, run_dir: Path, env: dict[str, str], port: int) -> tuple[int, str]:
-    """Start the workers through the backend's launcher and watch them. Returns (exit code, reason)."""
+def launch(job: JobSpec, run_dir: Path, env: dict[str, str], port: int, tracker=None) -> tuple[int, str]:
+    """Start the workers through the backend's launcher and watch them. Returns (exit code, reason).
+    With ``tracker``, rank 0's finished steps go to MLflow every LIVE_S while the workers run (this
+    process only reads the file rank 0 appends to after each step: nothing in the timed region)."""
     launcher = get_launcher(get_adapter(job.backend.name).capabilities.launcher)
     cmd = launcher.command(job, port, str(run_dir))
     (run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
@@ -263,6 +267,7 @@ def launch(job: JobSpec, run_dir: Path, env: dict[str, str], port: int) -> tuple
             start_new_session=True,
         )
     last_change, last_step, reason = time.monotonic(), -1, ""
+    live = _Live(job, run_dir, tracker)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # scancel, a time limit: stop like Ctrl-C
     try:
         while proc.poll() is None:
@@ -274,6 +279,7 @@ def launch(job: JobSpec, run_dir: Path, env: dict[str, str], port: int) -> tuple
             if info and info.get("step", 0) != last_step:
                 last_step, last_change = info["step"], time.monotonic()
                 bar.update(info)
+            live.poll()
             # before the first step: setup (imports, JIT builds); afterwards: one step at a time
             limit, key = (
                 (job.launch.setup_timeout_s, "setup_timeout_s")
@@ -292,9 +298,28 @@ def launch(job: JobSpec, run_dir: Path, env: dict[str, str], port: int) -> tuple
         signal.signal(signal.SIGTERM, previous)
     bar.close()
     rc = proc.wait()
+    live.flush()
     if rc != 0 and not reason:
         reason = f"a worker failed ({launcher.name} exit code {rc})"
     return rc, reason
+
+
+class _Live:
+    """Live metrics: rank 0's new steps (``steps.jsonl``) logged in one batch every LIVE_S."""
+
+    def __init__(self, job: JobSpec, run_dir: Path, tracker):
+        self.tracker = tracker
+        self.tail = StepTail(run_dir / STEPS_FILE, job.run.warmup_steps, job.tokens_per_step)
+        self.last = time.monotonic()
+
+    def poll(self) -> None:
+        if time.monotonic() - self.last >= LIVE_S:
+            self.flush()
+
+    def flush(self) -> None:
+        self.last = time.monotonic()
+        if self.tracker is not None and self.tracker.active:
+            self.tracker.log_metrics(self.tail.new())
 
 
 # --------------------------------------------------------------------------------------------
@@ -349,8 +374,12 @@ def execute(
     run_dir.mkdir(parents=True, exist_ok=True)
     write_resume_file(run_dir, resume_from)
     (run_dir / "logs").mkdir(exist_ok=True)
+    plain = _without_credentials(plain, run_dir)  # what is written or recorded never has them
     (run_dir / "config.resolved.yaml").write_text(yaml.safe_dump(plain, sort_keys=False))
-    (run_dir / "spec.json").write_text(job.to_json())
+    public = dataclasses.replace(
+        job.tracking, uri=job.tracking.uri and trackstore.without_credentials(job.tracking.uri)
+    )
+    (run_dir / "spec.json").write_text(dataclasses.replace(job, tracking=public).to_json())
     _stage_data(job, run_dir)
     env = launch_env(job)
     port = job.launch.master_port or free_port()
@@ -373,14 +402,14 @@ def execute(
     # One MLflow run per job: on a multi-node job only node 0 records (the other nodes' workers
     # write their rank files into the same, shared run directory).
     tracking = job.tracking if job.launch.node_rank == 0 else dataclasses.replace(job.tracking, enabled=False)
-    tracker = JobRun(tracking, job.run.results_dir)
+    tracker = JobRun(tracking, job.run.results_dir, run_dir)
     tags.update(resume_tags(resume_from))
     tracker.start(f"{job.backend.name}-{job.model.name}-x{job.parallel.world_size}", params, tags)
     env[RUN_ID_ENV] = tracker.run_id or ""
     status = "FAILED"
     try:
         started = time.monotonic()
-        rc, reason = launch(job, run_dir, env, port)
+        rc, reason = launch(job, run_dir, env, port, tracker)
         wall_s = time.monotonic() - started
         ranks = sorted((run_dir / "ranks").glob("rank*.json")) if (run_dir / "ranks").exists() else []
         if rc != 0 or len(ranks) != job.parallel.world_size:
@@ -397,21 +426,32 @@ def execute(
         return summary
     except KeyboardInterrupt as exc:
         status = _interrupted_status(exc, tracker)
-        _log_partial(tracker, run_dir)
+        _log_partial(job, tracker, run_dir)
         raise
     finally:
         tracker.log_artifacts(_artifact_files(run_dir), run_dir)
         tracker.end(status)
 
 
-def _log_partial(tracker, run_dir: Path) -> None:
-    """An interrupted job's MLflow run keeps the steps its rank 0 had finished (``steps.jsonl``)."""
-    try:
-        steps = [json.loads(line) for line in (run_dir / STEPS_FILE).read_text().splitlines() if line.strip()]
-    except (OSError, ValueError):
-        steps = []
-    tracker.log_metrics([(k, s[k], s["step"]) for s in steps for k in ("loss", "step_time_s")])
-    tracker.set_tags({"interrupted_after_step": steps[-1]["step"] + 1 if steps else 0})
+def _log_partial(job: JobSpec, tracker, run_dir: Path) -> None:
+    """An interrupted job's MLflow run keeps the steps its rank 0 had finished (``steps.jsonl``;
+    those already logged live are not logged again)."""
+    metrics = StepTail(run_dir / STEPS_FILE, job.run.warmup_steps, job.tokens_per_step).new()
+    tracker.log_metrics(metrics)
+    tracker.set_tags({"interrupted_after_step": max((s for k, _, s in metrics if k == "loss"), default=-1) + 1})
+
+
+def _without_credentials(plain: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """The composed config with ``tracking.uri``'s ``user:password@`` left out; the same for the
+    copies Hydra wrote beside the run (``.hydra/``, a sweep's ``multirun.yaml``)."""
+    uri = (plain.get("tracking") or {}).get("uri")
+    if not uri or trackstore.without_credentials(uri) == uri:
+        return plain
+    for folder in (run_dir, run_dir.parent, run_dir.parent.parent):
+        for path in [*(folder / ".hydra").glob("*.yaml"), folder / "multirun.yaml"]:
+            if path.is_file():
+                path.write_text(trackstore.redact(path.read_text()))
+    return {**plain, "tracking": {**plain["tracking"], "uri": trackstore.without_credentials(uri)}}
 
 
 def resume_tags(resume_from: Path | None) -> dict[str, Any]:
@@ -536,7 +576,11 @@ def _peak(job: JobSpec, device_name: str):
 def _log_results(tracker, summary: dict[str, Any], results: list[dict]) -> None:
     warm = len(summary["losses"]) - summary["measured_steps"]
     metrics = [("loss", v, i) for i, v in enumerate(summary["losses"])]
+    # the per-step metrics as the live ones (tracking.step_metrics); those already logged are left out
     metrics += [("step_time_s", v, warm + i) for i, v in enumerate(summary["step_times_max"])]
+    metrics += [
+        ("step_tokens_per_s", summary["tokens_per_step"] / v, warm + i) for i, v in enumerate(summary["step_times_max"])
+    ]
     scalar = {k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     metrics += [(k, v, 0) for k, v in scalar.items()]
     for r in results:
@@ -604,6 +648,9 @@ def print_summary(job: JobSpec, s: dict[str, Any], tracker, run_dir: Path) -> No
         f"  data           {s['data_reader']}; rows checksum {s['data_checksum']}",
         f"  run dir        {run_dir}",
     ]
-    if tracker.run_id:
-        lines.append(f"  MLflow run     {tracker.run_id} in {store_uri(job.tracking, job.run.results_dir)}")
+    store = trackstore.shown(store_uri(job.tracking, job.run.results_dir))
+    if tracker.offline:
+        lines.append(f"  MLflow         not reached ({tracker.offline}): spooled in {run_dir / 'tracking'}")
+    elif tracker.run_id:
+        lines.append(f"  MLflow run     {tracker.run_id} in {store}")
     print("\n".join(lines))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
@@ -33,7 +34,7 @@ class MultirunCallback(Callback):
             return
         sweep = config.hydra.sweep.dir
         overrides = list(config.hydra.overrides.task)
-        self._parent = JobRun(tracking, results_dir)
+        self._parent = JobRun(tracking, results_dir, Path(sweep))  # spooled in the sweep directory
         experiment = raw.get("experiment") if isinstance(raw.get("experiment"), str) else None
         run_id = self._parent.start(
             run_name=f"sweep {experiment or ' '.join(overrides)}"[:250],
@@ -50,7 +51,11 @@ class MultirunCallback(Callback):
     def on_multirun_end(self, config, **kwargs) -> None:
         parent = self._parent
         os.environ.pop(PARENT_ENV, None)
-        if parent is None or not parent.run_id:
+        if parent is None or not parent.active:
+            return
+        if parent.offline:  # the store was not reached: each job is in its own spool (bench sync)
+            parent.set_tags({"children": "unknown: the tracking store was not reached during the sweep"})
+            parent.end("FINISHED")
             return
         children = parent.client.search_runs(
             [parent.client.get_run(parent.run_id).info.experiment_id],

@@ -4,6 +4,12 @@ parent is opened by :mod:`parabench.sweep`).
 Default store: embedded and local, ``sqlite:///<results_dir>/mlflow.db`` with artifacts under
 ``<results_dir>/mlartifacts`` (open it with ``mlflow ui --backend-store-uri sqlite:///results/mlflow.db``).
 Nothing is written to MLflow before a job has passed validation.
+
+A job's run is spooled (docs/tracking.md#outages): every record (the run's creation, params, tags,
+metrics, artifacts, status) is appended to ``<run_dir>/tracking/spool.jsonl`` before it is sent,
+and ``tracking/state.json`` says how many the store has. When the store cannot be reached (at the
+start or later) the job goes on, records are only spooled, and :func:`sync` (``bench sync``) sends
+the rest later: a metric (key, step) the run already has is never sent twice.
 """
 
 from __future__ import annotations
@@ -11,17 +17,27 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
+import sys
+import time
+import uuid
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from parabench import trackstore
+from parabench.errors import SpecError
 from parabench.spec import TrackingSpec
 
 PARENT_ENV = "PARABENCH_PARENT_RUN_ID"
 SECRET = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
 MAX_PARAM_LEN = 6000  # MLflow's param value limit
+SPOOL_DIR = "tracking"  # in the run directory
+SPOOL_FILE = "spool.jsonl"
+STATE_FILE = "state.json"
+SPOOL_ID_TAG = "parabench.spool_id"  # finds the run a spool belongs to, on the store
+METRIC_BATCH = 500  # log_batch: at most 1000 metrics a call (MLflow's limit), 100 params
 
 
 def is_secret(name: str) -> bool:
@@ -41,11 +57,11 @@ def artifact_root(results_dir: str) -> str:
     return (Path(results_dir).resolve() / "mlartifacts").as_uri()
 
 
-def _client(tracking: TrackingSpec, results_dir: str):
+def _client(uri: str):
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    uri = store_uri(tracking, results_dir)
+    uri = trackstore.credentials_to_env(uri, os.environ)  # MLflow prints the URI it is given
     mlflow.set_tracking_uri(uri)
     with trackstore.store_lock(uri):  # a new SQLite file's schema is created here, once
         return MlflowClient(tracking_uri=uri)
@@ -79,60 +95,361 @@ def git_sha() -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
-class JobRun:
-    """The MLflow run of one job. Use ``start``, log, then ``end(status)``."""
+def _store_errors() -> tuple[type[BaseException], ...]:
+    """What a store that is down or failing raises: MLflow wraps HTTP and database errors in
+    MlflowException; an artifact upload through a server raises requests' errors (OSError)."""
+    from mlflow.exceptions import MlflowException
 
-    def __init__(self, tracking: TrackingSpec, results_dir: str):
+    return (MlflowException, OSError)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+# ------------------------------------------------------------------------------------------------
+# The spool of one run.
+# ------------------------------------------------------------------------------------------------
+class Spool:
+    """``<run_dir>/tracking/``: ``spool.jsonl``, one record a line in the order they were made, and
+    ``state.json``: the spool id, the store (without credentials), the run id once created, and
+    ``sent``, how many records the store has."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self.folder = self.run_dir / SPOOL_DIR
+        self.path = self.folder / SPOOL_FILE
+        self.state_path = self.folder / STATE_FILE
+
+    def exists(self) -> bool:
+        return self.state_path.is_file()
+
+    def create(self, state: dict[str, Any]) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.path.write_text("")
+        self.save(state)
+
+    def append(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def records(self) -> list[dict[str, Any]]:
+        out = []
+        for line in self.path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:  # a torn last line: the job was killed while writing it
+                break
+        return out
+
+    def state(self) -> dict[str, Any]:
+        return json.loads(self.state_path.read_text())
+
+    def save(self, state: dict[str, Any]) -> None:
+        tmp = self.state_path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(state, indent=1))
+        os.replace(tmp, self.state_path)
+
+
+def _apply(client, state: dict[str, Any], record: dict[str, Any], run_dir: Path, seen: set | None) -> None:
+    """Send one spooled record to the store. ``seen``: the (key, step) pairs of metrics the run has
+    (None: a live run, which sends each record once)."""
+    from mlflow.entities import Metric, Param, RunTag
+
+    op, run_id = record["op"], state.get("run_id")
+    if op == "start":
+        exp = _experiment_id(client, state["experiment"], state["results_dir"])
+        if run_id is None:
+            run = client.create_run(exp, run_name=record["run_name"], tags=record["tags"], start_time=record["time"])
+            state["run_id"] = run.info.run_id
+    elif op == "params":
+        have = client.get_run(run_id).data.params if seen is not None else {}
+        items = [Param(k, v) for k, v in sorted(record["params"].items()) if k not in have]
+        for i in range(0, len(items), 100):
+            client.log_batch(run_id, params=items[i : i + 100])
+    elif op == "metrics":
+        batch = [Metric(k, float(v), ts, step) for k, v, step, ts in record["metrics"]]
+        if seen is not None:
+            batch = [m for m in batch if (m.key, m.step) not in seen]
+            seen.update((m.key, m.step) for m in batch)
+        for i in range(0, len(batch), METRIC_BATCH):
+            client.log_batch(run_id, metrics=batch[i : i + METRIC_BATCH])
+    elif op == "tags":
+        client.log_batch(run_id, tags=[RunTag(k, v) for k, v in record["tags"].items()])
+    elif op == "artifacts":  # log_artifact replaces a file of the same path: sending twice is harmless
+        for rel in record["files"]:
+            path = run_dir / rel
+            if path.is_file():
+                folder = str(Path(rel).parent)
+                client.log_artifact(run_id, str(path), None if folder == "." else folder)
+    elif op == "end":
+        client.set_terminated(run_id, record["status"], end_time=record["time"])
+
+
+class JobRun:
+    """The MLflow run of one job. Use ``start``, log, then ``end(status)``. With ``run_dir`` every
+    record is spooled there first, and a store that fails turns the rest of the job offline."""
+
+    def __init__(self, tracking: TrackingSpec, results_dir: str, run_dir: Path | None = None):
         self.tracking = tracking
         self.results_dir = results_dir
         self.client = None
         self.run_id: str | None = None
+        self.spool = Spool(run_dir) if run_dir is not None else None
+        self.state: dict[str, Any] = {}
+        self.offline: str | None = None  # why records are only spooled now (None: sent as they come)
+        self.logged: set[tuple[str, int]] = set()  # metric (key, step) pairs recorded: never twice
+
+    @property
+    def active(self) -> bool:
+        return bool(self.run_id or self.offline)
 
     def start(self, run_name: str, params: Mapping[str, str], tags: Mapping[str, str]) -> str | None:
         if not self.tracking.enabled:
             return None
-        from mlflow.entities import Param
-
-        self.client = _client(self.tracking, self.results_dir)
-        exp = _experiment_id(self.client, self.tracking.experiment, self.results_dir)
+        uri = store_uri(self.tracking, self.results_dir)
         all_tags = {k: str(v) for k, v in tags.items() if v is not None}
         parent = os.environ.get(PARENT_ENV)
         if parent:
             all_tags["mlflow.parentRunId"] = parent
-        run = self.client.create_run(exp, run_name=run_name, tags=all_tags)
-        self.run_id = run.info.run_id
-        items = [Param(k, v[:MAX_PARAM_LEN]) for k, v in sorted(params.items())]
-        for i in range(0, len(items), 100):
-            self.client.log_batch(self.run_id, params=items[i : i + 100])
+        self.state = {
+            "spool_id": uuid.uuid4().hex,
+            "store": trackstore.without_credentials(uri),
+            "experiment": self.tracking.experiment,
+            "results_dir": str(Path(self.results_dir).resolve()),
+            "run_id": None,
+            "sent": 0,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+        }
+        all_tags[SPOOL_ID_TAG] = self.state["spool_id"]
+        if self.spool is not None:
+            self.spool.create(self.state)
+            self._connect(uri)
+        else:
+            self.client = _client(uri)
+        self._record({"op": "start", "run_name": run_name, "tags": all_tags, "time": _now_ms()})
+        self._record({"op": "params", "params": {k: v[:MAX_PARAM_LEN] for k, v in params.items()}})
         return self.run_id
 
-    def log_metrics(self, metrics: Iterable[tuple[str, float, int]]) -> None:
-        if not self.run_id:
+    def _connect(self, uri: str) -> None:
+        """Open the store; a server that does not answer (one short request) makes the job offline."""
+        try:
+            if trackstore.scheme(uri) in ("http", "https"):
+                trackstore.probe_server(uri, self.tracking.experiment)
+            self.client = _client(uri)
+        except SpecError as exc:
+            self._go_offline(exc.message)
+        except _store_errors() as exc:
+            self._go_offline(str(exc).splitlines()[0][:300])
+
+    def _record(self, record: dict[str, Any]) -> None:
+        if self.spool is None:  # a sweep's parent run: no run directory, sent or failed at once
+            _apply(self.client, self.state, record, Path("."), None)
+            self.run_id = self.state["run_id"]
             return
-        import time
+        self.spool.append(record)
+        if self.offline:
+            return
+        try:
+            _apply(self.client, self.state, record, self.spool.run_dir, None)
+        except _store_errors() as exc:
+            self._go_offline(str(exc).splitlines()[0][:300])
+            return
+        self.run_id = self.state["run_id"]
+        self.state["sent"] += 1
+        self.spool.save(self.state)
 
-        from mlflow.entities import Metric
+    def _go_offline(self, why: str) -> None:
+        self.offline = trackstore.redact(why)
+        where = self.spool.run_dir if self.spool else "?"
+        print(
+            f"parabench: tracking: {trackstore.shown(store_uri(self.tracking, self.results_dir))} failed "
+            f"({self.offline}); the run goes on, its tracking is spooled in {where}/{SPOOL_DIR}; "
+            f"upload it later with: bench sync {where}",
+            file=sys.stderr,
+            flush=True,
+        )
 
-        now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, step) for k, v, step in metrics if v is not None]
-        for i in range(0, len(batch), 500):
-            self.client.log_batch(self.run_id, metrics=batch[i : i + 500])
+    def log_metrics(self, metrics: Iterable[tuple[str, float, int]]) -> None:
+        """Record (key, value, step) triples; a (key, step) pair this run already has is left out."""
+        if not self.active:
+            return
+        now = _now_ms()
+        batch = []
+        for k, v, step in metrics:
+            if v is not None and (k, step) not in self.logged:
+                self.logged.add((k, step))
+                batch.append([k, float(v), int(step), now])
+        if batch:
+            self._record({"op": "metrics", "metrics": batch})
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
-        if not self.run_id:
-            return
-        from mlflow.entities import RunTag
-
-        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items() if v is not None])
+        if self.active:
+            self._record({"op": "tags", "tags": {k: str(v) for k, v in tags.items() if v is not None}})
 
     def log_artifacts(self, paths: Iterable[Path], run_dir: Path) -> None:
-        if not self.run_id:
-            return
-        for p in paths:
-            if p.is_file():
-                rel = p.parent.relative_to(run_dir)
-                self.client.log_artifact(self.run_id, str(p), None if str(rel) == "." else str(rel))
+        if self.active:
+            self._record({"op": "artifacts", "files": [str(p.relative_to(run_dir)) for p in paths if p.is_file()]})
 
     def end(self, status: str) -> None:
-        if self.run_id:
-            self.client.set_terminated(self.run_id, status)
+        if not self.active:
+            return
+        self._record({"op": "end", "status": status, "time": _now_ms()})
+        if self.offline and self.spool is not None:
+            print(
+                f"parabench: tracking: the run ({status}) is spooled in {self.spool.folder}, not in MLflow; "
+                f"upload it with: bench sync {self.spool.run_dir}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+class StepTail:
+    """The steps rank 0 has finished (``steps.jsonl``, appended during the run), read as they come:
+    each call of :meth:`new` returns the metrics of the lines added since the last one (per step:
+    loss; for measured steps also the slowest rank's step time and tokens/s from it)."""
+
+    def __init__(self, path: Path, warmup_steps: int, tokens_per_step: int):
+        self.path = path
+        self.warmup_steps = warmup_steps
+        self.tokens_per_step = tokens_per_step
+        self.offset = 0
+
+    def new(self) -> list[tuple[str, float, int]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except OSError:  # no step finished yet
+            return []
+        complete = chunk[: chunk.rfind(b"\n") + 1]  # a line being written is read next time
+        self.offset += len(complete)
+        out: list[tuple[str, float, int]] = []
+        for line in complete.decode().splitlines():
+            if line.strip():
+                out += step_metrics(json.loads(line), self.warmup_steps, self.tokens_per_step)
+        return out
+
+
+def step_metrics(step: Mapping[str, Any], warmup_steps: int, tokens_per_step: int) -> list[tuple[str, float, int]]:
+    """One finished step's metrics, as the end of the run logs them too (runner._log_results)."""
+    i = int(step["step"])
+    out = [("loss", float(step["loss"]), i)]
+    if i >= warmup_steps and step.get("step_time_s"):
+        t = float(step["step_time_s"])
+        out += [("step_time_s", t, i), ("step_tokens_per_s", tokens_per_step / t, i)]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# bench sync: what a spool has and its store has not.
+# ------------------------------------------------------------------------------------------------
+def _writer_alive(state: Mapping[str, Any]) -> bool:
+    """Is the `bench run` that writes this spool still running (on this host)?"""
+    if state.get("host") != socket.gethostname() or not state.get("pid"):
+        return False
+    try:
+        cmdline = Path(f"/proc/{int(state['pid'])}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"parabench" in cmdline or b"bench" in cmdline
+
+
+def _find_run(client, state: Mapping[str, Any]) -> str | None:
+    """The run a spool created earlier (a sync that stopped before it saved the run id)."""
+    exp = client.get_experiment_by_name(state["experiment"])
+    if exp is None:
+        return None
+    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`{SPOOL_ID_TAG}` = '{state['spool_id']}'")
+    return runs[0].info.run_id if runs else None
+
+
+def _metrics_on_store(client, run_id: str, records: list[dict[str, Any]]) -> set[tuple[str, int]]:
+    keys = {m[0] for r in records if r["op"] == "metrics" for m in r["metrics"]}
+    return {(k, m.step) for k in sorted(keys) for m in client.get_metric_history(run_id, k)}
+
+
+def sync(run_dir: Path, uri: str | None = None) -> str:
+    """Send the records of ``run_dir``'s spool that its store has not got; one line saying what
+    was done. Running it again sends nothing: ``state.json`` counts what the store has, and a
+    metric (key, step) the run already has is left out."""
+    spool = Spool(run_dir)
+    if not spool.exists():
+        raise SpecError("RUN_DIR", f"{run_dir}: no tracking spool ({SPOOL_DIR}/{STATE_FILE}): not a run directory")
+    state, records = spool.state(), spool.records()
+    if _writer_alive(state):
+        return f"{run_dir}: still being written by bench run (pid {state['pid']}): left for later"
+    ended = bool(records) and records[-1]["op"] == "end"
+    if state["sent"] >= len(records) and ended:
+        return f"{run_dir}: up to date (run {state['run_id']}, {len(records)} records)"
+    if not ended:  # killed before it could record its status (SIGKILL, a lost node)
+        for extra in (
+            {"op": "tags", "tags": {"failure_reason": "bench run ended without recording a status (killed)"}},
+            {"op": "end", "status": "FAILED", "time": _now_ms()},
+        ):
+            spool.append(extra)
+            records.append(extra)
+    target = uri or state["store"]
+    if trackstore.scheme(target) in ("http", "https"):
+        trackstore.probe_server(target, state["experiment"], key="--tracking-uri")
+    client = _client(target)
+    if state["run_id"] is None:
+        state["run_id"] = _find_run(client, state)
+    seen = _metrics_on_store(client, state["run_id"], records) if state["run_id"] else set()
+    first = state["sent"]
+    for i in range(first, len(records)):
+        _apply(client, state, records[i], spool.run_dir, seen)
+        state["sent"] = i + 1
+        spool.save(state)
+    return f"{run_dir}: uploaded {len(records) - first} records to run {state['run_id']} in {trackstore.shown(target)}"
+
+
+def spools_under(results_dir: Path) -> list[Path]:
+    """The run directories under ``results_dir`` whose spool has records the store has not got."""
+    out = []
+    for state_path in sorted(results_dir.glob(f"runs/**/{SPOOL_DIR}/{STATE_FILE}")):
+        spool = Spool(state_path.parent.parent)
+        records = spool.records()
+        if spool.state()["sent"] < len(records) or not records or records[-1]["op"] != "end":
+            out.append(spool.run_dir)
+    return out
+
+
+def sync_main(argv: list[str]) -> int:
+    """``bench sync [RUN_DIR...] [--tracking-uri URI] [--results-dir DIR]``."""
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="bench sync",
+        description="Upload what runs spooled while their MLflow store was unreachable (running it twice "
+        "uploads nothing twice). Credentials: MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD.",
+    )
+    p.add_argument(
+        "run_dirs", nargs="*", type=Path, help="run directories (default: every spooled run under --results-dir)"
+    )
+    p.add_argument(
+        "--tracking-uri", help="the store to upload to (default: the run's tracking.uri, without credentials)"
+    )
+    p.add_argument("--results-dir", type=Path, default=Path("results"), help="where to look without RUN_DIR")
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    dirs = args.run_dirs or spools_under(args.results_dir)
+    if not dirs:
+        print(f"bench sync: nothing to upload under {args.results_dir}")
+        return 0
+    rc = 0
+    for run_dir in dirs:  # one line each; a failed one is left for the next sync
+        try:
+            print(sync(run_dir, args.tracking_uri))
+        except SpecError as exc:
+            print(f"bench sync: error: {exc}", file=sys.stderr)
+            rc = max(rc, 2 if exc.key == "RUN_DIR" else 1)
+        except _store_errors() as exc:
+            print(
+                f"bench sync: {run_dir}: failed: {trackstore.redact(str(exc).splitlines()[0][:300])}", file=sys.stderr
+            )
+            rc = max(rc, 1)
+    return rc

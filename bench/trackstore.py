@@ -13,17 +13,20 @@ share it.
   so that MLflow 3's UI opens them on the runs table instead of its GenAI overview.
 
 Credentials for a server come from MLflow's standard variables (``MLFLOW_TRACKING_USERNAME`` /
-``MLFLOW_TRACKING_PASSWORD``, ``MLFLOW_TRACKING_TOKEN``), read by MLflow itself; no message here
-shows the user-info part of a URI.
+``MLFLOW_TRACKING_PASSWORD``, ``MLFLOW_TRACKING_TOKEN``), read by MLflow itself; a
+``user:password@`` in the URI is moved into those variables (:func:`credentials_to_env`) and never
+written: files and MLflow get :func:`without_credentials`, messages :func:`shown` / :func:`redact`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-from collections.abc import Iterator
+import os
+import re
+from collections.abc import Iterator, MutableMapping
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from parabench.errors import SpecError
 from parabench.spec import TrackingSpec
@@ -35,6 +38,16 @@ PROBE_TIMEOUT_S = 5.0
 PROBE_ENDPOINT = "/api/2.0/mlflow/experiments/get-by-name"
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"  # docs/sources.md#mlflow-experiment-kind
 TRAINING_KIND = "custom_model_development"
+USERINFO = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
+HTTP_RETRIES = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "15",
+}
+
+
+class Unreachable(SpecError):
+    """No MLflow server answers at the URI (refused, timed out, unknown host)."""
 
 
 def scheme(uri: str) -> str:
@@ -50,9 +63,45 @@ def shown(uri: str) -> str:
     return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
 
 
-def check(tracking: TrackingSpec, probe: bool = True, key: str = "tracking.uri") -> None:
+def without_credentials(uri: str) -> str:
+    """A URI as it may be written to a file: the ``user:password@`` part left out."""
+    parts = urlsplit(uri)
+    if "@" not in parts.netloc:
+        return uri
+    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+
+
+def credentials_to_env(uri: str, environ: MutableMapping[str, str]) -> str:
+    """A URI's ``user:password@`` moved into MLflow's standard variables (MLFLOW_TRACKING_USERNAME /
+    MLFLOW_TRACKING_PASSWORD, read by its client for HTTP basic auth), and the URI without them:
+    MLflow prints the tracking URI it was given (docs/sources.md#mlflow-http-retries)."""
+    parts = urlsplit(uri)
+    if "@" not in parts.netloc or scheme(uri) not in ("http", "https"):
+        return uri
+    user, _, password = parts.netloc.rsplit("@", 1)[0].partition(":")
+    environ["MLFLOW_TRACKING_USERNAME"] = unquote(user)
+    if password:
+        environ["MLFLOW_TRACKING_PASSWORD"] = unquote(password)
+    return without_credentials(uri)
+
+
+def redact(text: str) -> str:
+    """``text`` with the user-info part of every URI in it replaced by ``***``."""
+    return USERINFO.sub(r"\1***@", text)
+
+
+def bound_retries(environ: MutableMapping[str, str]) -> None:
+    """MLflow's HTTP client retries a failing request 7 times with a backoff factor of 2 and a 120 s
+    timeout (docs/sources.md#mlflow-http-retries): minutes before a server that went away is noticed. A run spools instead: a few seconds of retries (unless the user set them)."""
+    for key, value in HTTP_RETRIES.items():
+        environ.setdefault(key, value)
+
+
+def check(tracking: TrackingSpec, probe: bool = True, key: str = "tracking.uri", unreachable_ok: bool = False) -> None:
     """Refuse a tracking store that cannot take the run, before anything starts (one line, exit 2).
-    ``key``: the setting the user gave the URI with, named in the message."""
+    ``key``: the setting the user gave the URI with, named in the message. ``unreachable_ok``: a
+    server that does not answer is let through (the run spools; :class:`parabench.tracking.JobRun`
+    says so), one that answers wrongly (credentials refused, not MLflow) is still refused."""
     if not tracking.enabled or not tracking.uri:
         return
     kind = scheme(tracking.uri)
@@ -63,7 +112,11 @@ def check(tracking: TrackingSpec, probe: bool = True, key: str = "tracking.uri")
             "(an MLflow server), sqlite:///path.db, postgresql://..., mysql://... or a directory",
         )
     if probe and kind in ("http", "https"):
-        probe_server(tracking.uri, tracking.experiment, key)
+        try:
+            probe_server(tracking.uri, tracking.experiment, key)
+        except Unreachable:
+            if not unreachable_ok:
+                raise
 
 
 def probe_server(uri: str, experiment: str, key: str = "tracking.uri") -> None:
@@ -73,6 +126,7 @@ def probe_server(uri: str, experiment: str, key: str = "tracking.uri") -> None:
     from mlflow.utils.rest_utils import http_request
 
     where = shown(uri)
+    uri = credentials_to_env(uri, os.environ)
     try:
         resp = http_request(
             get_default_host_creds(uri),
@@ -85,7 +139,7 @@ def probe_server(uri: str, experiment: str, key: str = "tracking.uri") -> None:
             params={"experiment_name": experiment},
         )
     except MlflowException as exc:  # MLflow wraps the connection error (refused, timed out, DNS)
-        raise SpecError(key, f"no MLflow server answers at {where} ({_why(str(exc))})") from None
+        raise Unreachable(key, f"no MLflow server answers at {where} ({_why(str(exc))})") from None
     code = resp.status_code
     if code in (401, 403):
         raise SpecError(

@@ -73,3 +73,62 @@ def test_dry_run_bundle_is_deterministic_and_starts_nothing(tmp_path):
     assert f"export OMP_NUM_THREADS={_cpu_threads_per_rank(2)}" in bundle.splitlines()
     assert (tmp_path / "bundle" / "spec.json").exists() and not (tmp_path / "mlflow.db").exists()
     assert str(tmp_path) not in bundle  # relocatable
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_killed_spooled_run_syncs_once_and_ends_failed(tmp_path, capsys):
+    """A job whose server never answered and that was killed before recording its status (SIGKILL):
+    `bench sync` into a real SQLite store creates the run with every spooled step and FAILED; a
+    second sync sends nothing; the run is never left RUNNING."""
+    from mlflow.tracking import MlflowClient
+
+    from parabench.tracking import JobRun, sync
+
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "logs" / "rank0.log").write_text("step 1/3\n")
+    tracker = JobRun(TrackingSpec(uri=f"http://127.0.0.1:{_free_port()}", experiment="spool"), str(tmp_path), run_dir)
+    assert tracker.start("r", {"a": "1"}, {"k": "v"}) is None and tracker.offline
+    assert "bench sync" in capsys.readouterr().err
+    tracker.log_metrics([("loss", 2.0, 0), ("loss", 1.5, 1)])
+    tracker.log_metrics([("loss", 2.0, 0), ("loss", 1.25, 2)])  # step 0 again: left out
+    tracker.log_artifacts([run_dir / "logs" / "rank0.log"], run_dir)
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    first, second = sync(run_dir, store), sync(run_dir, store)
+    # start, params, 2 metrics, artifacts; then the tag and the FAILED status a killed run lacks
+    assert "uploaded 7 records" in first and "up to date" in second
+    client = MlflowClient(tracking_uri=store)
+    (run,) = client.search_runs([client.get_experiment_by_name("spool").experiment_id])
+    assert run.info.status == "FAILED" and "killed" in run.data.tags["failure_reason"]
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss"))
+    assert history == [(0, 2.0), (1, 1.5), (2, 1.25)] and run.data.params == {"a": "1"}
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "logs")] == ["logs/rank0.log"]
+
+
+def test_step_tail_reads_finished_lines_only(tmp_path):
+    from parabench.tracking import StepTail
+
+    path = tmp_path / "steps.jsonl"
+    tail = StepTail(path, warmup_steps=1, tokens_per_step=100)
+    assert tail.new() == []
+    path.write_text('{"step": 0, "loss": 3.0, "step_time_s": 0.5}\n{"step": 1, "loss": 2.0, "step_t')
+    assert tail.new() == [("loss", 3.0, 0)]  # warm-up: loss only; step 1 is still being written
+    with open(path, "a") as f:
+        f.write('ime_s": 0.25}\n')
+    assert tail.new() == [("loss", 2.0, 1), ("step_time_s", 0.25, 1), ("step_tokens_per_s", 400.0, 1)]
+
+
+def test_credentials_are_left_out_of_what_is_written():
+    from parabench.trackstore import redact, shown, without_credentials
+
+    uri = "http://alice:pw@host:5000/x"
+    assert without_credentials(uri) == "http://host:5000/x" and shown(uri) == "http://***@host:5000/x"
+    assert redact(f"tracking.uri={uri} and https://t0k3n@h") == "tracking.uri=http://***@host:5000/x and https://***@h"
+    assert without_credentials("sqlite:////a/b.db") == "sqlite:////a/b.db"

@@ -9,8 +9,11 @@ directory, then `mlflow server` on it. `.ci/run` installs the postgresql package
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -73,20 +76,38 @@ def mlflow_server(postgres, tmp_path_factory):
     """`mlflow server` on the PostgreSQL store, artifacts under a temporary folder; yields its URL."""
     port = _free_port()
     artifacts = tmp_path_factory.mktemp("server-artifacts")
-    log = open(artifacts.parent / "mlflow-server.log", "w")
-    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", postgres]
-    cmd += ["--artifacts-destination", str(artifacts), "--host", "127.0.0.1", "--port", str(port), "--workers", "2"]
-    proc = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
-    )
-    url = f"http://127.0.0.1:{port}"
+    proc = _serve(postgres, artifacts, port, artifacts.parent / "mlflow-server.log")
     try:
-        _wait_healthy(url, proc, Path(log.name))
-        yield url
+        yield f"http://127.0.0.1:{port}"
     finally:
-        proc.terminate()
+        _stop_server(proc)
+
+
+def _serve(store: str, artifacts: Path, port: int, log: Path) -> subprocess.Popen:
+    """`mlflow server` on ``store`` (its own process group: it runs uvicorn's workers), once healthy."""
+    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", store]
+    cmd += ["--artifacts-destination", str(artifacts), "--host", "127.0.0.1", "--port", str(port), "--workers", "2"]
+    with open(log, "a") as out:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"},
+            start_new_session=True,
+        )
+    _wait_healthy(f"http://127.0.0.1:{port}", proc, log)
+    return proc
+
+
+def _stop_server(proc: subprocess.Popen) -> None:
+    """The server and its workers, gone: the port refuses connections afterwards."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
         proc.wait(timeout=60)
-        log.close()
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 180) -> None:
@@ -176,10 +197,12 @@ def test_unknown_scheme_is_refused(tmp_path, capsys, monkeypatch):
 
 
 def test_unreachable_server_is_refused_within_seconds(tmp_path, capsys, monkeypatch):
+    """With tracking.on_unreachable=refuse; the default spools (test_unreachable_at_start_spools_...)."""
     monkeypatch.chdir(tmp_path)
     started = time.monotonic()
     uri = f"http://someone:pw-not-shown@127.0.0.1:{_free_port()}"
-    err = assert_refused_before_launch([*TINY, f"tracking.uri={uri}"], "no MLflow server answers", tmp_path, capsys)
+    args = [*TINY, f"tracking.uri={uri}", "tracking.on_unreachable=refuse"]
+    err = assert_refused_before_launch(args, "no MLflow server answers", tmp_path, capsys)
     assert time.monotonic() - started < 20
     assert "pw-not-shown" not in err and "connection refused" in err
 
@@ -239,3 +262,152 @@ def test_run_lands_on_server_and_compare_reads_it(mlflow_server, tmp_path):
 def test_concurrent_runs_into_a_new_experiment_on_the_server(mlflow_server, tmp_path):
     done = _concurrent_runs(tmp_path, [f"tracking.uri={mlflow_server}"], "server-race")
     _assert_all_landed(done, mlflow_server, "server-race")
+
+
+# ------------------------------------------------------------------------------------------------
+# Live metrics, outages and `bench sync` (docs/tracking.md#outages), credentials never written.
+# ------------------------------------------------------------------------------------------------
+STEPS = [*TINY, "run.steps=3"]
+PER_STEP = ("loss", "step_time_s", "step_tokens_per_s")
+SECRETS = {"MLFLOW_TRACKING_USERNAME": "bob-env-user", "MLFLOW_TRACKING_PASSWORD": "env-secret-pw"}
+URI_SECRET = "alice-uri-user:uri-secret-pw"
+
+
+def _start_run(tmp_path: Path, name: str, uri: str, env: dict | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "parabench", "run", *STEPS, f"tracking.uri={uri}", "tracking.experiment=outage"]
+    cmd += [f"run.results_dir={tmp_path / name}", f"hydra.run.dir={tmp_path / name / 'run'}"]
+    full_env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", **(env or {})}
+    return subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _history(client, run_id: str) -> dict[str, list[tuple[int, float]]]:
+    run = client.get_run(run_id)
+    return {k: sorted((m.step, m.value) for m in client.get_metric_history(run_id, k)) for k in run.data.metrics}
+
+
+def _run_by_dir(client, run_dir: Path):
+    exp = client.get_experiment_by_name("outage")
+    (run,) = client.search_runs([exp.experiment_id], filter_string=f"tags.run_dir = '{run_dir}'")
+    return run
+
+
+def _wait_live(client, run_dir: Path, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    """Until the run is RUNNING on the store with at least one live loss point."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        with contextlib.suppress(ValueError, AttributeError):  # not created yet
+            run = _run_by_dir(client, run_dir)
+            if client.get_metric_history(run.info.run_id, "loss"):
+                assert client.get_run(run.info.run_id).info.status == "RUNNING"
+                return
+        time.sleep(0.5)
+    pytest.fail("no live loss point in MLflow while the run was going")
+
+
+def _pause_after_first_step(run_dir: Path, proc: subprocess.Popen, timeout_s: float = 300) -> int:
+    """SIGSTOP rank 0 once it has finished a step (the run stays mid-way while the test looks)."""
+    deadline = time.monotonic() + timeout_s
+    while not ((run_dir / "steps.jsonl").exists() and (run_dir / "pids" / "rank0").exists()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.1)
+    pid = int((run_dir / "pids" / "rank0").read_text())
+    os.kill(pid, signal.SIGSTOP)
+    return pid
+
+
+def _assert_no_secret(texts: dict[str, str], secrets: list[str]) -> None:
+    leaks = [f"{where} has {s!r}" for where, text in texts.items() for s in secrets if s in text]
+    assert not leaks, leaks
+
+
+def _written(folder: Path) -> dict[str, str]:
+    return {str(p): p.read_text(errors="replace") for p in folder.rglob("*") if p.is_file()}
+
+
+def _on_store(client, run_id: str, into: Path) -> dict[str, str]:
+    """Params, tags and every artifact of a run, as text."""
+    run = client.get_run(run_id)
+    out = {"params": json.dumps(run.data.params), "tags": json.dumps(run.data.tags)}
+    client.download_artifacts(run_id, "", str(into))
+    return {**out, **_written(into)}
+
+
+def test_server_killed_mid_run_then_synced_equals_an_undisturbed_run(postgres, mlflow_server, tmp_path):
+    """Acceptance (issue #17): live metrics while RUNNING; the server killed mid-run; the run
+    finishes and spools; the server back on the same store; `bench sync` (twice) makes its history
+    equal, step for step, to that of an undisturbed run (that one has credentials in its URI and
+    in MLflow's variables: none of them is written anywhere)."""
+    from mlflow.tracking import MlflowClient
+
+    port = _free_port()
+    url, artifacts, log = f"http://127.0.0.1:{port}", tmp_path / "artifacts", tmp_path / "own-server.log"
+    server = _serve(postgres, artifacts, port, log)
+    host = mlflow_server.removeprefix("http://")
+    calm = _start_run(tmp_path, "calm", f"http://{URI_SECRET}@{host}", SECRETS)
+    hit = _start_run(tmp_path, "hit", url)
+    try:
+        pid = _pause_after_first_step(tmp_path / "hit" / "run", hit)
+        _wait_live(MlflowClient(tracking_uri=url), tmp_path / "hit" / "run", hit)
+        _stop_server(server)
+        os.kill(pid, signal.SIGCONT)
+        out, err = hit.communicate(timeout=600)
+        assert hit.returncode == 0 and "Traceback" not in err, err[-3000:]
+        assert "spooled in" in err and "bench sync" in err and "not reached" in out
+        server = _serve(postgres, artifacts, port, log)
+        synced = [bench(["sync", str(tmp_path / "hit" / "run")], tmp_path, timeout=300) for _ in range(2)]
+        calm_out, calm_err = calm.communicate(timeout=600)
+        assert calm.returncode == 0, calm_err[-3000:]
+        client, calm_client = MlflowClient(tracking_uri=url), MlflowClient(tracking_uri=mlflow_server)
+        hit_run = _run_by_dir(client, tmp_path / "hit" / "run")
+        calm_run = _run_by_dir(calm_client, tmp_path / "calm" / "run")
+        got, want = _history(client, hit_run.info.run_id), _history(calm_client, calm_run.info.run_id)
+        store_view = _on_store(calm_client, calm_run.info.run_id, tmp_path / "calm-artifacts")
+    finally:
+        for p in (hit, calm):
+            p.kill()
+        _stop_server(server)
+    assert [s.returncode for s in synced] == [0, 0], synced[0].stderr[-3000:]
+    assert "uploaded" in synced[0].stdout and "up to date" in synced[1].stdout, synced[1].stdout
+    assert hit_run.info.status == "FINISHED"
+    assert sorted(got) == sorted(want)
+    assert [s for s, _ in got["loss"]] == [0, 1, 2] and got["loss"] == want["loss"]  # seeded: the same losses
+    steps = [json.loads(line) for line in (tmp_path / "hit" / "run" / "steps.jsonl").read_text().splitlines()]
+    assert got["step_time_s"] == [(s["step"], s["step_time_s"]) for s in steps]
+    for key in got:  # every metric once per step, as in the undisturbed run
+        assert [s for s, _ in got[key]] == [s for s, _ in want[key]], key
+    secrets = [URI_SECRET, *URI_SECRET.split(":"), *SECRETS.values()]
+    _assert_no_secret({"stdout": calm_out, "stderr": calm_err, **_written(tmp_path / "calm"), **store_view}, secrets)
+
+
+def test_unreachable_at_start_spools_then_sync_uploads(mlflow_server, tmp_path):
+    """The default tracking.on_unreachable=spool: a server down at the start is one line, the run
+    trains and records into its spool, `bench sync --tracking-uri` uploads it. Neither the spool nor
+    the launch bundle holds the credentials of the URI."""
+    from mlflow.tracking import MlflowClient
+
+    dead = f"http://{URI_SECRET}@127.0.0.1:{_free_port()}"
+    run = _start_run(tmp_path, "down", dead)
+    out, err = run.communicate(timeout=600)
+    assert run.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert "connection refused" in err and "bench sync" in err and "not reached (" in out
+    run_dir = tmp_path / "down" / "run"
+    synced = bench(["sync", str(run_dir), "--tracking-uri", mlflow_server], tmp_path, timeout=300)
+    assert synced.returncode == 0 and "uploaded" in synced.stdout, synced.stderr[-3000:]
+    client = MlflowClient(tracking_uri=mlflow_server)
+    on_store = _run_by_dir(client, run_dir)
+    assert on_store.info.status == "FINISHED"
+    assert on_store.data.params["tracking.uri"] == dead.replace(URI_SECRET + "@", "")
+    loss = [json.loads(line)["loss"] for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+    assert [
+        m.value for m in sorted(client.get_metric_history(on_store.info.run_id, "loss"), key=lambda m: m.step)
+    ] == loss
+    bundle = bench(
+        ["run", *STEPS, f"tracking.uri={dead}", "launcher.dry_run=true", f"hydra.run.dir={tmp_path / 'b'}"],
+        tmp_path / "b",
+    )
+    assert bundle.returncode == 0, bundle.stderr[-3000:]
+    texts = {"stdout": out + synced.stdout + bundle.stdout, "stderr": err + synced.stderr + bundle.stderr}
+    _assert_no_secret(
+        {**texts, **_written(tmp_path / "down"), **_written(tmp_path / "b")}, [URI_SECRET, "uri-secret-pw"]
+    )
