@@ -204,12 +204,29 @@ def test_killed_run_resumes_bitwise_and_reshards_to_one_rank(backend, tmp_path, 
     resumed, ckpt = kill_and_resume(args, tmp_path)
     assert_bitwise_after_resume(full, resumed)
     assert resumed["ckpt_load_s"] > 0 and resumed["ckpt_bytes_total"] > 0
+    assert_linked_to_the_killed_run(tmp_path, ckpt, resumed["losses"])
     # DCP reshards: the 2-rank checkpoint of step 10 continues on 1 rank (run.resume=<path>)
     one = run_ok([*FAST, "run.steps=20", f"backend={backend}", f"run.resume={ckpt / 'step_000010'}"], tmp_path / "one")
     assert one["resumed_step"] == 10 and one["world_size"] == 1
     assert one["losses"][:10] == full["losses"][:10]
     for a, b in zip(one["losses"][12:], full["losses"][12:], strict=True):
         assert abs(a - b) <= 1e-6 * abs(b), (a, b)
+
+
+def assert_linked_to_the_killed_run(tmp_path: Path, ckpt: Path, losses: list[float]) -> None:
+    """The resumed `bench run` is a new MLflow run tagged with the killed run's id, the checkpoint and
+    its step; its loss history holds all 20 steps (0-19), the first 10 from the checkpoint."""
+    import mlflow
+
+    (killed,) = (row for _, row in mlflow_runs(tmp_path / "killed").iterrows())
+    (resumed,) = (row for _, row in mlflow_runs(tmp_path / "resumed").iterrows())
+    assert resumed["run_id"] != killed["run_id"] and resumed["status"] == "FINISHED"
+    assert resumed["tags.parabench.resumed_from_run"] == killed["run_id"]
+    assert resumed["tags.parabench.resumed_from_checkpoint"] == str(ckpt / "step_000010")
+    assert resumed["tags.parabench.resumed_step"] == "10"
+    history = mlflow.MlflowClient().get_metric_history(resumed["run_id"], "loss")
+    assert [m.step for m in sorted(history, key=lambda m: m.step)] == list(range(20))
+    assert [m.value for m in sorted(history, key=lambda m: m.step)] == pytest.approx(losses, rel=1e-6)
 
 
 def assert_recovered(summary: dict, full: dict) -> None:
@@ -254,26 +271,59 @@ def test_rank_killed_during_a_save_loses_only_that_save_and_recovers(results, un
     assert run["status"] == "FINISHED" and run["metrics.restarts"] == 1
 
 
+# +experiment=resilience_cpu's children: (run dir suffix, variant in the stability table)
+EXPERIMENT_BACKENDS = [("ddp", "ddp"), ("fsdp", "fsdp"), ("deepspeed", "deepspeed/zero2"), ("megatron", "megatron/tp")]
+
+
 def test_resilience_experiment_recovers_every_backend_and_compares(results, uninterrupted, tmp_path):
     """+experiment=resilience_cpu: one kill per backend, max_restarts=1; one parent run holding the
-    stability table, and `bench compare` printing it per backend."""
-    proc = bench(["run", "-m", "+experiment=resilience_cpu"], results)
+    stability table, and `bench compare` printing it per backend with a number in every column.
+    ddp and fsdp are compared with their uninterrupted runs here; deepspeed and megatron's bitwise
+    resume is tests/test_resilience_deepspeed.py and test_resilience_megatron.py."""
+    proc = bench(["run", "-m", "+experiment=resilience_cpu"], results, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = mlflow_runs(results, "resilience_cpu")
     (parent,) = (row for _, row in runs[runs["tags.parabench.kind"] == "sweep"].iterrows())
     assert parent["status"] == "FINISHED"
-    for backend in ("ddp", "fsdp"):
-        (path,) = results.glob(f"runs/resilience_cpu/*/*_{backend}/summary.json")
-        assert_recovered(json.loads(path.read_text()), uninterrupted(backend))
-        assert parent[f"metrics.stability/{backend}/N2/restarts"] == 1
+    children = runs[runs["tags.parabench.kind"] == "job"]
+    assert len(children) == len(EXPERIMENT_BACKENDS) and set(children["status"]) == {"FINISHED"}
+    for suffix, variant in EXPERIMENT_BACKENDS:
+        (path,) = results.glob(f"runs/resilience_cpu/*/*_{suffix}/summary.json")
+        summary = json.loads(path.read_text())
+        if suffix in ("ddp", "fsdp"):
+            assert_recovered(summary, uninterrupted(suffix))
+        else:
+            assert summary["restarts"] == 1 and summary["steps_recomputed"] == 2 and summary["resumed_step"] == 10
+            assert len(summary["losses"]) == 20
+        assert parent[f"metrics.stability/{variant}/N2/restarts"] == 1
     uri = f"sqlite:///{results / 'mlflow.db'}"
     out = bench(
         ["compare", "--experiment", "resilience_cpu", "--tracking-uri", uri, "--out", str(tmp_path / "r")], results
     )
     assert out.returncode == 0, out.stderr
-    table = out.stdout[out.stdout.index("stability") :]
-    assert "save s (blocking)" in table and "ckpt/rank" in table and "fault->step s" in table
-    assert "ddp" in table and "fsdp" in table
+    lines = out.stdout[out.stdout.index("stability") :].splitlines()
+    assert "save s (blocking)" in lines[1] and "ckpt/rank" in lines[1] and "fault->step s" in lines[1]
+    rows = {line.split()[0]: line.split()[1:] for line in lines[2 : 2 + len(EXPERIMENT_BACKENDS)]}
+    assert sorted(rows) == sorted(variant for _, variant in EXPERIMENT_BACKENDS)
+    for cells in rows.values():  # N, save, save, ckpt/rank (value MiB), ckpt total (value MiB), ..., goodput %
+        numbers = [c.removesuffix("%") for c in cells if c != "MiB"]
+        assert len(numbers) == 11 and all(float(n) >= 0 for n in numbers), cells  # no '-' cell
+
+
+def test_injected_exception_fails_the_run_once(results):
+    """fault.kind=exception: an ordinary exception in the loop before step 1 (1 rank, no restart):
+    the run exits 1 naming the failed worker, MLflow marks it FAILED, the fault is recorded once."""
+    proc = bench(["run", *FAST, "run.steps=3", "fault.kind=exception", "fault.step=1"], results)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "bench: run failed: a worker failed" in proc.stderr
+    (run_dir,) = (p.parent for p in results.glob("runs/*/*/*/spec.json"))
+    log = (run_dir / "logs" / "rank0.log").read_text()
+    assert "InjectedFault: fault.kind=exception on rank 0 before step 1" in log
+    fired = json.loads((run_dir / "faults" / "fired.json").read_text())
+    assert fired["kind"] == "exception" and fired["step"] == 1 and fired["at"] == "step"
+    assert len((run_dir / "steps.jsonl").read_text().splitlines()) == 1  # step 0 ran, step 1 never did
+    (run,) = (row for _, row in mlflow_runs(results).iterrows())
+    assert run["status"] == "FAILED"
 
 
 def test_sigterm_stops_every_worker_saves_and_marks_killed(results):
