@@ -110,7 +110,9 @@ def _interrupted_status(exc: KeyboardInterrupt, tracker) -> str:
     reason when Slurm ended the job step: it sends SIGTERM on scancel, at the time limit, on
     preemption and when a node of the job fails (docs/sources.md#slurm)."""
     signum = getattr(exc, "signum", signal.SIGINT)
-    job_id = os.environ.get("SLURM_JOB_ID")
+    env = os.environ
+    array = (env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID"))  # a sweep's job: squeue's 42_1
+    job_id = "_".join(array) if all(array) else env.get("SLURM_JOB_ID")  # type: ignore[arg-type]
     if signum != signal.SIGTERM or not job_id:
         return "KILLED"
     why = f"Slurm job {job_id} ended by SIGTERM (scancel, its time limit, preemption or a failed node)"

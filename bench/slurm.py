@@ -9,7 +9,8 @@ submitit launcher of ``hydra-submitit-launcher`` with three changes (docs/slurm.
   which needs Slurm's accounting database: without it submitit waits forever on a job that died;
   docs/sources.md#slurm);
 - failed jobs are reported one line each (``bench: failed jobs:``) with exit 1, and the sweep's
-  parent MLflow run is still closed, instead of a traceback out of Hydra.
+  parent MLflow run is still closed, instead of a traceback out of Hydra; the MLflow run of a job
+  that ended without a result (SIGKILL, a failed node) is ended FAILED from here.
 
 ``bench run`` checks before submitting that ``sbatch`` is on PATH and the partition exists
 (:func:`check_submission`).
@@ -17,6 +18,7 @@ submitit launcher of ``hydra-submitit-launcher`` with three changes (docs/slurm.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import signal
@@ -28,9 +30,12 @@ from typing import Any
 
 from hydra.core.utils import JobReturn, JobStatus
 from hydra_plugins.hydra_submitit_launcher import submitit_launcher
+from omegaconf import OmegaConf
 
 from parabench.confutil import register_resolvers
 from parabench.errors import RunFailed, UserError
+from parabench.spec import tracking_from_config
+from parabench.tracking import PARENT_ENV, store_uri
 
 POLL_S = 1.0
 RESULT_GRACE_S = 10.0  # a job Slurm reports ended: how long its result file may take to appear
@@ -87,6 +92,26 @@ def job_state(job_id: str) -> tuple[str, str]:
     return state.group(1), reason.group(1) if reason else "None"
 
 
+def end_orphan_runs(config, job_num: int, why: str) -> int:
+    """A job that ended without a result (SIGKILL, a failed node) could not end its MLflow run: the
+    sweep's child runs of that job still RUNNING end FAILED with ``why``. Returns how many."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent:  # tracking off, or the sweep's parent run was not opened
+        return 0
+    raw = {k: OmegaConf.to_container(config[k], resolve=True) for k in ("tracking", "run") if k in config}
+    tracking, results_dir = tracking_from_config(raw)
+    from mlflow import MlflowClient
+
+    client = MlflowClient(store_uri(tracking, results_dir))
+    experiment = client.get_run(parent).info.experiment_id
+    query = f"tags.mlflow.parentRunId = '{parent}' and tags.job_num = '{job_num}' and attributes.status = 'RUNNING'"
+    runs = client.search_runs([experiment], filter_string=query)
+    for run in runs:
+        client.set_tag(run.info.run_id, "failure_reason", why[:5000])
+        client.set_terminated(run.info.run_id, "FAILED")
+    return len(runs)
+
+
 def _failed(overrides, exc: BaseException) -> JobReturn:
     ret = JobReturn(overrides=list(overrides), status=JobStatus.FAILED)
     ret.return_value = exc
@@ -127,6 +152,8 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
                 continue
             if failed is not None:
                 failed.append(f"{num}: Slurm job {job.job_id}: {reason}")
+            if not results:  # nothing on the node could end its MLflow run
+                end_orphan_runs(self.config, num, f"Slurm job {job.job_id} {reason}")
             # the sweep goes on (Hydra raises a failed job's exception); bench run exits 1
             returns.append(JobReturn(overrides=list(overrides), status=JobStatus.COMPLETED))
         return returns

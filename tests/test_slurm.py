@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -184,41 +185,60 @@ def test_two_nodes_one_rank_each(slurm, results):
     assert ranks == ["rank0.json", "rank1.json"]
 
 
-def _wait_for_steps(results: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
+def _wait_for_steps(results: Path, proc: subprocess.Popen, jobs: int, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if any(p.stat().st_size for p in results.glob("runs/*/*/0_*/steps.jsonl")):
+        if sum(1 for p in results.glob("runs/*/*/*_*/steps.jsonl") if p.stat().st_size) >= jobs:
             return
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.5)
-    raise AssertionError(f"no step finished within {timeout:.0f} s")
+    raise AssertionError(f"no step finished in every job within {timeout:.0f} s")
 
 
-def test_scancel_mid_run_ends_failed_with_the_reason(slurm, results):
-    """`bench run` without -m submits too; scancel of the running job: the MLflow run ends FAILED
-    with the reason and its steps so far, the sweep run FAILED (never RUNNING), bench exits 1 with
-    one line per failed job."""
-    cmd = [sys.executable, "-m", "parabench", "run", *SLURM_JOB, "launcher.nproc_per_node=2", "run.steps=500"]
-    cmd += ["device.threads_per_rank=1", f"run.results_dir={results}"]
+def _kill_on_node(raw_job_id: str, node: str, env: dict[str, str]) -> None:
+    """SIGKILL every process of a job on its node at once, as when the node dies (``scontrol listpids``
+    lists what the node's slurmd tracks for the job: the batch script, srun, the step's processes)."""
+    out = subprocess.run(["scontrol", "listpids", raw_job_id, node], capture_output=True, text=True, env=env)
+    pids = [int(line.split()[0]) for line in out.stdout.splitlines()[1:] if line.split()]
+    assert pids, out.stdout + out.stderr
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_scancel_and_a_killed_job_end_failed_with_the_reason(slurm, results):
+    """A sweep of two jobs; once both train, job 0 is cancelled (scancel: SIGTERM, as at the time
+    limit) and every process of job 1 gets SIGKILL (as on a node that dies: no result file). Both MLflow
+    runs end FAILED with the reason (job 0 with its steps so far), the sweep run FAILED, nothing stays
+    RUNNING; bench exits 1 with one line per failed job."""
+    cmd = [sys.executable, "-m", "parabench", "run", "-m", *SLURM_JOB, "launcher.nproc_per_node=2"]
+    cmd += ["run.steps=500", "device.threads_per_rank=1", "run.seed=1,2", f"run.results_dir={results}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=slurm, cwd=REPO)
     try:
-        _wait_for_steps(results, proc)
-        ids = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, env=slurm).stdout.split()
-        assert len(ids) == 1, ids
-        subprocess.run(["scancel", ids[0]], check=True, env=slurm)
-        out, err = proc.communicate(timeout=120)
+        _wait_for_steps(results, proc, jobs=2)
+        queue = subprocess.run(["squeue", "-h", "-o", "%i %A %N"], capture_output=True, text=True, env=slurm)
+        tasks = {i: (raw, node) for i, raw, node in (line.split() for line in queue.stdout.splitlines())}
+        job = next(iter(tasks)).split("_")[0]
+        assert sorted(tasks) == [f"{job}_0", f"{job}_1"], tasks
+        subprocess.run(["scancel", f"{job}_0"], check=True, env=slurm)
+        _kill_on_node(*tasks[f"{job}_1"], slurm)  # scancel --signal=KILL would send SIGTERM first
+        out, err = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 1, out[-2000:] + err[-3000:]
     assert "Traceback" not in err
-    assert f"0: Slurm job {ids[0]}: interrupted by SIGTERM" in err, err
+    assert f"0: Slurm job {job}_0: interrupted by SIGTERM" in err, err
+    assert re.search(rf"1: Slurm job {job}_1: ended \w+ \(reason .*\) without a result; see ", err), err
     runs = mlflow_runs(results)
     assert "RUNNING" not in set(runs["status"])
-    child = runs[runs["tags.parabench.kind"] == "job"].iloc[0]
-    assert child["status"] == "FAILED"
-    assert f"Slurm job {ids[0]} ended by SIGTERM (scancel" in child["tags.failure_reason"]
-    assert int(child["tags.interrupted_after_step"]) >= 1
+    children = runs[runs["tags.parabench.kind"] == "job"].set_index("tags.job_num")
+    assert list(children.loc[["0", "1"], "status"]) == ["FAILED", "FAILED"]
+    assert f"Slurm job {job}_0 ended by SIGTERM (scancel" in children.loc["0", "tags.failure_reason"]
+    assert int(children.loc["0", "tags.interrupted_after_step"]) >= 1
+    assert "without a result" in children.loc["1", "tags.failure_reason"]
     assert runs[runs["tags.parabench.kind"] == "sweep"]["status"].iloc[0] == "FAILED"
 
 
