@@ -37,6 +37,7 @@ SPOOL_DIR = "tracking"  # in the run directory
 SPOOL_FILE = "spool.jsonl"
 STATE_FILE = "state.json"
 SPOOL_ID_TAG = "parabench.spool_id"  # finds the run a spool belongs to, on the store
+CONNECT_TIMEOUT_S = 15.0  # a server that answers slower when the job starts: spooled
 METRIC_BATCH = 500  # log_batch: at most 1000 metrics a call (MLflow's limit), 100 params
 
 
@@ -236,7 +237,8 @@ class JobRun:
         """Open the store; a server that does not answer (one short request) makes the job offline."""
         try:
             if trackstore.scheme(uri) in ("http", "https"):
-                trackstore.probe_server(uri, self.tracking.experiment)
+                # the run starts anyway: wait as long as one of MLflow's requests may (bound_retries)
+                trackstore.probe_server(uri, self.tracking.experiment, timeout_s=CONNECT_TIMEOUT_S)
             self.client = _client(uri)
         except SpecError as exc:
             self._go_offline(exc.message)

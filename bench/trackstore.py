@@ -119,8 +119,8 @@ def check(tracking: TrackingSpec, probe: bool = True, key: str = "tracking.uri",
                 raise
 
 
-def probe_server(uri: str, experiment: str, key: str = "tracking.uri") -> None:
-    """One request, no retries, ``PROBE_TIMEOUT_S``: is an MLflow server there that takes our credentials?"""
+def probe_server(uri: str, experiment: str, key: str = "tracking.uri", timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """One request, no retries, ``timeout_s``: is an MLflow server there that takes our credentials?"""
     from mlflow.exceptions import MlflowException
     from mlflow.utils.credentials import get_default_host_creds
     from mlflow.utils.rest_utils import http_request
@@ -134,12 +134,12 @@ def probe_server(uri: str, experiment: str, key: str = "tracking.uri") -> None:
             "GET",
             max_retries=0,
             backoff_factor=0,
-            timeout=PROBE_TIMEOUT_S,
+            timeout=timeout_s,
             raise_on_status=False,
             params={"experiment_name": experiment},
         )
     except MlflowException as exc:  # MLflow wraps the connection error (refused, timed out, DNS)
-        raise Unreachable(key, f"no MLflow server answers at {where} ({_why(str(exc))})") from None
+        raise Unreachable(key, f"no MLflow server answers at {where} ({_why(str(exc), timeout_s)})") from None
     code = resp.status_code
     if code in (401, 403):
         raise SpecError(
@@ -152,11 +152,11 @@ def probe_server(uri: str, experiment: str, key: str = "tracking.uri") -> None:
     raise SpecError(key, f"{where} answered HTTP {code} to MLflow's {PROBE_ENDPOINT}: not a working MLflow server")
 
 
-def _why(message: str) -> str:
+def _why(message: str, timeout_s: float) -> str:
     if "refused" in message.lower():
         return "connection refused"
     if "timed out" in message.lower() or "timeout" in message.lower():
-        return f"no answer within {PROBE_TIMEOUT_S:g} s"
+        return f"no answer within {timeout_s:g} s"
     if "name or service not known" in message.lower() or "resolve" in message.lower():
         return "host name not found"
     return message.splitlines()[0][:200]

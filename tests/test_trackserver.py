@@ -411,3 +411,48 @@ def test_unreachable_at_start_spools_then_sync_uploads(mlflow_server, tmp_path):
     _assert_no_secret(
         {**texts, **_written(tmp_path / "down"), **_written(tmp_path / "b")}, [URI_SECRET, "uri-secret-pw"]
     )
+
+
+def _psql(postgres: str, database: str, sql: str) -> None:
+    pg, where = _pg_bin(), postgres.rsplit("@", 1)[1].split("/", 1)[0]
+    host, port = where.split(":")
+    cmd = [str(pg / "psql"), "-h", host, "-p", port, "-U", "mlflow", "-d", database, "-v", "ON_ERROR_STOP=1", "-c", sql]
+    subprocess.run(_as_postgres(cmd), check=True, capture_output=True, timeout=60)
+
+
+def test_server_answering_an_error_mid_run_spools_then_sync_completes(postgres, tmp_path, monkeypatch, capsys):
+    """A real `mlflow server` whose database loses a table mid-run answers log-batch with an error
+    (MLflow maps the database's UndefinedTable to BAD_REQUEST): one line, the job records on into its
+    spool, and `bench sync` (the table back) completes the history."""
+    from mlflow.tracking import MlflowClient
+
+    from parabench.spec import TrackingSpec
+    from parabench.tracking import JobRun, sync
+    from parabench.trackstore import HTTP_RETRIES
+
+    for key, value in HTTP_RETRIES.items():  # what `bench` sets (cli._quiet_environment)
+        monkeypatch.setenv(key, value)
+    _psql(postgres, "mlflow", "CREATE DATABASE mlflow500")
+    port = _free_port()
+    server = _serve(postgres.rsplit("/", 1)[0] + "/mlflow500", tmp_path / "artifacts", port, tmp_path / "server.log")
+    url, run_dir = f"http://127.0.0.1:{port}", tmp_path / "run"
+    try:
+        tracker = JobRun(TrackingSpec(uri=url, experiment="e500"), str(tmp_path), run_dir)
+        assert tracker.start("r", {"a": "1"}, {}) is not None
+        tracker.log_metrics([("loss", 1.0, 0)])
+        _psql(postgres, "mlflow500", "ALTER TABLE latest_metrics RENAME TO latest_metrics_away")
+        tracker.log_metrics([("loss", 0.5, 1)])
+        assert tracker.offline and "latest_metrics" in tracker.offline, tracker.offline
+        tracker.log_metrics([("loss", 0.25, 2)])
+        tracker.end("FINISHED")
+        err = capsys.readouterr().err
+        assert err.count("parabench: tracking:") == 2 and "bench sync" in err  # the failure, then the end
+        _psql(postgres, "mlflow500", "ALTER TABLE latest_metrics_away RENAME TO latest_metrics")
+        first, second = sync(run_dir), sync(run_dir)
+        client = MlflowClient(tracking_uri=url)
+        run = client.get_run(tracker.run_id)
+        history = sorted((m.step, m.value) for m in client.get_metric_history(tracker.run_id, "loss"))
+    finally:
+        _stop_server(server)
+    assert "uploaded 3 records" in first and "up to date" in second, (first, second)
+    assert run.info.status == "FINISHED" and history == [(0, 1.0), (1, 0.5), (2, 0.25)]
