@@ -100,9 +100,10 @@ def _preflight(args) -> _PreparedJobs | None:
     first = compose(combos[0], return_hydra_config=True)
     remote = first.hydra.launcher.get("_target_") == "hydra_plugins.parabench_slurm.SlurmLauncher"
     if remote:  # Hydra starts its launcher only in multirun mode: one job is a sweep of one (docs/slurm.md)
-        from parabench.slurm import check_submission
+        from parabench.slurm import check_submission, register_launcher
 
         check_submission(first.hydra.launcher.get("partition"))
+        register_launcher()
         args.multirun, combos = True, expand_sweep(args.overrides)
     if args.multirun:  # an experiment's hydra.sweeper.params add sweep dimensions of their own
         sweep_params = first.hydra.sweeper.get("params") or {}

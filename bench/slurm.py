@@ -81,6 +81,16 @@ def check_submission(partition: str | None) -> None:
             )
 
 
+def register_launcher() -> None:
+    """Make Hydra know the launcher class without its scan of ``hydra_plugins``, which does not see
+    an editable install's mapped package (setuptools' finder lists no modules)."""
+    from hydra.core.plugins import Plugins
+
+    from hydra_plugins.parabench_slurm import SlurmLauncher as Registered
+
+    Plugins.instance().register(Registered)
+
+
 def job_state(job_id: str) -> tuple[str, str]:
     """(state, reason) of a Slurm job from ``scontrol show job`` (kept MinJobAge after it ends);
     ("GONE", ...) once the controller has forgotten it."""

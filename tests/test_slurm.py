@@ -171,9 +171,10 @@ def test_sweep_of_two_jobs_runs_on_slurm_as_parent_and_children(slurm, results):
 
 def test_two_nodes_one_rank_each(slurm, results):
     """launcher.nnodes=2: one Slurm task per node; node 1 takes its rank and node 0's address
-    (NodeAddr) from the allocation; one MLflow run (node 0 records) with both ranks."""
+    (NodeAddr) from the allocation; one MLflow run (node 0 records) with both ranks. Submitted from
+    outside the repository, as an installed parabench is (the launcher is not found by Hydra's scan)."""
     args = ["run", *SLURM_JOB, "launcher.nnodes=2", "launcher.nproc_per_node=1", *SMALL]
-    proc = bench([*args, f"launcher.master_port={_free_port()}"], results, 400, slurm)
+    proc = bench([*args, f"launcher.master_port={_free_port()}"], results, 400, slurm, cwd=results.parent)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     (job,) = _job_ids(proc.stdout)
     assert _slurm_state(job, slurm) == "COMPLETED"
