@@ -21,6 +21,7 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import yaml
 
@@ -94,11 +95,11 @@ def _script(job: JobSpec, command: str) -> str:
     return "\n".join([*lines, "exec " + command]) + "\n"
 
 
-def _container(job: JobSpec, env: dict[str, str], command: str, port: int, run_dir: str) -> dict:
+def _container(job: JobSpec, env: dict[str, str], command: str, port: int, run_dir: str) -> dict[str, Any]:
     k8s = job.launch.k8s
     accel = ACCELERATORS[job.device.type]
     values = {**accel.env(job), **env, "RUN_DIR": run_dir}
-    container: dict = {
+    container: dict[str, Any] = {
         "name": CONTAINER,
         "image": k8s.image,
         "command": ["bash", "-c", _script(job, command)],
@@ -116,7 +117,7 @@ def _container(job: JobSpec, env: dict[str, str], command: str, port: int, run_d
     return container
 
 
-def _pod(job: JobSpec, name: str, container: dict) -> dict:
+def _pod(job: JobSpec, name: str, container: dict[str, Any]) -> dict[str, Any]:
     claim = job.launch.k8s.volume_claim
     runs = {"persistentVolumeClaim": {"claimName": claim}} if claim else {"emptyDir": {}}
     return {
@@ -136,7 +137,9 @@ def _labels(name: str) -> dict[str, str]:
     return {"app.kubernetes.io/name": "parabench", "app.kubernetes.io/instance": name}
 
 
-def manifests(job: JobSpec, env: dict[str, str], command: str, port: int, files: dict[str, str]) -> list[dict]:
+def manifests(
+    job: JobSpec, env: dict[str, str], command: str, port: int, files: dict[str, str]
+) -> list[dict[str, Any]]:
     """[ConfigMap, PyTorchJob] for ``job``: ``command`` is the launcher's bundle line (reads $RUN_DIR,
     $NODE_RANK, $MASTER_ADDR), ``files`` the bundle's files by name."""
     k8s, la = job.launch.k8s, job.launch
@@ -172,7 +175,7 @@ class _Dumper(yaml.SafeDumper):
     """Multi-line strings (the pod script, spec.json) as YAML literal blocks, readable in review; the
     Worker's pod template written out in full, not as an alias of the Master's."""
 
-    def ignore_aliases(self, data) -> bool:
+    def ignore_aliases(self, data: Any) -> bool:
         return True
 
 
@@ -184,9 +187,10 @@ def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
 _Dumper.add_representer(str, _str)
 
 
-def render(docs: list[dict]) -> str:
+def render(docs: list[dict[str, Any]]) -> str:
     head = (
         f"# parabench {__version__}: Kubeflow PyTorchJob ({API_VERSION}) for this launch bundle.\n"
         f"# kubectl apply -f {MANIFEST}  (needs the Kubeflow training operator; see docs/kubernetes.md)\n"
     )
-    return head + yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False, explicit_start=True, width=120)
+    body: str = yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False, explicit_start=True, width=120)
+    return head + body
