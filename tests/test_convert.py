@@ -195,7 +195,7 @@ def _relative(resumed: list[float], reference: list[float]) -> float:
 
 
 @pytest.mark.megatron
-def test_deepspeed_to_megatron_tp2_pp2_and_back_to_zero1(ds_checkpoint, tmp_path):
+def test_deepspeed_to_megatron_tp2_pp2_and_back_to_zero1(ds_checkpoint, ddp_losses, tmp_path):
     """ZeRO-3 -> megatron tp=2 x pp=2 (fused QKV and gate/up TP splits, PP stages) resumed, and that
     megatron checkpoint -> ZeRO-1 resumed: both within 1e-5 of the uninterrupted ddp run."""
     pytest.importorskip("megatron.core")
