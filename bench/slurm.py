@@ -37,7 +37,8 @@ from parabench.errors import RunFailed, UserError
 from parabench.spec import tracking_from_config
 from parabench.tracking import PARENT_ENV, store_uri
 
-POLL_S = 1.0
+POLL_S = 1.0  # result files are looked for this often
+STATE_EVERY_S = 5.0  # the controller is asked for a job's state at most this often
 RESULT_GRACE_S = 10.0  # a job Slurm reports ended: how long its result file may take to appear
 # Slurm job states of a job that has not ended (squeue(1), "JOB STATE CODES"; docs/sources.md#slurm)
 ACTIVE = {
@@ -143,7 +144,7 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
         register_resolvers()  # the job's config is resolved again here
         try:
             return super().__call__(sweep_overrides, job_dir_key, job_num, job_id, singleton_state)
-        except KeyboardInterrupt as exc:  # SIGTERM (parabench.errors.Interrupted): the runner recorded KILLED
+        except KeyboardInterrupt as exc:  # SIGTERM (parabench.errors.Interrupted): the runner recorded FAILED
             name = signal.Signals(getattr(exc, "signum", signal.SIGINT)).name
             why = f"interrupted by {name} on {socket.gethostname()} (scancel, or the job's time limit)"
             return _failed(sweep_overrides, RunFailed(why))
@@ -172,16 +173,17 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
     def _wait(job) -> tuple[list[Any], str | None]:
         """Every task's result, or why there is none (the job ended without one, or raised)."""
         tasks = [job.task(k) for k in range(job.num_tasks)]
-        ended_at, seen = None, ("", "")
+        ended_at, seen, asked = None, ("", ""), 0.0
         while not all(t.paths.result_pickle.exists() for t in tasks):
             time.sleep(POLL_S)
-            if ended_at is None:
+            if ended_at is None and time.monotonic() - asked >= STATE_EVERY_S:
+                asked = time.monotonic()
                 state, why = job_state(job.job_id)
                 if (state, why) != seen:  # e.g. PENDING (Resources), RUNNING
                     print(f"parabench: Slurm job {job.job_id}: {state} ({why})", flush=True)
                     seen = (state, why)
                 ended_at = None if state in ACTIVE else (time.monotonic(), state, why)
-            elif time.monotonic() - ended_at[0] > RESULT_GRACE_S:
+            elif ended_at is not None and time.monotonic() - ended_at[0] > RESULT_GRACE_S:
                 log = Path(job.paths.stderr)
                 return [], f"ended {ended_at[1]} (reason {ended_at[2]}) without a result; see {log}"
         from submitit.core.utils import UncompletedJobError
@@ -198,7 +200,6 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
         from hydra.core.singleton import Singleton
         from hydra.core.utils import filter_overrides
         from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
-        from omegaconf import OmegaConf
 
         assert self.config is not None
         init = {"folder": self.params["submitit_folder"]}
