@@ -24,7 +24,9 @@ def test_killed_and_resumed_bitwise(layout, tmp_path):
     native = ckpt / "step_000010" / "native"
     assert (native / "metadata.json").is_file() and (native / "common.pt").is_file()  # dist_checkpointing's layout
     if layout == "backend.tp=2":  # resharded: the tp=2 checkpoint of step 10 continues with tp=1 on 1 rank
-        one = run_ok([*FAST, "run.steps=20", "backend=megatron", f"run.resume={ckpt / 'step_000010'}"], tmp_path / "one")
+        one = run_ok(
+            [*FAST, "run.steps=20", "backend=megatron", f"run.resume={ckpt / 'step_000010'}"], tmp_path / "one"
+        )
         assert one["resumed_step"] == 10 and one["world_size"] == 1
         assert one["losses"][:10] == full["losses"][:10]
         for a, b in zip(one["losses"][10:], full["losses"][10:], strict=True):
