@@ -172,8 +172,6 @@ def write_bundle(job: JobSpec, run_dir: Path, env: dict[str, str], port: int) ->
     path = run_dir / "launch.sh"
     path.write_text("\n".join(lines) + "\n")
     path.chmod(0o755)
-    return path
-
     if job.launch.k8s.pytorchjob:
         write_pytorchjob(job, run_dir, env, launcher.bundle_command(job, port), port)
     return path
@@ -187,6 +185,8 @@ def write_pytorchjob(job: JobSpec, run_dir: Path, env: dict[str, str], command: 
     path = run_dir / k8s.MANIFEST
     path.write_text(k8s.render(k8s.manifests(job, env, command, port, files)))
     print(f"dry run: Kubeflow PyTorchJob written to {path} (kubectl apply -f {path.name})")
+    return path
+
 
 class _Progress:
     """tqdm bar driven by rank 0's progress file."""
