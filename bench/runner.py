@@ -655,4 +655,8 @@ def print_summary(job: JobSpec, s: dict[str, Any], tracker, run_dir: Path) -> No
         lines.append(f"  MLflow         not reached ({tracker.offline}): spooled in {run_dir / 'tracking'}")
     elif tracker.run_id:
         lines.append(f"  MLflow run     {tracker.run_id} in {store}")
+        experiment_id = tracker.state.get("experiment_id")
+        link = trackstore.ui_link(store, experiment_id) if experiment_id else None
+        if link:
+            lines.append(f"  MLflow UI      {link}")
     print("\n".join(lines))

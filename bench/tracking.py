@@ -160,6 +160,7 @@ def _apply(client, state: dict[str, Any], record: dict[str, Any], run_dir: Path,
     op, run_id = record["op"], state.get("run_id")
     if op == "start":
         exp = _experiment_id(client, state["experiment"], state["results_dir"])
+        state["experiment_id"] = exp
         if run_id is None:
             run = client.create_run(exp, run_name=record["run_name"], tags=record["tags"], start_time=record["time"])
             state["run_id"] = run.info.run_id

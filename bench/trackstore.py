@@ -63,6 +63,15 @@ def shown(uri: str) -> str:
     return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
 
 
+def ui_link(uri: str, experiment_id: str) -> str | None:
+    """The page of an experiment's runs table on an MLflow server (None for a local store). MLflow
+    3's UI opens its GenAI overview unless the URL asks for the model-training view
+    (docs/sources.md#mlflow-ui-workflow)."""
+    if scheme(uri) not in ("http", "https"):
+        return None
+    return f"{shown(uri).rstrip('/')}/#/experiments/{experiment_id}?workflowType=machine_learning"
+
+
 def without_credentials(uri: str) -> str:
     """A URI as it may be written to a file: the ``user:password@`` part left out."""
     parts = urlsplit(uri)

@@ -155,6 +155,9 @@ def test_basic_auth_run_records_and_never_writes_the_password(auth_server, tmp_p
 
     runs, recorded = _recorded(auth_server, "auth-e2e", tmp_path, monkeypatch)
     assert [r.info.status for r in runs] == ["FINISHED"]
+    # the summary links the runs table (MLflow 3's UI would open its GenAI overview without the query)
+    link = f"{auth_server}/#/experiments/{runs[0].info.experiment_id}?workflowType=machine_learning"
+    assert f"MLflow UI      {link}" in proc.stdout, proc.stdout[-2000:]
     # It went in as alice: she created the experiment, so the auth app made her its manager.
     query = f"username={USER}&resource_type=experiment&resource_id={runs[0].info.experiment_id}"
     grant = _request(f"{auth_server}/api/3.0/mlflow/users/permissions/get?{query}", "admin", ADMIN_PASSWORD)
