@@ -5,8 +5,10 @@ the same hyper-parameters, gradient accumulation over the same micro-batches, gr
 same thread count, the same warm-up/measured steps; each side runs in its own fresh process, and
 the rounds alternate (hand, harness, hand, harness, ...) so that drift in machine load hits both.
 Prints tokens/s per round, the medians and their ratio (target >= 0.98).
+With --tracking the harness records into a local MLflow store as a user's run does, live per-step
+metrics included (logged by the runner process, outside the workers' timed region).
 
-    python benchmarks/harness_overhead.py [--rounds 3] [--steps 10] [--warmup 2]
+    python benchmarks/harness_overhead.py [--rounds 3] [--steps 10] [--warmup 2] [--tracking]
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def hand(overrides: list[str], warmup: int, steps: int, threads: int) -> float:
     return json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"]
 
 
-def harness(overrides: list[str], warmup: int, steps: int, results: Path) -> float:
+def harness(overrides: list[str], warmup: int, steps: int, results: Path, tracking: bool) -> float:
     before = set(results.glob("runs/*/*/*/summary.json"))
     subprocess.run(
         [
@@ -72,7 +74,7 @@ def harness(overrides: list[str], warmup: int, steps: int, results: Path) -> flo
             f"run.warmup_steps={warmup}",
             f"run.steps={steps}",
             f"run.results_dir={results}",
-            "tracking.enabled=false",
+            f"tracking.enabled={str(tracking).lower()}",
         ],
         check=True,
         capture_output=True,
@@ -89,6 +91,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--model", default="llama")
+    p.add_argument("--tracking", action="store_true", help="bench run records into MLflow (live metrics on)")
     args = p.parse_args()
     threads = os.cpu_count() or 1
     overrides = [f"+model={args.model}"]
@@ -96,9 +99,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             hands.append(hand(overrides, args.warmup, args.steps, threads))
-            harnesses.append(harness(overrides, args.warmup, args.steps, Path(tmp)))
+            harnesses.append(harness(overrides, args.warmup, args.steps, Path(tmp), args.tracking))
             print(
-                f"round {r + 1}: hand-written loop {hands[-1]:.1f} tokens/s, bench run (ddp, 1 rank) {harnesses[-1]:.1f} tokens/s",
+                f"round {r + 1}: hand-written loop {hands[-1]:.1f} tokens/s, "
+                f"bench run (ddp, 1 rank, tracking {'on' if args.tracking else 'off'}) {harnesses[-1]:.1f} tokens/s",
                 flush=True,
             )
     h, b = statistics.median(hands), statistics.median(harnesses)
