@@ -122,3 +122,21 @@ def test_fsdp_on_cpu_with_an_old_torch_is_refused_before_launch(tmp_path, capsys
         from parabench.jobs import from_config
 
         FSDPAdapter.validate(from_config(to_plain(compose(args))))  # no refusal
+
+
+def test_every_package_of_the_tree_is_in_the_wheel():
+    """A non-editable install (pip install .) ships only the packages pyproject lists: a new
+    subpackage left out of the list imports in the dev venv and fails for every user."""
+    import tomllib
+
+    setuptools_cfg = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setuptools_cfg["packages"])
+    dirs = {name: folder for name, folder in setuptools_cfg["package-dir"].items()}
+    found = set()
+    for root_name, folder in dirs.items():
+        for init in (REPO / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(REPO / folder).parts
+            found.add(".".join((root_name, *rel)))
+    for init in (REPO / "hydra_plugins").rglob("__init__.py"):
+        found.add(".".join(init.parent.relative_to(REPO).parts))
+    assert found - listed == set(), f"packages missing from pyproject's [tool.setuptools] packages: {found - listed}"
