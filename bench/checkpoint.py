@@ -335,6 +335,22 @@ def set_rng_state(state: dict[str, Any]) -> None:
             mod.set_rng_state_all(state[name])
 
 
+def write_marker(tmp: Path, step: int, ctx, run_id: str | None, **extra: Any) -> int:
+    """Write ``COMPLETE`` into the checkpoint directory ``tmp``, last and fsynced: the step, the time,
+    the job identity, the world size, the MLflow run id and the size of every file. Returns the files'
+    bytes."""
+    files = {
+        str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file() and p != tmp / MARKER
+    }
+    marker = {"step": step, "time": time.time(), "job": job_identity(ctx.job), "files": files}
+    marker.update(world_size=ctx.world_size, mlflow_run_id=run_id, **extra)
+    with open(tmp / MARKER, "w") as f:
+        json.dump(marker, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    return sum(files.values())
+
+
 class Checkpointer:
     """One rank's side of saving and resuming (every call is collective over the job's ranks)."""
 
@@ -396,17 +412,7 @@ class Checkpointer:
         self.comm.barrier()
 
     def _publish(self, step: int, tmp: Path) -> int:
-        files = {
-            str(p.relative_to(tmp)): p.stat().st_size
-            for p in sorted(tmp.rglob("*"))
-            if p.is_file() and p != tmp / MARKER
-        }
-        marker = {"step": step, "time": time.time(), "job": job_identity(self.ctx.job), "files": files}
-        marker.update(world_size=self.ctx.world_size, mlflow_run_id=self.run_id)
-        with open(tmp / MARKER, "w") as f:
-            json.dump(marker, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+        total = write_marker(tmp, step, self.ctx, self.run_id)
         final = step_dir(self.root, step)
         aside = final.with_name(final.name + OLD)
         if final.exists():  # the same step saved again (a resume from an older checkpoint):
@@ -417,7 +423,7 @@ class Checkpointer:
         _fsync_dir(self.root)
         shutil.rmtree(aside, ignore_errors=True)
         self._prune()
-        return sum(files.values())
+        return total
 
     def _prune(self) -> None:
         """Older complete checkpoints beyond ``keep``, and set-aside copies whose step is visible again."""

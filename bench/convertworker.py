@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import sys
-import time
 import traceback
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,7 +29,7 @@ from typing import Any
 from parabench import canonical
 from parabench.adapters.base import WorkerContext
 from parabench.adapters.registry import get_adapter
-from parabench.checkpoint import MARKER, _ledger_checksum, job_identity, read_marker
+from parabench.checkpoint import _ledger_checksum, read_marker, write_marker
 from parabench.devices import DEVICES
 from parabench.jobs import load_job
 from parabench.launchers import get_launcher
@@ -73,12 +72,9 @@ def _harness(ctx, engine, saved: list[dict[str, Any]], step: int) -> dict[str, A
 
 
 def _publish(ctx, tmp: Path, final: Path, step: int) -> int:
-    files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-    marker = {"step": step, "time": time.time(), "job": job_identity(ctx.job), "files": files}
-    marker.update(world_size=ctx.world_size, mlflow_run_id=None, converted=True)
-    (tmp / MARKER).write_text(json.dumps(marker, indent=1))
+    total = write_marker(tmp, step, ctx, None, converted=True)
     os.rename(tmp, final)
-    return sum(files.values())
+    return total
 
 
 def _import(engine, ctx, request: dict[str, Any]) -> dict[str, Any]:
