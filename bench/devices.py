@@ -15,6 +15,7 @@ import platform
 import resource
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -295,3 +296,24 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+# How long a process that ran collectives waits before its interpreter finalizes (see below).
+COMM_DRAIN_S = 0.2
+
+
+def drain_comm_threads() -> None:
+    """Give torch's communication threads the GIL once more before the interpreter finalizes.
+
+    A collective's ``AsyncWork`` captures the thread-local state of the call, Python objects included
+    (a TorchFunctionMode such as the CUDA->CPU redirection's, the communication log's wrappers). gloo's
+    ``pt_gloo_runloop`` thread drops its reference to a finished work (e.g. DDP's last all-reduce)
+    after the main thread has moved on; when the main thread reaches interpreter finalization first,
+    that thread's GIL acquire exits it mid-destructor and the process aborts with ``terminate called
+    without an active exception`` (under gdb: runLoop -> ~AsyncAllreduceWork -> ~ThreadLocalState ->
+    decref -> take_gil -> pthread_exit; upstream: pytorch/pytorch#190489, #179291). Waiting here,
+    with the interpreter still whole, lets such a thread finish first. Seen at the end of training
+    workers, bench convert's export and bench smoke's emulated runs.
+    """
+    if "torch" in sys.modules:
+        time.sleep(COMM_DRAIN_S)

@@ -21,7 +21,7 @@ from parabench.adapters.base import WorkerContext
 from parabench.adapters.registry import get_adapter
 from parabench.checkpoint import RUN_ID_ENV, STEPS_FILE, Checkpointer, CheckpointError, StopRequested
 from parabench.commlog import CommLog
-from parabench.devices import DEVICES
+from parabench.devices import DEVICES, drain_comm_threads
 from parabench.faults import record_detection, restart_count
 from parabench.jobs import load_job
 from parabench.launchers import get_launcher
@@ -66,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     (run_dir / "pids" / f"rank{rank}").write_text(str(os.getpid()))
     print(f"[parabench worker] rank {rank}/{world} local_rank {local_rank} pid {os.getpid()}", flush=True)
     try:
-        return _run(job, adapter, run_dir, rank, local_rank, world, started_wall)
+        code = _run(job, adapter, run_dir, rank, local_rank, world, started_wall)
+        drain_comm_threads()  # else an abort at exit, seen after a 2-rank ddp run (convert's resume)
+        return code
     except StopRequested as exc:
         print(f"[parabench worker] {exc}", flush=True)
         return 0

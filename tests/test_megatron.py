@@ -102,7 +102,6 @@ def test_engine_in_process_matches_the_canonical_model(tmp_path):
     """World of 1 (TP=PP=DP=1): the engine's checksum is the canonical one, 3 AdamW steps follow the
     canonical torch model + torch.optim.AdamW, and close() undoes every patch."""
     import datetime
-    import socket
 
     import torch
     import torch.distributed as dist
@@ -124,11 +123,8 @@ def test_engine_in_process_matches_the_canonical_model(tmp_path):
         ),
         "cpu",
     )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60)
+    dist.init_process_group(  # a file store: no port to pick and release
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60)
     )
     apply_before = torch.autograd.function.BackwardCFunction.apply
     try:

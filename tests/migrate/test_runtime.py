@@ -9,6 +9,7 @@ import pickle
 import socket
 import subprocess
 import sys
+from datetime import timedelta
 
 import pytest
 import torch
@@ -222,10 +223,15 @@ def test_backend_mapping():
     assert n.map("cuda:3") == "npu:3" and n.map(torch.device("cuda", 1)) == "npu:1" and n.map("cpu") == "cpu"
 
 
-def test_init_process_group_and_ddp():
+def _store(tmp_path) -> dict:
+    """A world of one in this process: a file store (no port to race for) and a bounded wait, so a
+    stuck collective fails the test instead of holding the suite."""
+    return {"init_method": f"file://{tmp_path / 'store'}", "rank": 0, "world_size": 1, "timeout": timedelta(seconds=60)}
+
+
+def test_init_process_group_and_ddp(tmp_path):
     with redirect():
-        dist.init_process_group(backend="nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
-                                device_id=torch.device("cuda", 0))  # fmt: skip
+        dist.init_process_group(backend="nccl", device_id=torch.device("cuda", 0), **_store(tmp_path))
         try:
             assert dist.get_backend() == "gloo"
             dist.barrier(device_ids=[0])
@@ -292,9 +298,9 @@ def test_npu_emulation():
     assert rt.current() is None and "torch_npu.contrib.transfer_to_npu" not in sys.modules
 
 
-def test_hccl_to_gloo_under_npu_emulation():
+def test_hccl_to_gloo_under_npu_emulation(tmp_path):
     with redirect("npu", "cpu"):
-        dist.init_process_group("hccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group("hccl", **_store(tmp_path))
         try:
             assert dist.get_backend() == "gloo"
             ddp = nn.parallel.DistributedDataParallel(nn.Linear(2, 2).npu(), device_ids=[0])
