@@ -41,7 +41,10 @@ import time
 import zipfile
 from pathlib import Path
 
-DEFAULT_PACKAGES = ("deepspeed", "megatron-core", "accelerate", "trl", "litgpt", "torchtitan")
+# about 4,000 files of training code (issue 13's corpus size): docs/migrate.md#corpus-check
+DEFAULT_PACKAGES = (
+    "deepspeed", "megatron-core", "accelerate", "trl", "litgpt", "torchtitan", "torchtune", "colossalai",
+)  # fmt: skip
 
 
 @dataclasses.dataclass

@@ -13,9 +13,9 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
-import time
 
 from parabench import redirect
+from parabench.devices import drain_comm_threads
 
 ENV_SOURCES = "PARABENCH_SMOKE_REDIRECT"  # comma-separated sources, e.g. "npu" or "npu,cuda"
 
@@ -37,27 +37,6 @@ def _chain_sitecustomize(own_file: str) -> None:
     spec.loader.exec_module(module)
 
 
-# How long the interpreter waits at exit for torch's communication threads (see below).
-GLOO_DRAIN_S = 0.2
-
-
-def _drain_gloo_threads() -> None:
-    """Give gloo's worker threads the GIL once more before the interpreter finalizes.
-
-    Under the emulation every torch call runs inside the redirection's TorchFunctionMode, so each
-    collective's ``AsyncWork`` captures that Python object in its thread-local state. gloo's
-    ``pt_gloo_runloop`` thread drops its reference to a finished work (the DDP reducer's last
-    all-reduce) after the main thread has moved on; when the main thread reaches interpreter
-    finalization first, that thread's GIL acquire exits it mid-destructor and the process aborts
-    with ``terminate called without an active exception`` (seen under gdb: runLoop ->
-    ~AsyncAllreduceWork -> ~ThreadLocalState -> decref -> take_gil -> pthread_exit; the upstream
-    race: pytorch/pytorch#190489, #179291). Sleeping here (atexit, interpreter still whole) lets a
-    thread that waits for the GIL finish first.
-    """
-    if "torch" in sys.modules:
-        time.sleep(GLOO_DRAIN_S)
-
-
 def boot(own_file: str) -> None:
     """Install the redirections named in ``$PARABENCH_SMOKE_REDIRECT`` onto the cpu."""
     _chain_sitecustomize(own_file)
@@ -69,7 +48,7 @@ def boot(own_file: str) -> None:
             redirect.install(source, "cpu")
     except Exception as e:  # site would swallow it; a smoke run without its redirection is meaningless
         raise SystemExit(f"bench smoke: could not install the {'/'.join(sources)} -> cpu emulation: {e}") from e
-    atexit.register(_drain_gloo_threads)
+    atexit.register(drain_comm_threads)  # emulated runs abort at exit without it
     rank = os.environ.get("RANK")
     where = f"pid {os.getpid()}" + (f", rank {rank}" if rank is not None else "")
     print(f"[bench smoke] {'/'.join(sources)} emulated on CPU ({where})", file=sys.stderr, flush=True)

@@ -190,14 +190,18 @@ class PyContext:
             self._pos = _line_table(self.module)
             self._pos_full = True
             return self._pos.get(node, (0, 0))
-        # descend through class and function bodies to the innermost statement that holds the node
+        # descend through the indented blocks of class, function and compound statement bodies to
+        # the innermost statement that holds the node: code generation of that statement only
         layout, at, j = self.layout, index, len(path) - 1
-        while j >= 2 and isinstance(path[j], (cst.ClassDef, cst.FunctionDef)) and path[j - 1] is path[j].body:
-            sub = layout.block(at, path[j])
-            inner = sub.index.get(path[j - 2]) if sub is not None else None
+        while j >= 2:
+            step = layout.inner(at, path[j], path[j - 1], path[j - 2])
+            if step is None:
+                break
+            sub, depth = step
+            inner = sub.index.get(path[j - depth]) if j >= depth else None
             if inner is None:
                 break
-            layout, at, j = sub, inner, j - 2
+            layout, at, j = sub, inner, j - depth
         self._pos.update(_line_table(path[j], layout.region[at], self.module))
         return self._pos.get(node, (0, 0))
 
@@ -384,21 +388,72 @@ class Layout:
         return Layout(region, {stmt: i for i, stmt in enumerate(module.body)}, starts, parsed, nodes, lines)
 
     def block(self, i: int, stmt: cst.CSTNode) -> Layout | None:
-        """Layout of the body of statement ``i`` when it is a class or a function with an
-        indented body (cached); regions are lines of the whole file, as for the module."""
+        """Layout of the body of statement ``i`` when it is a class, a function or an
+        if/for/while/with/try with an indented body (cached); regions are lines of the whole file,
+        as for the module."""
         if i in self._blocks:
             return self._blocks[i]
         node = self.nodes[i] if i < len(self.nodes) else None
         kind = type(node).__name__
         sub = None
-        if isinstance(stmt.body if isinstance(stmt, (cst.ClassDef, cst.FunctionDef)) else None, cst.IndentedBlock) and (
-            kind == "ClassDef" if isinstance(stmt, cst.ClassDef) else kind in ("FunctionDef", "AsyncFunctionDef")
-        ):
+        if type(stmt) in _COMPOUND:
+            kinds: tuple[str, ...] = _COMPOUND[type(stmt)]
+        elif isinstance(stmt, (cst.ClassDef, cst.FunctionDef)):
+            kinds = ("ClassDef",) if isinstance(stmt, cst.ClassDef) else ("FunctionDef", "AsyncFunctionDef")
+        else:
+            kinds = ()
+        if kind in kinds and isinstance(stmt.body, cst.IndentedBlock):
             sub = Layout.build(stmt.body, node, lines=self.lines)
             if sub is not None and sub.region and sub.region[0] <= self.region[i]:
                 sub = None
         self._blocks[i] = sub
         return sub
+
+    def inner(self, i: int, stmt: cst.CSTNode, below: cst.CSTNode, below2: cst.CSTNode) -> tuple[Layout, int] | None:
+        """For line numbers: the layout of the indented block of statement ``i`` that holds the
+        path ``stmt`` > ``below`` > ``below2`` > ... (the body of a class or function; the body,
+        ``else``, ``finally`` or an ``except`` of an if/for/while/with/try), and how many path steps
+        lead from ``stmt`` to the block's statement (2, or 3 through else/finally/except); None when
+        there is none or the ``ast`` statement does not match."""
+        if type(stmt) is cst.ClassDef or type(stmt) is cst.FunctionDef or below is getattr(stmt, "body", None):
+            return None if below is not stmt.body or (sub := self.block(i, stmt)) is None else (sub, 2)
+        kinds = _COMPOUND.get(type(stmt))
+        node = self.nodes[i] if i < len(self.nodes) else None
+        if kinds is None or type(node).__name__ not in kinds:
+            return None
+        t = type(below)
+        if t is cst.Else and below is stmt.orelse:
+            key, block, stmts, depth = -2, below.body, node.orelse, 3
+        elif t is cst.Finally and below is stmt.finalbody:
+            key, block, stmts, depth = -3, below.body, node.finalbody, 3
+        elif t is cst.ExceptHandler and type(stmt) is cst.Try and len(stmt.handlers) == len(node.handlers):
+            key = next(k for k, h in enumerate(stmt.handlers) if h is below)
+            block, stmts, depth = below.body, node.handlers[key].body, 3
+        else:
+            return None
+        if below2 is not block or type(block) is not cst.IndentedBlock:
+            return None
+        cache = (i, key)
+        if cache not in self._blocks:
+            sub = Layout.build(block, _Body(stmts), lines=self.lines)
+            self._blocks[cache] = sub if sub is not None and sub.region and sub.region[0] > self.region[i] else None
+        sub = self._blocks[cache]
+        return None if sub is None else (sub, depth)
+
+
+@dataclasses.dataclass
+class _Body:
+    body: list  # ast statements of one block (what Layout.build reads)
+
+
+# compound statements whose blocks line numbers and the rendering descend into -> their ast types
+_COMPOUND = {
+    cst.If: ("If",),
+    cst.For: ("For", "AsyncFor"),
+    cst.While: ("While",),
+    cst.With: ("With", "AsyncWith"),
+    cst.Try: ("Try",),
+}
 
 
 def _bind(node: cst.CSTNode, imports: dict[str, set[str]]) -> None:

@@ -7,7 +7,8 @@ node class is taken once from LibCST itself: the field names ``_visit_and_replac
 passes to its ``visit_*`` helpers, in source order (some fields are visited conditionally, e.g.
 an f-string's format_spec, so one instance's ``on_visit_attribute`` calls are not enough).
 Order and parents were checked equal to ``visit``'s on 267 DeepSpeed, Megatron-LM and torch
-modules; the golden and fixture tests cover the rules' use of it.
+modules (whitespace and comment nodes aside, which it leaves out); the golden and fixture tests
+cover the rules' use of it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,18 @@ import re
 import libcst as cst
 
 _FIELDS: dict[type, tuple[str, ...]] = {}
-_IS_NODE: dict[type, bool] = {}
+# Whitespace and comments are not walked: no rule visits them or asks for their parent, and they are
+# ~70% of a parsed module's nodes (Megatron-Core: SimpleWhitespace 38%, Newline 15%, EmptyLine 11%).
+# Walking them was most of the index's cost and made the rule dispatch loop over them.
+_UNWALKED = (
+    cst.SimpleWhitespace,
+    cst.ParenthesizedWhitespace,
+    cst.TrailingWhitespace,
+    cst.EmptyLine,
+    cst.Newline,
+    cst.Comment,
+)
+_IS_NODE: dict[type, bool] = dict.fromkeys(_UNWALKED, False)  # type -> walked node type
 
 
 def _node_type(t: type) -> bool:
@@ -63,7 +75,8 @@ def child_fields(node: cst.CSTNode) -> tuple[str, ...]:
 
 
 def walk(root: cst.CSTNode) -> tuple[list[cst.CSTNode], dict[cst.CSTNode, cst.CSTNode]]:
-    """-> (every node in pre-order, child -> parent). Iterative: deep trees do not recurse."""
+    """-> (every node in pre-order, child -> parent), whitespace and comments (``_UNWALKED``) left
+    out. Iterative: deep trees do not recurse."""
     order: list[cst.CSTNode] = []
     parents: dict[cst.CSTNode, cst.CSTNode] = {}
     stack = [root]

@@ -27,7 +27,13 @@ class TorchCompile(PyRule):
             )
 
     def visit_Name(self, node: cst.Name) -> None:
-        if "torch.compile" in self.ctx.qnames(node) and not isinstance(self.ctx.parent(node), cst.ImportAlias):
+        # a bare name resolves to torch.compile only through an import of it (PyContext.qnames):
+        # test that first, not every name of the file
+        if (
+            "torch.compile" in self.ctx._imports.get(node.value, ())
+            and "torch.compile" in self.ctx.qnames(node)
+            and not isinstance(self.ctx.parent(node), cst.ImportAlias)
+        ):
             self.manual(
                 node,
                 "torch.compile",

@@ -199,7 +199,84 @@ class Wrapper(torch.nn.DataParallel):
     "megatron_and_torch_inserts": "from megatron.core import mpu\n{filler}\nimport torch\n{filler}\ndef f(t):\n"
     "    return t.cuda()\nif __name__ == '__main__':\n    f()\n",
     "parenthesized_decorator": "import torch\n{filler}\n@(\n    torch.cuda.amp.custom_fwd\n)\ndef f(x):\n    return x\n",
+    # statements of function bodies that no rule can need are blanked too (pyfile._trim_functions);
+    # each case below links a statement without a trigger word to one with a trigger
+    "function_body": '''import torch
+{filler}
+def train(model, batch):
+    """One step."""
+    # plain bookkeeping
+    x = batch["input"] * 2
+    torch.cuda.synchronize()
+    y = model(x)
+
+    total = y.sum()
+    return total
+
+
+class Engine:
+    def step(self, x):
+        n = len(x)
+        x = x.cuda()
+        return x * n
+
+    def size(self):
+        return 1
+{filler}''',
+    # the guard analysis follows `use_cuda` to `if not use_cuda: return` in another statement
+    "guard_name_in_function": """import torch
+{filler}
+def attention(q):
+    use_cuda = torch.cuda.is_available()
+    x = q * 2
+    if not use_cuda:
+        return x
+    import flash_attn
+    return flash_attn.flash_attn_func(x)
+{filler}""",
+    # PY104 follows `dev = 'cuda'` to a device position without a trigger word
+    "device_name_in_function": """import torch
+{filler}
+def build(model):
+    dev = "cuda"
+    size = 3
+    return model.to(dev), size
+{filler}""",
+    # a 'cuda' dict key looked up with a device in another statement (rewritten together)
+    "dict_key_lookup_in_function": """import torch
+{filler}
+def pick(device):
+    table = {"cuda": 1, "cpu": 2}
+    n = 4
+    return table[device.type] + n
+{filler}""",
+    # a local binding of an imported name shadows the module in that function
+    "local_shadow_in_function": """import torch
+{filler}
+def f(loader):
+    torch = loader.backend()
+    n = 1
+    torch.cuda.synchronize()
+    return n
+{filler}""",
+    # a function with an NPU branch of its own keeps its 'cuda' fallback: parsed whole
+    "npu_branch_in_function": """import torch
+{filler}
+def get_device():
+    if hasattr(torch, "npu") and torch.npu.is_available():
+        return "npu"
+    n = 0
+    return "cuda"
+{filler}""",
 }
+FUNCTION_CASES = (
+    "function_body",
+    "guard_name_in_function",
+    "device_name_in_function",
+    "dict_key_lookup_in_function",
+    "local_shadow_in_function",
+    "npu_branch_in_function",
+)
 
 
 def _case_text(name: str) -> str:
@@ -335,6 +412,40 @@ def test_class_members_are_blanked_and_patched_one_by_one():
         if f.rule in ("PY101", "PY102", "PY103"):
             assert "cuda" in lines[f.line - 1], f
     _same(text, "x.py", OPTIONS["npu"])
+
+
+def test_function_bodies_are_blanked_and_patched_statement_by_statement():
+    text, plan, kept = _plan("function_body")
+    assert "    torch.cuda.synchronize()\n" in kept and "        x = x.cuda()\n" in kept
+    for blanked in ('x = batch["input"] * 2', "y = model(x)", "total = y.sum()", "n = len(x)", "# plain bookkeeping"):
+        assert blanked not in kept, blanked
+    compile(kept, "kept.py", "exec")
+    done = pyfile._migrate(text, "x.py", OPTIONS["npu"], plan)
+    assert done is not None  # spliced without a whole-file parse
+    assert "    torch.npu.synchronize()\n    y = model(x)\n" in done[0] and "        x = x.npu()\n" in done[0]
+    for name in FUNCTION_CASES:
+        for opt in ("npu", "mindspeed", "safe"):
+            _same(_case_text(name), name, OPTIONS[opt])
+
+
+def test_statements_linked_inside_a_function_are_parsed():
+    """What each linking reason keeps (the other plain statement of each function is blanked)."""
+    for name, linked, blanked in (
+        ("guard_name_in_function", "if not use_cuda:", "x = q * 2"),
+        ("device_name_in_function", "return model.to(dev), size", "size = 3"),
+        ("dict_key_lookup_in_function", "return table[device.type] + n", "n = 4"),
+        ("local_shadow_in_function", "torch = loader.backend()", "n = 1"),
+    ):
+        _text, _p, kept = _plan(name)
+        assert linked in kept and blanked not in kept, name
+    _text, _p, kept = _plan("npu_branch_in_function")
+    assert "n = 0" in kept  # a function with an NPU branch of its own is parsed whole
+    new, findings, _, _ = pyfile.migrate_python(_case_text("guard_name_in_function"), "x.py", OPTIONS["npu"])
+    assert "torch.cuda.is_available()" in new and any(f.rule == "PY914" for f in findings)
+    new, _, _, _ = pyfile.migrate_python(_case_text("local_shadow_in_function"), "x.py", OPTIONS["npu"])
+    assert "    torch.cuda.synchronize()\n" in new  # the local `torch` is not the module
+    new, _, _, _ = pyfile.migrate_python(_case_text("dict_key_lookup_in_function"), "x.py", OPTIONS["npu"])
+    assert '{"npu": 1, "cpu": 2}' in new and "table[device.type]" in new
 
 
 def test_insert_next_to_a_partial_class_falls_back():
