@@ -1,8 +1,10 @@
 """Leave-one-out check of ``bench plan`` on this machine (docs/plan.md, "How good is it").
 
-1. Runs a sweep of CPU jobs (backends x world sizes x micro-batch sizes; a small Llama) into the
-   MLflow experiment ``plan_loo`` under ``--results`` (skipped with ``--no-run``).
-2. For every recorded run: calibrates on all the *other* runs (``plan.calibrate.fit_records``) and
+1. Runs a sweep of CPU jobs (backends x layouts x world sizes x micro-batch sizes, 22 runs; a small
+   Llama) and a 2-rank ``bench comm`` (all-reduce, all-gather, reduce-scatter) into the MLflow
+   experiment ``plan_loo`` under ``--results`` (skipped with ``--no-run``); about 5.5 minutes here.
+2. Prints the calibration of all the runs, then for every recorded run: calibrates on all the
+   *other* runs (``plan.calibrate.fit_records``) and
    predicts the left-out run's step time and peak memory; prints predicted vs measured and the
    share within 20% (step time) and 25% (peak memory).
 3. Prints every rank's model-state bytes, predicted vs measured (they must be equal).
@@ -19,27 +21,29 @@ import subprocess
 import sys
 from pathlib import Path
 
-from parabench.plan.calibrate import Record, comm_links, fit_records, predict, records
+from parabench.plan.calibrate import Record, comm_links, describe, fit_records, predict, records
 from parabench.plan.profiles import PROFILES
 
 MODEL = [
     "+model=llama", "model.vocab_size=4096", "model.hidden_size=256", "model.intermediate_size=688",
-    "model.num_hidden_layers=4", "data.seq_len=128", "run.warmup_steps=2", "run.steps=6", "run.checksum=false",
+    "model.num_hidden_layers=4", "data.seq_len=128", "run.warmup_steps=2", "run.steps=10", "run.checksum=false",
 ]  # fmt: skip
+# Every configuration at two or three micro-batch counts (the same global batch in smaller micro-batches):
+# a left-out run keeps a partner of its own layout and thread count, and each backend keeps runs that
+# separate its per-micro-batch framework cost from its compute efficiency (calibrate.fit_records).
+_GBS = "data.global_batch_size=8"
+_X1, _X2 = "launcher.nproc_per_node=1", "launcher.nproc_per_node=2"
+_Z = ["backend=deepspeed", _X2, _GBS]
+_MG = ["backend=megatron", _X2, _GBS]
 SWEEP = [
-    ["backend=ddp", "launcher.nproc_per_node=1", "data.global_batch_size=8", "data.micro_batch_size=4"],
-    ["backend=ddp", "launcher.nproc_per_node=2", "data.global_batch_size=8", "data.micro_batch_size=4"],
-    # a second 1-rank run: the efficiency at 2 threads per rank is fitted apart from 1 thread's
-    ["backend=fsdp", "launcher.nproc_per_node=1", "data.global_batch_size=8", "data.micro_batch_size=4"],
-    ["backend=ddp", "launcher.nproc_per_node=2", "data.global_batch_size=8", "data.micro_batch_size=2"],
-    ["backend=fsdp", "launcher.nproc_per_node=2", "data.global_batch_size=8", "data.micro_batch_size=4"],
-    ["backend=fsdp", "launcher.nproc_per_node=2", "data.global_batch_size=8", "data.micro_batch_size=2"],
-    ["backend=deepspeed", "backend.zero_stage=1", "launcher.nproc_per_node=2", "data.global_batch_size=8", "data.micro_batch_size=4"],
-    ["backend=deepspeed", "backend.zero_stage=3", "launcher.nproc_per_node=2", "data.global_batch_size=8", "data.micro_batch_size=4"],
-    ["backend=deepspeed", "backend.zero_stage=2", "launcher.nproc_per_node=2", "data.global_batch_size=8", "data.micro_batch_size=2"],
-    ["backend=megatron", "backend.distributed_optimizer=true", "launcher.nproc_per_node=2", "data.global_batch_size=8", "data.micro_batch_size=4"],
-    ["backend=megatron", "backend.tp=2", "launcher.nproc_per_node=2", "data.global_batch_size=8", "data.micro_batch_size=4"],
-    ["backend=megatron", "backend.pp=2", "launcher.nproc_per_node=2", "data.global_batch_size=8", "data.micro_batch_size=2"],
+    *(["backend=ddp", _X2, _GBS, f"data.micro_batch_size={b}"] for b in (4, 2, 1)),
+    *(["backend=ddp", _X1, _GBS, f"data.micro_batch_size={b}"] for b in (4, 2)),
+    *(["backend=fsdp", _X2, _GBS, f"data.micro_batch_size={b}"] for b in (4, 2, 1)),
+    *(["backend=fsdp", _X1, _GBS, f"data.micro_batch_size={b}"] for b in (4, 2)),
+    *([*_Z, f"backend.zero_stage={z}", f"data.micro_batch_size={b}"] for z in (1, 2, 3) for b in (4, 2)),
+    *([*_MG, "backend.distributed_optimizer=true", f"data.micro_batch_size={b}"] for b in (4, 2)),
+    *([*_MG, "backend.tp=2", f"data.micro_batch_size={b}"] for b in (4, 2)),
+    *([*_MG, "backend.pp=2", f"data.micro_batch_size={b}"] for b in (2, 1)),
 ]  # fmt: skip
 
 
@@ -51,11 +55,11 @@ def run_sweep(results: Path, lock: str | None) -> None:
             cmd = ["flock", lock, *cmd]
         rc = subprocess.run(cmd, capture_output=True, text=True).returncode
         print(f"{'ok ' if rc == 0 else 'FAILED'} {' '.join(overrides)}", flush=True)
-    # the gloo link the plan's communication runs over (an alpha-beta fit of a 2-rank all-reduce)
-    cmd = [sys.executable, "-m", "parabench", "comm", "launcher.nproc_per_node=2", "comm.ops=[all_reduce]",
+    # the gloo links the plan's communication runs over (alpha-beta fits of 2-rank collectives, per kind)
+    cmd = [sys.executable, "-m", "parabench", "comm", "launcher.nproc_per_node=2", "comm.ops=[all_reduce,all_gather,reduce_scatter]",
            "tracking.experiment=plan_loo", f"run.results_dir={results}"]  # fmt: skip
     rc = subprocess.run(["flock", lock, *cmd] if lock else cmd, capture_output=True, text=True).returncode
-    print(f"{'ok ' if rc == 0 else 'FAILED'} bench comm (all_reduce, 2 ranks)", flush=True)
+    print(f"{'ok ' if rc == 0 else 'FAILED'} bench comm (all_reduce, all_gather, reduce_scatter; 2 ranks)", flush=True)
 
 
 def label(r: Record) -> str:
@@ -111,13 +115,13 @@ def main() -> int:
         run_sweep(results, args.lock)
     uri = f"sqlite:///{results / 'mlflow.db'}"
     recs, links = records("plan_loo", uri), comm_links("plan_loo", uri)
-    print(f"links from bench comm: {links or 'none (the cluster file figures)'}")
+    print(describe(fit_records(recs, "plan_loo (all runs)", links)).split("\n", 1)[1], end="\n\n")
     t_err, m_err = leave_one_out(recs, links)
     within_t = sum(e <= 0.20 for e in t_err) / len(t_err)
     within_m = sum(e <= 0.25 for e in m_err) / len(m_err)
     print(f"\n{len(recs)} runs, leave-one-out: step time median |err| {100 * statistics.median(t_err):.1f}%, "
-          f"{100 * within_t:.0f}% within 20%; peak memory median |err| {100 * statistics.median(m_err):.1f}%, "
-          f"{100 * within_m:.0f}% within 25%")  # fmt: skip
+          f"{round(within_t * len(recs))} of {len(recs)} within 20% (max {100 * max(t_err):.1f}%); peak memory "
+          f"median |err| {100 * statistics.median(m_err):.1f}%, {round(within_m * len(recs))} of {len(recs)} within 25%")  # fmt: skip
     print("\nmodel-state bytes of the busiest rank, predicted vs measured:")
     bad = model_states(results)
     print(f"{bad} run(s) differ")

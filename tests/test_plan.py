@@ -4,6 +4,7 @@ search's refusals, and a plan end to end (docs/plan.md)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 
@@ -302,6 +303,7 @@ def test_pipeline_bubble_is_p_minus_1_over_v_m():
         ("megatron", {}, 0.0),  # overlap_grad_reduce off
         ("megatron", {"overlap_grad_reduce": True}, 1.0),
         ("deepspeed", {"zero_stage": 3, "device": "cpu"}, 0.0),  # a synchronized device: no reduction stream
+        ("fsdp", {"device": "cpu"}, 0.0),  # no side streams on a CPU: FSDP2's collectives block the step
     ],
 )
 def test_overlap_assumption_per_backend(backend, options, overlap):
@@ -355,3 +357,289 @@ def test_cpu_efficiency_is_looked_up_at_the_ranks_thread_count_first():
     assert cal.eff("ddp", "cpu", 1) == 0.4  # no ddp run at 1 thread: every backend's at 1 thread
     assert cal.eff("fsdp", "cpu", 4) == 0.35 and cal.eff("ddp", "cpu") == 0.3
     assert cal.eff("ddp", "cuda", 2) == 0.45  # no fit for the kind: the default
+
+
+def test_layout_keys_name_what_runs_different_framework_code():
+    from parabench.commvolume import Layout
+    from parabench.plan.estimate import Calibration, efficiency_keys, layout_key
+
+    assert layout_key(Layout(dp=4, recompute="full")) == "none"  # dp and recomputation are modelled
+    assert layout_key(Layout(tp=2, pp=4, vpp=2, sequence_parallel=True, sharding="distributed_optimizer")) == (
+        "distributed_optimizer-tp2-pp4-vpp2-sp"
+    )
+    assert efficiency_keys("fsdp", "cpu", 1, "fsdp") == [
+        "fsdp/cpu/fsdp/t1",
+        "fsdp/cpu/t1",
+        "*/cpu/t1",
+        "fsdp/cpu",
+        "*/cpu",
+    ]
+    assert efficiency_keys("fsdp", "cuda", None, "fsdp") == ["fsdp/cuda/fsdp", "fsdp/cuda", "*/cuda"]
+    cal = Calibration("t", micro_batch={"fsdp/cpu/fsdp/t1": 0.03, "*/cpu/t1": 0.01})
+    assert (
+        cal.per_micro_batch("fsdp", "cpu", 1, "fsdp") == 0.03 and cal.per_micro_batch("ddp", "cpu", 1, "none") == 0.01
+    )
+    assert cal.per_micro_batch("ddp", "cpu", 2, "none") == 0.0  # nothing fitted at 2 threads: no framework term
+    # a backend with runs of its own never borrows another framework's cost: its k is its own or 0
+    own = dataclasses.replace(cal, efficiency={"ddp/cpu": 0.3})
+    assert own.per_micro_batch("ddp", "cpu", 1, "none") == 0.0 and own.per_micro_batch("megatron", "cpu", 1) == 0.01
+
+
+def _record(job, truth, peak=0.2):
+    """A run whose measured step time is what ``truth`` predicts (one thread per rank, the CPU cluster)."""
+    from parabench.plan.calibrate import Record, predict
+
+    rec = Record("r", job, 1.0, 1e9, peak, "cpu", 1)
+    return Record("r", job, predict(rec, truth)[0], 1e9, peak, "cpu", 1)
+
+
+def test_calibration_separates_the_per_micro_batch_cost_from_the_efficiency():
+    # step = (C / eff + k m) + exposed communication: DeepSpeed ZeRO-1 on the CPU hides none of its
+    # communication (no reduction stream), so C and E do not depend on the efficiency the fit tries
+    from parabench.plan.calibrate import fit_records
+    from parabench.plan.estimate import Calibration
+
+    truth = Calibration("truth", efficiency={"deepspeed/cpu/deepspeed_zero1/t1": 0.3},
+                        micro_batch={"deepspeed/cpu/deepspeed_zero1/t1": 0.02})  # fmt: skip
+    jobs = [
+        _job("deepspeed", 2, "data.global_batch_size=8", f"data.micro_batch_size={b}", zero_stage=1) for b in (4, 2, 1)
+    ]
+    recs = [_record(job, truth) for job in jobs]
+    two = fit_records(recs[:2], "two")  # m = 1 and 2: exactly determined
+    assert two.micro_batch["deepspeed/cpu/deepspeed_zero1/t1"] == pytest.approx(0.02)
+    assert two.eff("deepspeed", "cpu", 1, "deepspeed_zero1") == pytest.approx(0.3)
+    fitted = fit_records(recs, "three")  # least squares over m = 1, 2, 4
+    assert fitted.micro_batch["deepspeed/cpu/t1"] == pytest.approx(0.02) and fitted.time_error == pytest.approx(
+        0, abs=1e-9
+    )
+    from parabench.plan.cluster import load
+    from parabench.plan.estimate import estimate
+
+    e = estimate(jobs[2], load("cpu"), 0.2, fitted, 1)  # by hand: 4 micro-batches of 20 ms each
+    assert e.framework_s == pytest.approx(4 * 0.02) and e.step_s == pytest.approx(e.compute_s + 0.08 + e.exposed_comm_s)
+    # one run cannot separate them: one parameter, eff = C / (T - E), as without the term
+    one = fit_records(recs[:1], "one")
+    assert one.micro_batch == {} and one.time_error == pytest.approx(0, abs=1e-9)
+    # more micro-batches measured faster: no negative cost, k is clamped to 0
+    faster = [dataclasses.replace(r, step_s=r.step_s * f) for r, f in zip(recs, (1.0, 0.95, 0.9), strict=True)]
+    assert fit_records(faster, "faster").micro_batch["deepspeed/cpu/t1"] == 0.0
+
+
+def test_pipeline_bubble_includes_the_framework_cost():
+    from parabench.plan.estimate import Calibration
+
+    cal = Calibration("t", micro_batch={"megatron/cuda": 0.01})
+    e = _estimate("megatron", 2, "data.global_batch_size=8", "data.micro_batch_size=2", cal=cal, pp=2)
+    # m = 4 micro-batches, each stage runs half the layers: 2 passes of the whole model per rank
+    assert e.framework_s == pytest.approx(4 / 2 * 0.01)
+    assert e.bubble_s == pytest.approx((e.compute_s + e.framework_s) * 1 / 4)
+    assert e.step_s == pytest.approx(e.compute_s + e.framework_s + e.bubble_s + e.exposed_comm_s)
+
+
+def test_why_slower_names_the_framework_cost():
+    from parabench.plan.estimate import Calibration
+    from parabench.plan.search import _cost
+
+    cal = Calibration("t", efficiency={"ddp/cuda": 0.4}, micro_batch={"ddp/cuda": 0.01})
+    two, four = (_estimate("ddp", 1, "data.global_batch_size=8", f"data.micro_batch_size={b}", cal=cal) for b in (4, 2))
+    assert four.framework_s - two.framework_s == pytest.approx(0.02)  # 4 vs 2 micro-batches of 10 ms
+    assert _cost(four, two) == "+20 ms framework work per micro-batch (calibrated)"
+
+
+def test_each_collective_runs_over_its_own_bench_comm_link():
+    from parabench.plan.cluster import load
+    from parabench.plan.estimate import Calibration, estimate
+
+    links = {"cpu": [1e-4, 1e9], "cpu/all_gather": [2e-4, 2e9], "cpu/reduce_scatter": [3e-4, 0.5e9]}
+    job = _job("fsdp", 2, "data.global_batch_size=4")
+    e = estimate(job, load("cpu"), 0.2, Calibration("t", links=links), 1)
+    kinds = {c.kind for c in e.comm.collectives}
+    assert kinds == {"all_gather", "reduce_scatter"}
+    # 2 ranks: one ring step per call, (n - 1) / n of each call's bytes over the link of its kind
+    want = sum(c.calls * links[f"cpu/{c.kind}"][0] + c.size_bytes * c.calls / 2 / links[f"cpu/{c.kind}"][1]
+               for c in e.comm.collectives)  # fmt: skip
+    assert e.comm_s == pytest.approx(want)
+    ddp = estimate(_job("ddp", 2, "data.global_batch_size=4"), load("cpu"), 0.2, Calibration("t", links=links), 1)
+    grads = 4 * ddp.job.model.num_params()  # an all-reduce: 2 (n - 1) ring steps, 2 (n - 1) / n of the bytes
+    assert ddp.comm_s == pytest.approx(2 * 1e-4 + grads / 1e9)
+
+
+# --------------------------------------------------------------------------------------------
+# Context parallelism and offload, against hand-computed values (llama: h = 256, L = 4, 8 query
+# and 4 key/value heads of d = 32, 19,286,272 parameters, 11,094,272 of them in matmuls).
+# --------------------------------------------------------------------------------------------
+PSI, MATMUL = 19_286_272, 11_094_272
+H100_LAT, H100_NVLINK, H100_PCIE, H100_HOST_MEM = 5e-6, 450e9, 64e9, 614.4e9  # conf/cluster/h100-sxm.yaml
+
+
+@pytest.mark.parametrize("seq", [128, 2048])  # the attention hides 0.4% of the ring at 128 tokens, 66% at 2,048
+def test_context_parallel_ring_time_and_its_overlap_with_attention(seq):
+    # Megatron-Core docs (context_parallel): K/V all-gathered in the forward and again in the
+    # backward, dK/dV reduce-scattered, all as a ring of point-to-point exchanges: per layer and
+    # micro-batch 3 (cp - 1) exchanges of one K and V chunk, each sent and received.
+    e = _estimate("megatron", 2, "data.global_batch_size=4", f"data.seq_len={seq}", "data.micro_batch_size=2", cp=2)
+    assert e.job.model.num_params() == PSI and e.job.grad_accum == 2 and e.job.parallel.cp == 2
+    chunk = 2 * 2 * (seq // 2) * 4 * 32 * 2  # K and V x b x s/cp x kv heads x head dim x bf16
+    exchanges = 2 * 4 * 1 * 3  # m x layers x (cp - 1) x (fwd K,V; bwd K,V; bwd dK,dV)
+    ring = 2 * exchanges * (H100_LAT + chunk / H100_NVLINK)  # a send and a receive each
+    # the cp ranks hold the same weights: the fp32 gradients are all-reduced over dp x cp = 2 ranks
+    # (2 (n - 1) ring steps, 2 (n - 1) / n of the bytes), not overlapped (overlap_grad_reduce off)
+    grads = 2 * H100_LAT + 4 * PSI / H100_NVLINK
+    assert e.comm_s == pytest.approx(ring + grads)
+    # compute: PaLM's 6N + 12 L H Q T FLOPs per token, 4 x seq tokens over 2 devices, 989 TFLOP/s x 0.45
+    attention = 12 * 4 * 8 * 32 * seq
+    compute = (6 * MATMUL + attention) * 4 * seq / 2 / (989e12 * 0.45)
+    assert e.compute_s == pytest.approx(compute)
+    hidden = min(ring, compute * attention / (6 * MATMUL + attention))
+    assert hidden < ring and e.cp_hidden_s == pytest.approx(hidden)
+    assert e.exposed_comm_s == pytest.approx(ring + grads - hidden)
+    assert e.step_s == pytest.approx(compute + ring + grads - hidden)
+
+
+def test_context_parallel_memory_activations_over_cp_and_ring_buffers():
+    from parabench.plan.estimate import activation_bytes
+
+    cp2 = _job("megatron", 2, *ACT, "data.global_batch_size=4", device="cuda", cp=2)
+    # Korthikanti Table 2 for the rank's s/cp = 64 tokens (no TP: sbh (34 + 5as/h), 5as/h = 5 x 8 x 64 / 256 = 10)
+    logits = 2 * 64 * 2 * 32000 * 4
+    assert activation_bytes(cp2, "none", fused_attention=False) - logits == pytest.approx(64 * 2 * 256 * 44 * L)
+    # two K/V chunks in flight (receiving the next while computing with the current): 2 x (2 x b x s/cp x kv x d x 2 bytes)
+    assert PROFILES["megatron"].buffers(cp2) == 2 * (2 * 2 * 64 * 4 * 32 * 2)
+    assert PROFILES["megatron"].buffers(_job("megatron", 2, *ACT, device="cuda")) == 0
+
+
+def test_context_parallel_is_searched_where_the_harness_runs_it(capsys):
+    # on CUDA (Transformer Engine attention) the search offers cp and says what it buys
+    code, out, err = _plan(
+        capsys, "+model=llama3-70b", "cluster=h100-sxm", "plan.devices=64", "data.global_batch_size=512",
+        "data.seq_len=4096", "run.precision=bf16", "plan.backends=[megatron]", "--format", "json",
+    )  # fmt: skip
+    assert code == 0, err
+    doc = json.loads(out)
+    rows = doc["ranked"] + doc["rejected"]
+    cp_rows = [r for r in rows if " cp2 " in r["layout"]]
+    assert cp_rows and all("backend.cp=2" in r["overrides"] for r in cp_rows)
+    assert all("cp2: activations / 2, ring K/V exchange" in r["why"] for r in cp_rows)
+    # on the CPU megatron-core's local attention cannot: bench run refuses cp, and so does the plan
+    code, out, err = _plan(capsys, "+model=llama", "cluster=cpu", "plan.backends=[megatron]", "--format", "json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["invalid_layouts"].get("backend.cp", 0) > 0
+    assert not any(" cp" in r["layout"] for r in doc["ranked"] + doc["rejected"])
+
+
+def test_deepspeed_optimizer_offload_time_by_hand():
+    # ZeRO-2, 2 ranks, 2 micro-batches, optimizer offloaded. The flat groups (2-D weights 19,283,968,
+    # norms 2,304 elements) are multiples of 2 x dp already: the partition is PSI / 2.
+    e = _estimate(
+        "deepspeed", 2, "data.global_batch_size=8", "data.micro_batch_size=2", zero_stage=2, offload_optimizer="cpu"
+    )
+    part = PSI / 2
+    assert e.job.grad_accum == 2 and e.states.host == 12 * part  # fp32 master + moments on the host
+    d2h = 4 * part * 2  # the fp32 gradient partition after each micro-batch's reduction
+    h2d = 4 * part * 1 + 2 * part  # the accumulated partition back once, the updated bf16 partition after the step
+    assert e.transfer_s == pytest.approx((d2h + h2d) / H100_PCIE)
+    # CPU Adam reads master, grad, 2 moments and writes master, 2 moments (28 bytes) + the bf16 copy, 2 ranks per node
+    assert e.host_step_s == pytest.approx(part * 30 * 2 / H100_HOST_MEM)
+    assert e.offload_s == pytest.approx(e.host_step_s + e.transfer_s)  # ZeRO-2: overlap_comm off by default
+    assert e.step_s == pytest.approx(e.compute_s + e.exposed_comm_s + e.offload_s)
+
+
+def test_deepspeed_zero3_parameter_offload_by_hand():
+    e = _estimate(
+        "deepspeed", 2, "data.global_batch_size=8", "data.micro_batch_size=2",
+        zero_stage=3, offload_optimizer="cpu", offload_param="cpu", stage3_param_persistence_threshold=0,
+    )  # fmt: skip
+    part = PSI / 2  # every llama parameter splits evenly over 2 ranks
+    # the bf16 partition copied to the device before each micro-batch's gather (kept live for the
+    # backward), fp32 gradients out per micro-batch, the accumulated partition back once; no copy after the step
+    h2d = 2 * part * 2 + 4 * part * 1
+    d2h = 4 * part * 2
+    assert e.states.host == 12 * part + 2 * part
+    assert e.transfer_s == pytest.approx((d2h + h2d) / H100_PCIE)
+    left = e.compute_s * 2 / 3 - min(e.comm_s, e.compute_s * 2 / 3)  # ZeRO-3 overlaps (overlap_comm default on)
+    assert e.offload_s == pytest.approx(e.host_step_s + e.transfer_s - min(e.transfer_s, max(left, 0)))
+
+
+def test_fsdp_cpu_offload_by_hand():
+    e = _estimate("fsdp", 2, "data.global_batch_size=8", "data.micro_batch_size=2", cpu_offload=True)
+    shard = PSI / 2  # dim 0 of every llama parameter is even: no FSDP2 padding on 2 ranks
+    assert e.states.host == 16 * shard and e.states.total - e.states.host == 0  # params, grads, moments on the host
+    # fp32 shard to the device before the forward and the backward all-gather of each micro-batch, the
+    # fp32 gradient shard back after the step's reduce-scatter
+    assert e.transfer_s == pytest.approx((4 * shard * 2 * 2 + 4 * shard) / H100_PCIE)
+    # torch's AdamW on the host: 28 bytes per element, charged 5x (DeepSpeed: CPU Adam is 5-7x faster)
+    assert e.host_step_s == pytest.approx(shard * 28 * 5 * 2 / H100_HOST_MEM)
+
+
+def test_offload_host_memory_must_fit_too():
+    import dataclasses
+
+    from parabench.plan.cluster import load
+    from parabench.plan.estimate import Calibration, estimate
+    from parabench.plan.search import why_lost
+
+    job = _job("fsdp", 2, "run.precision=bf16", "data.global_batch_size=8", device="cuda", cpu_offload=True)
+    small = dataclasses.replace(load("h100-sxm"), host_memory_bytes=2 * 16 * PSI / 2 - 2)  # 1 byte short per rank
+    e = estimate(job, small, 989.0, Calibration())
+    assert e.margin_bytes > 0 and not e.fits and e.host_margin_bytes == pytest.approx(-1)
+    assert why_lost(e).startswith("host memory does not fit by 0.00 GiB")
+
+
+def test_ddp_buckets_are_a_second_gradient_copy_without_bucket_views():
+    assert PROFILES["ddp"].buffers(_job("ddp", 2)) == 0  # gradients are views into the buckets
+    assert PROFILES["ddp"].buffers(_job("ddp", 2, gradient_as_bucket_view=False)) == 4 * PSI
+
+
+def test_a_model_that_fits_only_with_offload_is_planned_with_it_and_says_why(capsys):
+    # llama3-8b in bf16 on one 80 GiB H100: model states alone are 16 bytes x 8.0B = 120 GiB
+    args = ["+model=llama3-8b", "cluster=h100-sxm", "plan.devices=1", "data.global_batch_size=8", "data.seq_len=2048"]
+    code, out, err = _plan(capsys, *args, "run.precision=bf16", "plan.backends=[ddp]")
+    assert code == 2 and "fits nowhere" in err
+    code, out, err = _plan(
+        capsys, *args, "run.precision=bf16", "plan.backends=[ddp,deepspeed,fsdp]", "--format", "json"
+    )
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["ranked"] and all(r["host_gib"] > 0 for r in doc["ranked"])
+    best = doc["ranked"][0]
+    assert "offload" in best["layout"] and "backend.offload_optimizer=cpu" in best["overrides"]
+    assert "offload keeps" in best["why"] and "would not fit" in best["why"] and "host optimizer step" in best["why"]
+    assert 0 < best["offload_share"] < 1
+    # every offload layout searched is one bench run accepts on CUDA (validated through runner.prepare)
+    assert not any(k.startswith(("backend.offload", "backend.cpu_offload")) for k in doc["invalid_layouts"])
+
+
+def test_no_offload_on_the_cpu_cluster(capsys):
+    # cpu.yaml has no host link: the ranks' memory is the host's, so offloading frees nothing
+    code, out, err = _plan(capsys, "+model=llama", "cluster=cpu", "plan.backends=[deepspeed,fsdp]", "--format", "json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert not any("offload" in r["layout"] for r in doc["ranked"] + doc["rejected"])
+    # a user's own offload on the CPU stays in the same memory: counted on the device
+    from parabench.plan.cluster import load
+    from parabench.plan.estimate import Calibration, estimate
+
+    job = _job("deepspeed", 2, zero_stage=2, offload_optimizer="cpu")
+    e = estimate(job, load("cpu"), 100.0, Calibration())
+    plain = estimate(_job("deepspeed", 2, zero_stage=2), load("cpu"), 100.0, Calibration())
+    assert e.host_bytes == 0 and e.device_bytes == plain.device_bytes and e.offload_s == 0
+
+
+def test_emit_bundle_of_a_chosen_row(capsys, tmp_path):
+    args = ["+model=llama", "cluster=cpu", "plan.backends=[ddp,deepspeed]", "plan.top=3", "--format", "json"]
+    code, out, err = _plan(capsys, *args, "--emit-bundle", str(tmp_path / "b"), "--row", "2")
+    assert code == 0, err
+    row = json.loads(out)["ranked"][1]
+    assert "launch bundle of row 2 written" in err
+    # the bundle is row 2's job: its resolved config carries that row's backend and micro-batch size
+    import yaml
+
+    cfg = yaml.safe_load((tmp_path / "b" / "config.resolved.yaml").read_text())
+    assert f"backend={cfg['backend']['name']}" in row["overrides"]
+    assert f"data.micro_batch_size={cfg['data']['micro_batch_size']}" in row["overrides"]
+    code, out, err = _plan(capsys, *args, "--emit-bundle", str(tmp_path / "c"), "--row", "4")
+    assert (
+        code == 2 and err.strip() == "bench: error: --row: row 4 is not one of the 3 ranked rows this plan shows (1-3)"
+    )
+    assert out == "" and not (tmp_path / "c").exists()

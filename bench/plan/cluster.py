@@ -2,8 +2,9 @@
 #cluster-ascend, #cluster-cpu).
 
 A cluster file gives the device (its name, kind and memory), devices per node, host memory for
-offloaded states, and the intra- and inter-node links (bandwidth per device per direction and a
-latency). Peak FLOP/s are not repeated there: they come from ``parabench.flops`` (the table MFU
+offloaded states, the intra- and inter-node links (bandwidth per device per direction and a
+latency) and, where states can be offloaded, the host link (device <-> host bandwidth per device
+per direction, and the node's host memory bandwidth the host optimizer step is bound by). Peak FLOP/s are not repeated there: they come from ``parabench.flops`` (the table MFU
 uses, or the measured CPU GEMM peak), so a plan's MFU and a run's MFU share one peak. Values
 without a solid public source are listed under ``uncertain`` and every plan says so.
 """
@@ -31,6 +32,16 @@ class Link:
 
 
 @dataclass(frozen=True)
+class HostLink:
+    """Device <-> host transfers (PCIe) per device per direction, and the host's memory bandwidth
+    per node (the offloaded optimizer step reads and writes every state once: docs/plan.md)."""
+
+    bytes_per_s: float
+    memory_bytes_per_s: float
+    uncertain: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Cluster:
     name: str
     device_name: str
@@ -43,6 +54,8 @@ class Cluster:
     uncertain: tuple[str, ...] = ()
     domain: int = 0  # devices reached over the intra-node fabric (a supernode); 0 = one node
     measured: dict[str, Any] | None = None  # CPU: how the figures were measured
+    # None: nothing to offload to (the CPU cluster: host memory is the device's memory)
+    host_link: HostLink | None = None
 
     def link(self, group_span: int) -> Link:
         """The link a group spanning ``group_span`` consecutive devices runs over."""
@@ -53,6 +66,7 @@ class Cluster:
             *self.uncertain,
             *(f"intra_node.{k}" for k in self.intra.uncertain),
             *(f"inter_node.{k}" for k in self.inter.uncertain),
+            *(f"host_link.{k}" for k in (self.host_link.uncertain if self.host_link else ())),
         ]
 
 
@@ -86,7 +100,14 @@ def load(name: str) -> Cluster:
         uncertain=tuple(raw.get("uncertain", ())),
         domain=int(raw.get("supernode_devices", 0)),
         measured=raw.get("measured"),
+        host_link=_host_link(raw.get("host_link")),
     )
+
+
+def _host_link(node: dict[str, Any] | None) -> HostLink | None:
+    if node is None:
+        return None
+    return HostLink(node["gbytes_per_s"] * 1e9, node["memory_gbytes_per_s"] * 1e9, tuple(node.get("uncertain", ())))
 
 
 def peak(cluster: Cluster, precision: str, cache_dir: Path) -> Peak | None:

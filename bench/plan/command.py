@@ -3,7 +3,7 @@
     bench plan +model=llama3-70b cluster=h100-sxm plan.devices=64 data.global_batch_size=512 \
         data.seq_len=4096 run.precision=bf16 [plan.backends=[megatron,fsdp]] [plan.top=5] \
         [plan.micro_batch_sizes=[1,2]] [plan.calibration=EXPERIMENT] [--format table|md|json|csv] \
-        [--emit-bundle DIR]
+        [--emit-bundle DIR [--row K]]
     bench plan --calibrate EXPERIMENT [--tracking-uri URI]
 
 Every other ``key=value`` is a job override, composed by Hydra exactly as ``bench run`` composes it
@@ -39,7 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench plan", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("overrides", nargs="*", help="+model=NAME cluster=NAME plan.KEY=VALUE and job overrides")
     p.add_argument("--format", choices=["table", "md", "json", "csv"], default="table")
-    p.add_argument("--emit-bundle", metavar="DIR", help="write the dry-run launch bundle of the top row here")
+    p.add_argument("--emit-bundle", metavar="DIR", help="write the dry-run launch bundle of a ranked row here")
+    p.add_argument("--row", type=int, default=1, metavar="K", help="the row --emit-bundle writes (default 1)")
     p.add_argument("--calibrate", metavar="EXPERIMENT", help="fit efficiency and overhead from recorded runs")
     p.add_argument("--tracking-uri", help="MLflow store to read (--calibrate); default: results/mlflow.db")
     return p
@@ -109,15 +110,18 @@ def run_plan(args: argparse.Namespace) -> int:
     found = search(base, cluster, world, mbs, pk.tflops if pk else None, cal)
     _refuse_if_empty(found, first)
     top = _int(plan, "top", 5)
+    shown = min(top, len(found.ranked))
+    if args.emit_bundle and not 1 <= args.row <= shown:
+        raise SpecError("--row", f"row {args.row} is not one of the {shown} ranked rows this plan shows (1-{shown})")
     model = found.ranked[0].job.model.name  # resolved (+model=hf reads it from config.json)
     context = {**_context(cluster, world, first, pk, cal), "model": model, "job_overrides": " ".join(job_overrides)}
     print(render(found, top, context, args.format))
     _track(first, found, top, context)
     if args.emit_bundle:
-        best = found.ranked[0]
+        chosen = found.ranked[args.row - 1]
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries the plan (json/csv)
-            out = emit_bundle(found.plains[id(best)], Path(args.emit_bundle))
-        print(f"plan: launch bundle of row 1 written under {out}", file=sys.stderr)
+            out = emit_bundle(found.plains[id(chosen)], Path(args.emit_bundle))
+        print(f"plan: launch bundle of row {args.row} written under {out}", file=sys.stderr)
     return 0
 
 
@@ -131,9 +135,15 @@ def _refuse_if_empty(found: Searched, first: dict[str, Any]) -> None:
         return
     if found.unfit:
         best = found.unfit[0]
+        if best.margin_bytes < 0:
+            raise UserError(
+                f"fits nowhere: the best candidate ({describe(best)}) needs {best.device_bytes / GIB:.2f} GiB per "
+                f"device, {-best.margin_bytes / GIB:.2f} GiB more than the {best.memory_bytes / GIB:.2f} GiB it has"
+            )
         raise UserError(
-            f"fits nowhere: the best candidate ({describe(best)}) needs {best.device_bytes / GIB:.2f} GiB per "
-            f"device, {-best.margin_bytes / GIB:.2f} GiB more than the {best.memory_bytes / GIB:.2f} GiB it has"
+            f"fits nowhere: the best candidate ({describe(best)}) fits the device only by offloading "
+            f"{best.host_bytes / GIB:.2f} GiB per device to host memory, {-best.host_margin_bytes / GIB:.2f} GiB "
+            f"more than the {best.host_capacity_bytes / GIB:.2f} GiB of host memory per device"
         )
     reasons = "; ".join(f"{k} ({n} layouts)" for k, n in sorted(found.invalid.items(), key=lambda kv: -kv[1]))
     gbs = first["data"]["global_batch_size"]

@@ -7,20 +7,25 @@ micro-batches a pipeline stage keeps in flight, communication buffers, and a fra
 that comes from a calibration.
 
 Step time: compute = the harness's model FLOPs (``flops.flops_per_token``, PaLM) / (peak x
-calibrated efficiency), x 4/3 with full recomputation (one more forward); communication =
+calibrated efficiency), x 4/3 with full recomputation (one more forward); framework = a calibrated
+cost per micro-batch (the operators, hooks and copies each forward/backward pass dispatches whatever
+its size) x the passes of the whole model a rank makes (``model_passes``; 0 uncalibrated); communication =
 ``commvolume`` over the cluster's links (alpha-beta), data-parallel communication hidden behind
-the backward as far as the backend overlaps it (``profiles``; docs/sources.md#plan-overlap);
-pipeline bubble (p - 1) / (v m) of the compute (docs/sources.md#pipeline-bubble).
+the backward as far as the backend overlaps it (``profiles``; docs/sources.md#plan-overlap),
+context parallelism's ring hidden behind the attention compute; pipeline bubble (p - 1) / (v m) of
+compute + framework (docs/sources.md#pipeline-bubble); offload: the host link transfers (hidden like
+data-parallel communication, in what the backward has left) and the host optimizer step, exposed
+(docs/sources.md#zero-offload).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from parabench.commvolume import Batch, StepComm, step_comm
+from parabench.commvolume import Batch, Layout, StepComm, step_comm
 from parabench.flops import flops_per_token
 from parabench.plan.cluster import Cluster
-from parabench.plan.profiles import PROFILES, States
+from parabench.plan.profiles import PROFILES, Offload, States
 from parabench.spec import JobSpec
 
 GIB = 1024**3
@@ -31,7 +36,8 @@ DEFAULT_UNCERTAINTY = 0.5  # relative width of an uncalibrated step-time predict
 
 @dataclass(frozen=True)
 class Calibration:
-    """Fitted per ``backend/device kind``; missing keys fall back to the defaults above."""
+    """Fitted per ``backend/device kind`` (and finer keys: ``efficiency_keys``); missing keys fall
+    back to the defaults above."""
 
     name: str = "defaults"
     efficiency: dict[str, float] = field(default_factory=dict)
@@ -39,16 +45,30 @@ class Calibration:
     time_error: float | None = None  # median |predicted - measured| / measured over the fitted runs
     memory_error: float | None = None
     runs: int = 0
-    links: dict[str, list[float]] = field(default_factory=dict)  # device kind -> [alpha s, bytes/s] (bench comm)
+    # device kind (all-reduce; p2p uses it too) or kind/collective -> [alpha s per ring step, bytes/s] (bench comm)
+    links: dict[str, list[float]] = field(default_factory=dict)
+    # seconds of framework work per micro-batch and rank, keyed like ``efficiency`` (absent: 0)
+    micro_batch: dict[str, float] = field(default_factory=dict)
 
-    def eff(self, backend: str, kind: str, threads: int | None = None) -> float:
-        """The fitted share of the peak: for a CPU rank first at its intra-op thread count (``/tN``:
-        parallel regions synchronise their threads, and the model's small GEMMs gain less from a
-        second thread than the large GEMM the peak is measured with), then over all thread counts."""
-        for key in efficiency_keys(backend, kind, threads):
+    def eff(self, backend: str, kind: str, threads: int | None = None, layout: str | None = None) -> float:
+        """The fitted share of the peak: first for this layout (``layout_key``), for a CPU rank at its
+        intra-op thread count (``/tN``: parallel regions synchronise their threads, and the model's
+        small GEMMs gain less from a second thread than the large GEMM the peak is measured with),
+        then coarser (efficiency_keys)."""
+        for key in efficiency_keys(backend, kind, threads, layout):
             if key in self.efficiency:
                 return self.efficiency[key]
         return DEFAULT_EFFICIENCY[kind]
+
+    def per_micro_batch(self, backend: str, kind: str, threads: int | None = None, layout: str | None = None) -> float:
+        """The fitted framework seconds per micro-batch, looked up like the efficiency (absent: 0).
+        A backend with runs of its own never borrows another framework's cost (``*/kind``): where its
+        runs could not separate it, its efficiency was fitted with 0 (the one-parameter fit)."""
+        own = self.calibrated(backend, kind)
+        for key in efficiency_keys(backend, kind, threads, layout):
+            if key in self.micro_batch and not (own and key.startswith("*/")):
+                return self.micro_batch[key]
+        return 0.0
 
     def over(self, backend: str, kind: str) -> float:
         key = f"{backend}/{kind}"
@@ -58,10 +78,21 @@ class Calibration:
         return f"{backend}/{kind}" in self.efficiency
 
 
-def efficiency_keys(backend: str, kind: str, threads: int | None) -> list[str]:
-    """Calibration keys, most specific first (docs/plan.md#calibration)."""
+def efficiency_keys(backend: str, kind: str, threads: int | None, layout: str | None = None) -> list[str]:
+    """Calibration keys, most specific first (docs/plan.md#calibration): this backend's layout (at the
+    thread count), the backend at the thread count, every backend at it, the backend, every backend."""
+    t = f"/t{threads}" if threads else ""
+    own = [f"{backend}/{kind}/{layout}{t}"] if layout else []
     coarse = [f"{backend}/{kind}", f"*/{kind}"]
-    return [f"{backend}/{kind}/t{threads}", f"*/{kind}/t{threads}", *coarse] if threads else coarse
+    return [*own, f"{backend}/{kind}{t}", f"*/{kind}{t}", *coarse] if threads else [*own, *coarse]
+
+
+def layout_key(layout: Layout) -> str:
+    """What makes a layout run different framework code: its sharding and model-parallel degrees
+    (not dp, whose cost the communication model scales, nor recomputation, counted in the FLOPs)."""
+    degrees = (("tp", layout.tp), ("cp", layout.cp), ("pp", layout.pp), ("vpp", layout.vpp))
+    parts = [layout.sharding, *(f"{k}{v}" for k, v in degrees if v > 1)]
+    return "-".join(parts + (["sp"] if layout.sequence_parallel else []))
 
 
 @dataclass(frozen=True)
@@ -82,14 +113,29 @@ class Estimate:
     tokens_per_s_per_device: float
     mfu: float | None
     comm: StepComm
+    offload_s: float = 0.0  # exposed: host optimizer step + host link transfers not hidden
+    transfer_s: float = 0.0  # host link transfers, before overlap
+    host_step_s: float = 0.0  # the optimizer step on the host
+    cp_hidden_s: float = 0.0  # context-parallel ring hidden behind the attention compute
+    host_capacity_bytes: float = float("inf")  # this device's share of its node's host memory
+    framework_s: float = 0.0  # calibrated framework cost per micro-batch x model_passes
 
     @property
     def margin_bytes(self) -> float:
         return self.memory_bytes - self.device_bytes
 
     @property
+    def host_margin_bytes(self) -> float:
+        return self.host_capacity_bytes - self.host_bytes
+
+    @property
+    def shortfall_bytes(self) -> float:
+        """How far the candidate misses: the larger overshoot of device and host memory (<= 0: fits)."""
+        return max(-self.margin_bytes, -self.host_margin_bytes)
+
+    @property
     def fits(self) -> bool:
-        return self.margin_bytes >= 0
+        return self.shortfall_bytes <= 0
 
     @property
     def comm_share(self) -> float:
@@ -126,6 +172,13 @@ def activation_bytes(job: JobSpec, recompute: str, fused_attention: bool = False
     return stored * width * in_flight + logits
 
 
+def model_passes(job: JobSpec) -> float:
+    """Forward/backward passes of the whole model one rank makes per step, what the per-micro-batch
+    framework cost scales with: the micro-batches x the share of the layers its pipeline stage runs
+    (a stage dispatches the operators of its L / p layers per micro-batch)."""
+    return job.grad_accum / getattr(job.backend.options, "pp", 1)
+
+
 def threads_of(cluster: Cluster) -> int | None:
     """Intra-op threads of a rank the plan assumes: the cluster file's (CPU only)."""
     return int((cluster.measured or {}).get("threads_per_rank", 1)) if cluster.device_kind == "cpu" else None
@@ -141,35 +194,67 @@ def estimate(
     acts = activation_bytes(job, recompute, prof.fused_attention(job))
     buffers = prof.buffers(job)
     overhead = cal.over(job.backend.name, cluster.device_kind)
-    device = states.total - states.host + acts + buffers + overhead
-    flops = flops_per_token(job.model, job.data.seq_len) * job.tokens_per_step / job.parallel.world_size
+    # without a host link (the CPU cluster) "offloaded" states stay in the same memory as the rest
+    host = states.host if cluster.host_link else 0.0
+    device = states.total - host + acts + buffers + overhead
+    fpt = flops_per_token(job.model, job.data.seq_len)
+    flops = fpt * job.tokens_per_step / job.parallel.world_size
     if recompute == "full":
         flops *= 4 / 3
-    kind = cluster.device_kind
-    eff = cal.eff(job.backend.name, kind, (threads or threads_of(cluster)) if kind == "cpu" else None)
+    kind, layout = cluster.device_kind, prof.layout(job)
+    threads = (threads or threads_of(cluster)) if kind == "cpu" else None
+    eff = cal.eff(job.backend.name, kind, threads, layout_key(layout))
     compute = flops / (peak_tflops * 1e12 * eff) if peak_tflops else float("nan")
+    framework = cal.per_micro_batch(job.backend.name, kind, threads, layout_key(layout)) * model_passes(job)
     comm = step_comm(
         job.model,
-        prof.layout(job),
+        layout,
         Batch(job.data.seq_len, job.data.micro_batch_size, job.grad_accum),
         prof.widths(job),
         dp_elements=states.elements,
         root_elements=prof.root_elements(job),
     )
     spans = _spans(job)
-    times = {g: sum(c.seconds(*_link(cluster, spans[g], cal)) for c in comm.collectives if c.group == g) for g in spans}
+    times = {
+        g: sum(c.seconds(*_link(cluster, spans[g], cal, c.kind)) for c in comm.collectives if c.group == g)
+        for g in spans
+    }
     dp_hidden = prof.overlap(job) * min(times["dp"], compute * 2 / 3)
-    exposed = sum(times.values()) - dp_hidden
+    # the ring passes the next K/V chunk while the current one's attention runs (the attention
+    # share of the FLOPs: PaLM's 12 L H Q T term of flops_per_token; docs/sources.md#comm-volume-context-parallel)
+    cp_hidden = min(times["cp"], compute * (1 - 6 * job.model.num_matmul_params() / fpt))
+    exposed = sum(times.values()) - dp_hidden - cp_hidden
+    transfer, host_step, offload = _offload_time(
+        prof.offload(job, states), cluster, min(job.parallel.world_size, cluster.devices_per_node),
+        max(compute * 2 / 3 - dp_hidden, 0.0),
+    )  # fmt: skip
     o = job.backend.options
     p, v = getattr(o, "pp", 1), getattr(o, "vpp", 1)
-    bubble = compute * (p - 1) / (v * job.grad_accum)
-    step = compute + bubble + exposed
+    # the idle slots of the pipeline last as long as a micro-batch's compute and framework work
+    bubble = (compute + framework) * (p - 1) / (v * job.grad_accum)
+    step = compute + framework + bubble + exposed + offload
     per_device = job.tokens_per_step / step / job.parallel.world_size
-    mfu = per_device * flops_per_token(job.model, job.data.seq_len) / (peak_tflops * 1e12) if peak_tflops else None
+    mfu = per_device * fpt / (peak_tflops * 1e12) if peak_tflops else None
     return Estimate(
-        job, states, acts, buffers, overhead, device, states.host, cluster.memory_bytes,
+        job, states, acts, buffers, overhead, device, host, cluster.memory_bytes,
         compute, sum(times.values()), exposed, bubble, step, per_device, mfu, comm,
+        offload, transfer, host_step, cp_hidden,
+        cluster.host_memory_bytes / min(job.parallel.world_size, cluster.devices_per_node), framework,
     )  # fmt: skip
+
+
+def _offload_time(off: Offload, cluster: Cluster, ranks_per_node: int, backward_left: float) -> tuple[float, ...]:
+    """(host link transfers, host optimizer step, exposed offload time) of one step: the transfers at
+    the host link's bandwidth, hidden as far as the backend overlaps them within what the backward
+    has left after the data-parallel communication; the host step is memory-bound (every state read
+    and written once) on the node's host memory, which the node's ranks share, and exposed (no
+    delayed parameter update). No host link: nothing crosses one."""
+    link = cluster.host_link
+    if link is None or not (off.transfer_bytes or off.host_elements):
+        return 0.0, 0.0, 0.0
+    transfer = off.transfer_bytes / link.bytes_per_s
+    host_step = off.host_elements * off.host_pass_bytes * ranks_per_node / link.memory_bytes_per_s
+    return transfer, host_step, host_step + transfer - off.overlap * min(transfer, backward_left)
 
 
 def _spans(job: JobSpec) -> dict[str, int]:
@@ -178,11 +263,13 @@ def _spans(job: JobSpec) -> dict[str, int]:
     return {"tp": par.tp, "cp": par.tp * par.cp, "dp": par.tp * par.cp * par.dp, "pp": par.world_size}
 
 
-def _link(cluster: Cluster, span: int, cal: Calibration) -> tuple[float, float]:
+def _link(cluster: Cluster, span: int, cal: Calibration, op: str = "all_reduce") -> tuple[float, float]:
     """(latency, bandwidth) of the link a group runs over: a bench comm fit for this device kind
-    replaces the cluster file's intra-node figures."""
+    replaces the cluster file's intra-node figures; the fit of this collective kind where bench comm
+    measured it (all-gather and reduce-scatter run other algorithms than the all-reduce: gloo has no
+    native reduce-scatter), else the all-reduce's."""
     link = cluster.link(span)
-    fitted = cal.links.get(cluster.device_kind)
+    fitted = cal.links.get(f"{cluster.device_kind}/{op}", cal.links.get(cluster.device_kind))
     if fitted and link is cluster.intra:
         return fitted[0], fitted[1]
     return link.latency_s, link.bytes_per_s

@@ -16,10 +16,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from parabench.adapters.megatron import rank_param_counts
-from parabench.commvolume import Layout, Widths, deepspeed_flat_numel, fsdp2_padded_numel, round_up, zero3_padded_numel
+from parabench.commvolume import (
+    Layout,
+    Widths,
+    deepspeed_flat_numel,
+    fsdp2_padded_numel,
+    round_up,
+    zero3_padded_numel,
+)
 from parabench.spec import JobSpec
 
 SRC_OVERLAP = "docs/sources.md#plan-overlap"
+SRC_OFFLOAD = "docs/sources.md#zero-offload"
+# The offloaded optimizer step reads the fp32 master, gradient and both Adam moments and writes the
+# master and moments back: 28 bytes of host memory traffic per element in one fused pass (DeepSpeed's
+# CPU Adam), plus the working-dtype copy it writes for the device (docs/sources.md#zero-offload).
+HOST_ADAM_BYTES = 28
+# torch's own AdamW on the host: DeepSpeed's ZeRO-Offload tutorial puts DeepSpeedCPUAdam 5-7x ahead
+# of the standard PyTorch implementation; the planner charges the lower end (docs/sources.md#zero-offload)
+TORCH_HOST_ADAM_SLOWDOWN = 5
 
 
 @dataclass(frozen=True)
@@ -41,10 +56,27 @@ class States:
 
 
 @dataclass(frozen=True)
+class Offload:
+    """What one rank moves between device and host per step (PCIe) and the optimizer step it leaves
+    to the host (docs/plan.md#time-per-step)."""
+
+    d2h_bytes: float = 0.0
+    h2d_bytes: float = 0.0
+    host_elements: float = 0.0  # optimizer elements the host steps
+    host_pass_bytes: float = 0.0  # host memory traffic per element of that step
+    overlap: float = 0.0  # share of the transfers hidden behind the backward (as data-parallel communication)
+
+    @property
+    def transfer_bytes(self) -> float:
+        return self.d2h_bytes + self.h2d_bytes
+
+
+@dataclass(frozen=True)
 class Profile:
     """One backend, as the planner sees it."""
 
-    layouts: Callable[[int, int], Iterator[dict[str, Any]]]  # (world, devices per node) -> backend options
+    # (world, devices per node, can offload to a host) -> backend options
+    layouts: Callable[[int, int, bool], Iterator[dict[str, Any]]]
     layout: Callable[[JobSpec], Layout]
     grad_fp32: Callable[[JobSpec], bool]
     states: Callable[[JobSpec], States]
@@ -57,6 +89,7 @@ class Profile:
     # FSDP: parameters of the root module gathered once per micro-batch (commvolume's root_elements);
     # None = commvolume's default (the root stays unsharded from forward to backward), 0 = resharded too
     root_elements: Callable[[JobSpec], int | None] = lambda job: None
+    offload: Callable[[JobSpec, States], Offload] = lambda job, states: Offload()
 
     def widths(self, job: JobSpec) -> Widths:
         return Widths.for_precision(job.run.precision, self.grad_fp32(job))
@@ -102,12 +135,19 @@ def _replicated(job: JobSpec) -> States:
     return States(4.0 * psi, 4.0 * psi, 8.0 * psi, 0.0, psi)  # fp32 weights (bf16 is autocast), grads, AdamW moments
 
 
-def _no_options(world: int, per_node: int) -> Iterator[dict[str, Any]]:
+def _no_options(world: int, per_node: int, offload: bool) -> Iterator[dict[str, Any]]:
     yield {}
 
 
-def _ddp_options(world: int, per_node: int) -> Iterator[dict[str, Any]]:
+def _ddp_options(world: int, per_node: int, offload: bool) -> Iterator[dict[str, Any]]:
     yield from ({"activation_checkpointing": ac} for ac in (False, True))
+
+
+def _ddp_buffers(job: JobSpec) -> float:
+    """Without ``gradient_as_bucket_view`` DDP's buckets are a second copy of every (fp32) gradient
+    (torch DistributedDataParallel docs, gradient_as_bucket_view); with it (the adapter's default)
+    the gradients are views into the buckets."""
+    return 0.0 if job.backend.options.gradient_as_bucket_view else 4.0 * job.model.num_params()
 
 
 # ---------------------------------------------------------------------------- fsdp
@@ -130,10 +170,40 @@ def _fsdp_buffers(job: JobSpec) -> float:
     return live * layer * _b(job) + root * _b(job) + layer * 4
 
 
-def _fsdp_options(world: int, per_node: int) -> Iterator[dict[str, Any]]:
+def _fsdp_overlap(job: JobSpec) -> float:
+    """FSDP2 prefetches the next all-gather and reduce-scatters on side streams of the device
+    (``_fsdp_param_group.py``, ``FSDPCommContext``: ``device_handle.Stream``); a CPU has no streams
+    (torch.cpu.Stream is a stand-in that runs on the calling thread) and the pre-forward/pre-backward
+    unshard is synchronous (``unshard_async_op`` False), so on CPU every all-gather and reduce-scatter
+    blocks the training thread (measured: bench run's per-step communication log, docs/plan.md)."""
+    return 0.0 if job.device.type == "cpu" else 1.0
+
+
+def _fsdp_options(world: int, per_node: int, offload: bool) -> Iterator[dict[str, Any]]:
     for reshard in (True, False):
         for ac in (False, True):
-            yield {"reshard_after_forward": reshard, "activation_checkpointing": ac}
+            for cpu_offload in (False, True) if offload else (False,):
+                yield {"reshard_after_forward": reshard, "activation_checkpointing": ac, "cpu_offload": cpu_offload}
+
+
+def _fsdp_offload(job: JobSpec, st: States) -> Offload:
+    """FSDP2's CPUOffloadPolicy (torch docs, ``torch.distributed.fsdp.CPUOffloadPolicy``): the
+    sharded fp32 parameters are copied host-to-device before every all-gather (before forward and
+    again before backward when resharding after forward, the root included: the profile's
+    root_elements; once per micro-batch without), the sharded fp32 gradients device-to-host after
+    the step's reduce-scatter (one, on the last micro-batch), and torch's AdamW steps on the host.
+    Counted per rank whatever the world size (one rank still copies its whole "shard")."""
+    if not job.backend.options.cpu_offload:
+        return Offload()
+    shard = 4.0 * st.elements / job.parallel.world_size
+    gathers = (2 if job.backend.options.reshard_after_forward else 1) * job.grad_accum
+    return Offload(
+        d2h_bytes=shard,
+        h2d_bytes=shard * gathers,
+        host_elements=st.elements / job.parallel.world_size,
+        host_pass_bytes=HOST_ADAM_BYTES * TORCH_HOST_ADAM_SLOWDOWN,
+        overlap=1.0,
+    )
 
 
 # ---------------------------------------------------------------------------- deepspeed
@@ -188,10 +258,51 @@ def _ds_overlap(job: JobSpec) -> float:
     return float(o.overlap_comm if o.overlap_comm is not None else o.zero_stage == 3)
 
 
-def _ds_options(world: int, per_node: int) -> Iterator[dict[str, Any]]:
+# (offload_optimizer, offload_param) the search tries per ZeRO stage: the harness refuses optimizer
+# offload at stage 0 and parameter offload below stage 3 (adapters/deepspeed.py validate)
+_DS_OFFLOADS = {
+    0: [("none", "none")],
+    1: [("none", "none"), ("cpu", "none")],
+    2: [("none", "none"), ("cpu", "none")],
+    3: [("none", "none"), ("cpu", "none"), ("cpu", "cpu")],
+}
+
+
+def _ds_options(world: int, per_node: int, offload: bool) -> Iterator[dict[str, Any]]:
     for stage in (0, 1, 2, 3):
         for ac in (False, True):
-            yield {"zero_stage": stage, "activation_checkpointing": ac}
+            for opt, param in _DS_OFFLOADS[stage] if offload else [("none", "none")]:
+                yield {
+                    "zero_stage": stage,
+                    "activation_checkpointing": ac,
+                    "offload_optimizer": opt,
+                    "offload_param": param,
+                }
+
+
+def _ds_offload(job: JobSpec, st: States) -> Offload:
+    """ZeRO-Offload / ZeRO-Infinity per step (Ren et al. 2021, sec. 4; DeepSpeed 0.19
+    ``stage_1_and_2.py`` / ``stage3.py``): each reduction of this rank's gradient partition is
+    converted to fp32 on the device and copied to the host (``async_inplace_copy_grad_to_fp32_buffer_from_gpu``);
+    with several micro-batches the accumulated partition comes back to the device for the next add
+    (``async_accumulate_grad_in_cpu_via_gpu``; ZeRO-3: the host grad buffer); the host steps the
+    fp32 master with CPU Adam and copies the updated working-dtype partition back. With
+    ``offload_param`` the partition lives on the host and is copied to the device before every
+    parameter all-gather (and not after the step)."""
+    o, b, dp = job.backend.options, _b(job), job.parallel.dp
+    if o.offload_optimizer == "none" and o.offload_param == "none":
+        return Offload()
+    part = st.elements / dp
+    d2h = h2d = 0.0
+    if o.offload_optimizer != "none":
+        reductions = 1 if o.zero_stage == 1 else job.grad_accum
+        d2h += 4 * part * reductions
+        h2d += 4 * part * (reductions - 1) + (b * part if o.offload_param == "none" else 0.0)
+    if o.offload_param != "none":  # gathers per micro-batch: once while the model stays live, else twice
+        h2d += b * part * job.grad_accum * (1 if _ds_sharding(job) == "deepspeed_zero3_live" else 2)
+    host_pass = (HOST_ADAM_BYTES + b) * (TORCH_HOST_ADAM_SLOWDOWN if o.offload_adam == "torch" else 1)
+    host_elements = part if o.offload_optimizer != "none" else 0.0
+    return Offload(d2h, h2d, host_elements, host_pass, _ds_overlap(job))
 
 
 # ---------------------------------------------------------------------------- megatron, mindspeed
@@ -214,19 +325,36 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _mg_options(world: int, per_node: int) -> Iterator[dict[str, Any]]:
+def _mg_options(world: int, per_node: int, offload: bool) -> Iterator[dict[str, Any]]:
+    """tp and cp inside a node (their collectives run per layer; the search keeps tp x cp within
+    the node's devices), pp and dp over the rest. cp > 1 is refused by the harness where it cannot
+    run (megatron: CUDA with Transformer Engine only; mindspeed: on the NPU)."""
     for tp in (d for d in _divisors(world) if d <= per_node):
-        for pp in _divisors(world // tp):
-            for vpp in (1, 2) if pp > 1 else (1,):
-                for sp in (False, True) if tp > 1 else (False,):
-                    for dist_opt in (False, True) if world // (tp * pp) > 1 else (False,):
-                        yield {
-                            "tp": tp,
-                            "pp": pp,
-                            "vpp": vpp,
-                            "sequence_parallel": sp,
-                            "distributed_optimizer": dist_opt,
-                        }
+        for cp in (d for d in _divisors(world // tp) if tp * d <= per_node):
+            for pp in _divisors(world // (tp * cp)):
+                for vpp in (1, 2) if pp > 1 else (1,):
+                    for sp in (False, True) if tp > 1 else (False,):
+                        for dist_opt in (False, True) if world // (tp * cp * pp) > 1 else (False,):
+                            yield {
+                                "tp": tp,
+                                "cp": cp,
+                                "pp": pp,
+                                "vpp": vpp,
+                                "sequence_parallel": sp,
+                                "distributed_optimizer": dist_opt,
+                            }
+
+
+def _mg_buffers(job: JobSpec) -> float:
+    """Context parallelism's ring: while a rank computes with one K/V chunk it receives the next
+    (and in the backward the K/V and their gradients), so two chunks of one layer are in flight
+    beside the stored activations (Megatron-Core docs, context_parallel; Liu et al. 2023, sec. 3)."""
+    o, m, d = job.backend.options, job.model, job.data
+    if o.cp <= 1:
+        return 0.0
+    kv_heads = max(m.num_key_value_heads // o.tp, 1)
+    chunk = 2 * d.micro_batch_size * (d.seq_len // o.cp) * kv_heads * m.head_dim * _b(job)
+    return 2.0 * chunk
 
 
 def _mg_layout(job: JobSpec) -> Layout:
@@ -267,13 +395,13 @@ def _ac(job: JobSpec) -> str:
 
 
 # Overlap assumptions (docs/sources.md#plan-overlap): DDP overlaps its bucketed all-reduce with
-# the backward; FSDP2 prefetches the next all-gather and reduce-scatters while the backward runs;
+# the backward; FSDP2 prefetches the next all-gather and reduce-scatters while the backward runs (on a device with streams);
 # DeepSpeed overlaps only with overlap_comm (its default: on for ZeRO-3, off for 1 and 2);
 # Megatron only with overlap_grad_reduce. Tensor- and pipeline-parallel communication is on the
 # critical path in all of them.
 PROFILES: dict[str, Profile] = {
     "ddp": Profile(
-        _ddp_options, _dp_layout(lambda j: "none"), lambda j: True, _replicated, lambda j: 0.0, lambda j: 1.0, _ac
+        _ddp_options, _dp_layout(lambda j: "none"), lambda j: True, _replicated, _ddp_buffers, lambda j: 1.0, _ac
     ),
     "fsdp": Profile(
         _fsdp_options,
@@ -281,11 +409,12 @@ PROFILES: dict[str, Profile] = {
         lambda j: True,
         _fsdp_states,
         _fsdp_buffers,
-        lambda j: 1.0,
+        _fsdp_overlap,
         _ac,
         # adapters/fsdp.py passes reshard_after_forward to the root's fully_shard too: the root is
         # resharded after forward and gathered again for backward, like the layers (measured: docs/comm.md)
         root_elements=lambda j: 0 if j.backend.options.reshard_after_forward else None,
+        offload=_fsdp_offload,
     ),
     "deepspeed": Profile(
         _ds_options,
@@ -295,13 +424,14 @@ PROFILES: dict[str, Profile] = {
         _ds_buffers,
         _ds_overlap,
         _ac,
+        offload=_ds_offload,
     ),
     "megatron": Profile(
         _mg_options,
         _mg_layout,
         lambda j: True,
         _mg_states,
-        lambda j: 0.0,
+        _mg_buffers,
         lambda j: float(j.backend.options.overlap_grad_reduce),
         lambda j: "none",
         lambda j: j.device.type != "cpu",  # megatron-core's local attention (CPU) keeps the scores

@@ -45,6 +45,7 @@ def _row(e: Estimate, rank: int | str, why: str, overrides: list[str]) -> dict[s
         "mfu": e.mfu,
         "comm_share": e.comm_share,
         "bubble_share": e.bubble_share,
+        "offload_share": e.offload_s / e.step_s,  # exposed host optimizer step + host link transfers
         "comm_bytes_per_step": e.comm.bus_bytes(),
         "why": why,
         "overrides": " ".join(overrides),

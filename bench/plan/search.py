@@ -50,7 +50,7 @@ def candidates(base: dict[str, dict[str, Any]], cluster: Cluster, world: int, mb
     if nnodes > 1:
         place += [f"launcher.nnodes={nnodes}", "launcher.master_port=29500"]
     for name, plain in base.items():
-        for options in PROFILES[name].layouts(world, cluster.devices_per_node):
+        for options in PROFILES[name].layouts(world, cluster.devices_per_node, cluster.host_link is not None):
             for b in mbs:
                 cfg = copy.deepcopy(plain)
                 cfg["backend"].update(options)
@@ -88,7 +88,7 @@ def search(
         out.plains[id(est)] = cfg
         (out.ranked if est.fits else out.unfit).append(est)
     out.ranked.sort(key=lambda e: (-e.tokens_per_s_per_device, e.device_bytes))
-    out.unfit.sort(key=lambda e: -e.margin_bytes)
+    out.unfit.sort(key=lambda e: e.shortfall_bytes)
     return out
 
 
@@ -98,10 +98,14 @@ def describe(e: Estimate) -> str:
     bits = [name]
     if name == "deepspeed":
         bits.append(f"zero{o.zero_stage}")
-    if name == "fsdp" and not o.reshard_after_forward:
-        bits.append("no-reshard")
+        bits += ["offload-opt"] if o.offload_optimizer != "none" else []
+        bits += ["offload-param"] if o.offload_param != "none" else []
+    if name == "fsdp":
+        bits += (["no-reshard"] if not o.reshard_after_forward else []) + (["cpu-offload"] if o.cpu_offload else [])
     if name in ("megatron", "mindspeed"):
-        bits += [f"tp{o.tp}", f"pp{o.pp}"] + ([f"v{o.vpp}"] if o.vpp > 1 else [])
+        bits += (
+            [f"tp{o.tp}"] + ([f"cp{o.cp}"] if o.cp > 1 else []) + [f"pp{o.pp}"] + ([f"v{o.vpp}"] if o.vpp > 1 else [])
+        )
         bits += (["sp"] if o.sequence_parallel else []) + (["distopt"] if o.distributed_optimizer else [])
     if getattr(o, "activation_checkpointing", False):
         bits.append("recompute")
@@ -112,33 +116,74 @@ def describe(e: Estimate) -> str:
 def why_wins(e: Estimate, best: Estimate) -> str:
     gib = e.margin_bytes / GIB
     if e is best:
-        return (
+        text = (
             f"fastest that fits ({gib:.1f} GiB spare); comm {100 * e.comm_share:.0f}% exposed, "
             f"bubble {100 * e.bubble_share:.0f}%"
         )
-    slower = 1 - e.tokens_per_s_per_device / best.tokens_per_s_per_device
-    if slower < 0.005:
-        more = (e.device_bytes - best.device_bytes) / GIB
-        return f"as fast as #1 (within 0.5%), {more:+.2f} GiB memory per device"
-    return f"{100 * slower:.0f}% slower than #1: " + _cost(e, best)
+    else:
+        slower = 1 - e.tokens_per_s_per_device / best.tokens_per_s_per_device
+        if slower < 0.005:
+            more = (e.device_bytes - best.device_bytes) / GIB
+            text = f"as fast as #1 (within 0.5%), {more:+.2f} GiB memory per device"
+        else:
+            text = f"{100 * slower:.0f}% slower than #1: " + _cost(e, best)
+    return text + "".join(f"; {note}" for note in (_cp_note(e), _offload_note(e)) if note)
+
+
+def _cp_note(e: Estimate) -> str:
+    """What context parallelism buys and costs in this row."""
+    cp = getattr(e.job.backend.options, "cp", 1)
+    if cp <= 1:
+        return ""
+    return (
+        f"cp{cp}: activations / {cp}, ring K/V exchange {e.comm.bus_bytes('cp') / 2**20:.0f} MiB per step, "
+        f"{_dur(e.cp_hidden_s)} of it hidden behind attention"
+    )
+
+
+def _offload_note(e: Estimate) -> str:
+    """What offloading buys (the device memory it frees) and costs (host link, host optimizer step)."""
+    if not e.host_bytes:
+        return ""
+    without = e.device_bytes + e.host_bytes
+    fits = "would not fit" if without > e.memory_bytes else "would fit"
+    return (
+        f"offload keeps {e.host_bytes / GIB:.2f} GiB of states in host memory (without: {without / GIB:.2f} GiB, "
+        f"{fits}); costs {_dur(e.host_step_s)} host optimizer step + {_dur(e.transfer_s)} host link, "
+        f"{_dur(e.offload_s)} exposed"
+    )
 
 
 def _cost(e: Estimate, best: Estimate) -> str:
     """The component of the step time that grew most against the best row."""
     parts = {
         "compute (recompute or lower efficiency)": e.compute_s - best.compute_s,
+        "framework work per micro-batch (calibrated)": e.framework_s - best.framework_s,
         "exposed communication": e.exposed_comm_s - best.exposed_comm_s,
         "pipeline bubble": e.bubble_s - best.bubble_s,
+        "offload (host optimizer step and host link)": e.offload_s - best.offload_s,
     }
     what, delta = max(parts.items(), key=lambda kv: kv[1])
     share = {"exposed communication": e.comm_share, "pipeline bubble": e.bubble_share}.get(what)
     tail = f" ({100 * share:.0f}% of its step)" if share is not None else ""
-    return f"+{delta * 1e3:.3g} ms {what}{tail}"
+    return f"+{_dur(delta)} {what}{tail}"
+
+
+def _dur(seconds: float) -> str:
+    return f"{seconds:.3g} s" if seconds >= 1 else f"{seconds * 1e3:.3g} ms"
 
 
 def why_lost(e: Estimate) -> str:
-    need, have = e.device_bytes / GIB, e.memory_bytes / GIB
-    return f"does not fit by {(e.device_bytes - e.memory_bytes) / GIB:.2f} GiB (needs {need:.2f} of {have:.2f} GiB)"
+    if e.margin_bytes < 0:
+        need, have = e.device_bytes / GIB, e.memory_bytes / GIB
+        text = f"does not fit by {-e.margin_bytes / GIB:.2f} GiB (needs {need:.2f} of {have:.2f} GiB)"
+    else:
+        need, have = e.host_bytes / GIB, e.host_capacity_bytes / GIB
+        text = (
+            f"host memory does not fit by {-e.host_margin_bytes / GIB:.2f} GiB (offloaded states need {need:.2f} of "
+            f"the {have:.2f} GiB of host memory per device)"
+        )
+    return text + "".join(f"; {note}" for note in (_cp_note(e), _offload_note(e)) if note)
 
 
 def emit_bundle(plain: dict[str, Any], out_dir: Path) -> Path:
