@@ -422,6 +422,7 @@ class DeepSpeedEngine(Engine):
         else:
             optimizer = make_adamw(named, job.optim)
         self.client_optimizer = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+        _world_clone_with_timeout(job)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config)
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -692,6 +693,28 @@ class DeepSpeedEngine(Engine):
             "deepspeed_version": deepspeed.__version__,
             "torch_extensions_dir": os.environ.get("TORCH_EXTENSIONS_DIR"),
         }
+
+
+def _world_clone_with_timeout(job: JobSpec) -> None:
+    """Make DeepSpeed's clone of the world group with ``launcher.collective_timeout_s``.
+
+    Without a model-parallel unit, ZeRO reduces gradients and gathers parameters on the group
+    ``deepspeed.utils.groups._clone_world_group()`` creates with ``dist.new_group(ranks)``: no
+    timeout, so torch's 30-minute default, not the job's. Measured (2 gloo ranks, ZeRO-2, rank 1 hung
+    before step 5): rank 0 waited in ZeRO's reduction until the runner's hang watchdog killed the
+    job, FAILED, instead of failing the collective and being restarted. DeepSpeed has no setting for
+    that group's timeout; create the clone it would create (same ranks), with the timeout, first.
+    Sources: deepspeed/utils/groups.py (``_clone_world_group``, ``_get_data_parallel_group``) in
+    deepspeed 0.19.8; torch/distributed/distributed_c10d.py (``new_group`` with
+    ``timeout=None`` takes ``_get_default_timeout``: 30 minutes but for NCCL's 10) in torch 2.13."""
+    import datetime
+
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    if getattr(groups, "_WORLD_GROUP", None) is None:
+        timeout = datetime.timedelta(seconds=job.launch.collective_timeout_s)
+        groups._WORLD_GROUP = dist.new_group(ranks=list(range(dist.get_world_size())), timeout=timeout)
 
 
 def _clear_stale_build_locks(root: Path, max_age_s: float) -> None:

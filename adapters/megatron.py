@@ -460,6 +460,12 @@ class MegatronEngine(Engine):
             pipeline_model_parallel_size=o.pp,
             virtual_pipeline_model_parallel_size=o.vpp if o.vpp > 1 else None,
             context_parallel_size=o.cp,
+            # every group Megatron creates (tp, pp, dp, ...) gets the job's collective timeout, not
+            # Megatron's 30-minute default, so a hung peer fails the tp all-reduce or pp send/recv
+            # (megatron/core/parallel_state.py: timedelta(minutes=distributed_timeout_minutes) for
+            # every new_group, megatron-core 0.16.1). Measured without it (tp=2, rank 1 hung):
+            # rank 0 waited until the runner's launcher.hang_timeout_s killed the job, no restart.
+            distributed_timeout_minutes=self.ctx.job.launch.collective_timeout_s / 60,
         )
         self.ps = ps
         model_parallel_cuda_manual_seed(self.ctx.job.run.seed)  # dropout is 0; the RNG tracker must exist anyway

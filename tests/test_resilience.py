@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -183,18 +184,25 @@ def test_bad_checkpoint_and_fault_keys_are_refused_before_launch(overrides, key,
 # --------------------------------------------------------------------------------------------
 # End to end: real `bench run` processes on 2 gloo ranks.
 # --------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """backend -> summary of the uninterrupted 20-step, 2-rank run (computed once per backend)."""
-    cache: dict[str, dict] = {}
+def reference_runs(tmp_path_factory) -> Callable[..., dict]:
+    """(backend, *overrides) -> summary of the uninterrupted 20-step, 2-rank run, computed once. The
+    backends' test modules wrap it in their own module-scoped ``uninterrupted`` fixture, so their
+    kill-and-resume and restart tests share one reference run per configuration."""
+    cache: dict[tuple[str, ...], dict] = {}
 
-    def get(backend: str) -> dict:
-        if backend not in cache:
+    def get(backend: str, *overrides: str) -> dict:
+        key = (backend, *overrides)
+        if key not in cache:
             results = tmp_path_factory.mktemp(f"full_{backend}")
-            cache[backend] = run_ok([*TWENTY, f"backend={backend}", "tracking.enabled=false"], results)
-        return cache[backend]
+            cache[key] = run_ok([*TWENTY, f"backend={backend}", *overrides, "tracking.enabled=false"], results)
+        return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return reference_runs(tmp_path_factory)
 
 
 @pytest.mark.parametrize("backend", ["ddp", "fsdp"])
@@ -233,19 +241,49 @@ def assert_recovered(summary: dict, full: dict) -> None:
     """Restarted once from the step-10 checkpoint, recomputed 2 steps, same losses as uninterrupted."""
     assert summary["restarts"] == 1 and summary["steps_recomputed"] == 2 and summary["resumed_step"] == 10
     assert summary["losses"] == full["losses"]
+    assert summary["data_checksum"] == full["data_checksum"]
     assert 0 <= summary["time_to_detect_s"] < summary["time_to_first_step_after_fault_s"]
     assert 0 < summary["goodput"] < 1
 
 
-def test_hang_is_detected_by_the_collective_timeout_and_recovered(results, uninterrupted):
-    """One command: rank 1 hangs before step 13; rank 0's all-reduce times out after
-    launcher.collective_timeout_s, torchrun restarts both, they resume from step 10, FINISHED."""
-    args = [*TWENTY, "backend=ddp", *CKPT, "fault.kind=hang", "fault.rank=1", "fault.step=12"]
-    summary = run_ok([*args, "launcher.max_restarts=1", "launcher.collective_timeout_s=20"], results)
-    assert_recovered(summary, uninterrupted("ddp"))
-    assert summary["time_to_detect_s"] >= 20  # waited for the collective timeout
+HANG_TIMEOUT_S = 20  # launcher.collective_timeout_s of the hang tests: above the start-up skew under load
+
+
+def hang_and_recover(args: list[str], results: Path, full: dict) -> dict:
+    """One command: ``args`` (a 20-step, 2-rank job) checkpointed every 5 steps, rank 1 hangs before
+    step 13 and launcher.max_restarts=1. Rank 0's next collective - whichever process group the
+    backend runs it on - must fail after launcher.collective_timeout_s; torchrun then restarts both
+    ranks, they resume from step 10 and finish with the losses of the uninterrupted run ``full``.
+    MLflow holds the run FINISHED with restarts=1 and the recovery figures. Returns the summary."""
+    summary = fault_and_recover("hang", args, results, full)
+    assert summary["time_to_detect_s"] >= HANG_TIMEOUT_S  # waited for the collective timeout
+    (run_dir,) = (p.parent for p in results.glob("runs/*/*/*/summary.json"))
+    detected = [json.loads(line) for line in (run_dir / "faults" / "detected.jsonl").read_text().splitlines()]
+    assert any(d["rank"] == 0 and d["restart"] == 0 for d in detected), detected  # rank 0's collective failed
+    return summary
+
+
+def fault_and_recover(kind: str, args: list[str], results: Path, full: dict) -> dict:
+    """One command: ``args`` checkpointed every 5 steps, ``fault.kind=kind`` on rank 1 before step 13,
+    launcher.max_restarts=1: restarted, resumed from step 10, FINISHED with ``full``'s losses and data
+    checksum; MLflow holds restarts=1 and the recovery figures of the summary. Returns the summary."""
+    fault = [f"fault.kind={kind}", "fault.rank=1", "fault.step=12"]
+    summary = run_ok(
+        [*args, *CKPT, *fault, "launcher.max_restarts=1", f"launcher.collective_timeout_s={HANG_TIMEOUT_S}"], results
+    )
+    assert_recovered(summary, full)
     (run,) = (row for _, row in mlflow_runs(results).iterrows())
     assert run["status"] == "FINISHED" and run["metrics.restarts"] == 1
+    for metric in ("time_to_detect_s", "time_to_first_step_after_fault_s", "steps_recomputed", "goodput"):
+        assert run[f"metrics.{metric}"] == pytest.approx(summary[metric]), metric
+    return summary
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp"])
+def test_hang_is_detected_by_the_collective_timeout_and_recovered(backend, results, uninterrupted):
+    """ddp and fsdp (FSDP2 on a 1-D mesh over the world runs on the default process group, whose
+    timeout is launcher.collective_timeout_s)."""
+    hang_and_recover([*TWENTY, f"backend={backend}"], results, uninterrupted(backend))
 
 
 def test_rank_killed_during_a_save_loses_only_that_save_and_recovers(results, uninterrupted):
