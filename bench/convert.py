@@ -23,31 +23,51 @@ import time
 from pathlib import Path
 from typing import Any
 
-from parabench import canonical
+from parabench import canonical, dsnative, trackstore
 from parabench.adapters.registry import get_adapter
-from parabench.checkpoint import LAYOUT_KEYS, MARKER, CheckpointError, job_identity, newest_complete, read_marker
+from parabench.checkpoint import (
+    LAYOUT_KEYS,
+    MARKER,
+    MODEL_IGNORED,
+    CheckpointError,
+    job_identity,
+    newest_complete,
+    read_marker,
+)
 from parabench.confutil import compose, to_plain
 from parabench.convertworker import REQUEST, RESULT
 from parabench.errors import RunFailed, SpecError, UserError
-from parabench.hf import SINGLE, hf_config
+from parabench.hf import CONFIG, SINGLE, hf_config, spec_fields
 from parabench.jobs import model_spec
 from parabench.launchers import get_launcher
 from parabench.runner import free_port, launch_env, prepare
-from parabench.spec import JobSpec, to_dict
+from parabench.spec import JobSpec, TrackingSpec, to_dict
+from parabench.tracking import JobRun
 
 ENTRY = ["-m", "parabench.convertworker"]
 WORK = "convert"  # <out>/convert/{export,import}/: each launch's spec, request and logs
 RECORD = "convert.json"
 NON_BACKENDS = ("canonical", "hf")
+FOREIGN = ("hf", "deepspeed")  # sources parabench did not write: read in the command, no export launch
+HF_NO_OPTIMIZER = "the source is a Hugging Face checkpoint: weights only, no optimizer state to carry"
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench convert", description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "src", help="a parabench checkpoint (step_N), a directory of them, a run directory, or a canonical dir"
+        "src",
+        help="a parabench checkpoint (step_N), a directory of them, a run directory, a canonical dir, "
+        "or a Hugging Face directory (config.json + safetensors; weights only)",
     )
     p.add_argument("--to", required=True, help="target backend (ddp, fsdp, deepspeed, ...), canonical or hf")
     p.add_argument("--out", required=True, help="new directory for the converted checkpoint")
+    p.add_argument(
+        "--tracking-uri",
+        default=os.environ.get("MLFLOW_TRACKING_URI"),
+        help="also record the conversion as an MLflow run there (default: $MLFLOW_TRACKING_URI; unset: "
+        "convert.json only)",
+    )
+    p.add_argument("--experiment", default="convert", help="MLflow experiment of that run (default: convert)")
     p.add_argument("overrides", nargs="*", help="the target's layout and options, as bench run takes them")
     return p
 
@@ -62,14 +82,55 @@ def _canonical_source(path: Path) -> tuple[str, Path, dict[str, Any]]:
         raise SpecError("SRC", str(exc)) from None
 
 
+def _identity(spec) -> dict[str, Any]:
+    """The job identity of a source parabench did not write (Hugging Face, DeepSpeed's own): its model,
+    fp32 (every reader widens to fp32 exactly), no backend layout or options."""
+    return {
+        "backend": None,
+        "precision": "fp32",
+        "model_name": spec.name,
+        "model": {k: v for k, v in to_dict(spec).items() if k not in MODEL_IGNORED},
+        "layout": {"world_size": None},
+        "options": {},
+    }
+
+
+def _hf_source(path: Path) -> tuple[str, Path, dict[str, Any]]:
+    """A Hugging Face directory, read as ``+model=hf model.path=...`` reads it (parabench.hf): its
+    config.json gives the model, its safetensors the weights (names, shapes, dtypes checked)."""
+    try:
+        spec = model_spec(spec_fields({"path": str(path)}))  # checks the weights against the config
+    except SpecError as exc:
+        raise SpecError("SRC", exc.message) from None
+    if spec.weights is None:
+        raise SpecError("SRC", f"{path} has a {CONFIG} but no {SINGLE} (or its index): no weights to convert")
+    layout = f"(safetensors; {hf_config(spec)['architectures'][0]}; weights only)"
+    return "hf", path, {"identity": _identity(spec), "spec": spec, "layout": layout, "world_size": None}
+
+
+def _deepspeed_source(path: Path) -> tuple[str, Path, dict[str, Any]]:
+    """A checkpoint DeepSpeed's ``engine.save_checkpoint`` wrote, its config.json beside (parabench.dsnative)."""
+    meta = dsnative.inspect(path)
+    layout = (
+        f"(engine.save_checkpoint {meta['tag_dir'].name}; ZeRO-{meta['stage'] if meta['stage'] == 3 else '1/2'}; "
+        f"world_size={meta['world_size']}; DeepSpeed {meta['ds_version']})"
+    )
+    return "deepspeed", path, {**meta, "identity": _identity(meta["spec"]), "layout": layout}
+
+
 def find_source(text: str) -> tuple[str, Path, dict[str, Any]]:
-    """("native", step dir, marker) or ("canonical", dir, manifest): a canonical directory itself, else
-    the native checkpoint (the newest complete one of a directory), else a conversion's canonical/."""
+    """("native", step dir, marker), ("canonical", dir, manifest) or ("hf", dir, {identity, spec}): a
+    canonical directory itself, a Hugging Face directory, else the native checkpoint (the newest
+    complete one of a directory), else a conversion's canonical/."""
     path = Path(text).expanduser()
     if not path.is_dir():
         raise SpecError("SRC", f"no such checkpoint directory: {path}")
     if (path / canonical.MANIFEST).exists():
         return _canonical_source(path)
+    if dsnative.is_checkpoint(path):  # DeepSpeed's own (its `latest` file), possibly beside a config.json
+        return _deepspeed_source(path)
+    if (path / CONFIG).is_file() and not (path / MARKER).exists():  # parabench checkpoints hold no config.json
+        return _hf_source(path)
     try:
         if (path / MARKER).exists() or path.name.startswith("step_"):
             found = path, read_marker(path)
@@ -117,7 +178,7 @@ def _given(overrides: list[str], key: str) -> bool:
     return any(o.lstrip("+~").split("=", 1)[0] == key for o in overrides)
 
 
-def target_job(name: str, overrides: list[str], identity: dict[str, Any], world_size: int) -> JobSpec:
+def target_job(name: str, overrides: list[str], identity: dict[str, Any], world_size: int | None) -> JobSpec:
     """The target job: the source's model and precision, the source's world size unless given, and
     the layout/options given as ``backend.*`` overrides; validated as bench run validates it."""
     model_overrides = [o for o in overrides if o.lstrip("+~").startswith("model")]
@@ -136,7 +197,7 @@ def target_job(name: str, overrides: list[str], identity: dict[str, Any], world_
         plain["backend"].update({k: v for k, v in identity["options"].items() if not _given(overrides, f"backend.{k}")})
     if not _given(overrides, "run.precision"):
         plain["run"]["precision"] = identity["precision"]
-    if not _given(overrides, "launcher.nproc_per_node"):
+    if not _given(overrides, "launcher.nproc_per_node") and world_size:  # a Hugging Face source has none
         plain["launcher"]["nproc_per_node"] = world_size
     plain["tracking"] = {**plain.get("tracking", {}), "enabled": False}
     return prepare(plain)
@@ -204,19 +265,47 @@ def write_hf(out: Path, canon: Path, job_model) -> dict[str, Any]:
     return {"files": ["config.json", SINGLE]}
 
 
+def write_foreign_canonical(canon: Path, kind: str, src: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """The canonical directory of a source parabench did not write, without harness state (the target
+    starts a fresh one at the source's optimizer step). A Hugging Face checkpoint: its weights read as
+    every backend reads them (parabench.model.initial_weights, the +model=hf reader), AdamW moments as a
+    fresh AdamW starts them (zeros, step 0: torch.optim.AdamW's lazy state init,
+    docs/sources.md#canonical-conversion). DeepSpeed's own: weights, moments and step (parabench.dsnative)."""
+    import numpy as np
+
+    from parabench.model import initial_weights
+
+    extra: dict[str, Any] = {}
+    if kind == "hf":
+        weights = initial_weights(meta["spec"], seed=0)  # read from spec.weights; the seed is not used
+        moments = {key: {n: np.zeros_like(w) for n, w in weights.items()} for key in canonical.MOMENTS}
+        state, extra["fresh_optimizer"] = canonical.CanonicalState(weights, moments, 0), HF_NO_OPTIMIZER
+    else:
+        state = dsnative.read(meta, canon.parent / WORK)
+    keys = ("identity", "world_size", "layout")
+    job, world, layout = (meta[k] for k in keys)
+    info = {"source": {"path": str(src), "format": kind, "job": job, "world_size": world, "layout": layout}}
+    return canonical.write(canon, state, [], {**info, **extra})
+
+
 # --------------------------------------------------------------------------------------------
 # The command.
 # --------------------------------------------------------------------------------------------
 def plan(args) -> dict[str, Any]:
     """Everything checked, nothing written: the two jobs and where things go."""
     kind, src, meta = find_source(args.src)
-    if kind == "canonical":
-        identity, world = meta["source"]["job"], int(meta["source"]["world_size"])
-        sjob = None
+    if kind == "canonical":  # world_size and layout None/absent unless the source was a Hugging Face one
+        identity, world, sjob = meta["source"]["job"], meta["source"]["world_size"], None
+        layout = meta["source"].get("layout") or layout_text(identity)
+    elif kind in FOREIGN:
+        identity, world, sjob, layout = meta["identity"], meta["world_size"], None, meta["layout"]
     else:
         identity, world = meta["job"], int(meta["world_size"])
-        sjob = source_job(identity, world)
+        sjob, layout = source_job(identity, world), layout_text(identity)
         _check_convertible(sjob, "source")
+    tracking = TrackingSpec(uri=args.tracking_uri, experiment=args.experiment) if args.tracking_uri else None
+    if tracking is not None:  # a server that does not answer is let through: the record is spooled in --out
+        trackstore.check(tracking, key="--tracking-uri", unreachable_ok=True)
     out = Path(args.out).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise SpecError("--out", f"{out} exists and is not empty: choose a new directory")
@@ -232,18 +321,22 @@ def plan(args) -> dict[str, Any]:
         "src": src,
         "meta": meta,
         "identity": identity,
+        "source_layout": layout,
         "source_job": sjob,
         "target_job": tjob,
         "out": out,
+        "tracking": tracking,
     }
 
 
 def _optimizer_line(p: dict[str, Any], manifest: dict[str, Any]) -> str:
     if not manifest["optimizer"]:
         return f"optimizer state: not included ({manifest.get('no_optimizer') or 'the source has none'})"
+    if p["target_job"] is None and p["args_to"] == "hf":
+        return "optimizer state: not included in the hf export (transformers checkpoints hold weights only); kept in canonical/"
+    if manifest.get("fresh_optimizer"):  # a weights-only source: what a new AdamW starts from
+        return f"optimizer state: fresh AdamW, zero moments at step 0 ({manifest['fresh_optimizer']})"
     if p["target_job"] is None:
-        if p["args_to"] == "hf":
-            return "optimizer state: not included in the hf export (transformers checkpoints hold weights only); kept in canonical/"
         return f"optimizer state: included (AdamW exp_avg, exp_avg_sq, step {manifest['step']})"
     why = get_adapter(p["target_job"].backend.name).capabilities.convert.optimizer
     return f"optimizer state: {'not included (' + why + ')' if why else 'included'} (AdamW exp_avg, exp_avg_sq, step {manifest['step']})"
@@ -255,6 +348,8 @@ def run(p: dict[str, Any]) -> dict[str, Any]:
     t0 = time.monotonic()
     if p["kind"] == "native":
         launch(p["source_job"], work / "export", {"mode": "export", "source": str(p["src"]), "canonical": str(canon)})
+    elif p["kind"] in FOREIGN:
+        write_foreign_canonical(canon, p["kind"], p["src"], p["meta"])
     else:
         shutil.copytree(p["src"], canon)
     manifest = canonical.read_manifest(canon)
@@ -262,13 +357,14 @@ def run(p: dict[str, Any]) -> dict[str, Any]:
         "source": {
             "path": str(p["src"]),
             "format": p["kind"],
-            "layout": layout_text(p["identity"]),
+            "layout": p["source_layout"],
             "step": manifest["step"],
         },
         "tensors": manifest["tensors"],
         "bytes": manifest["bytes"],
         "checksum_before": manifest["checksum"],
         "optimizer": manifest["optimizer"],
+        "fresh_optimizer": manifest.get("fresh_optimizer"),
     }
     tjob = p["target_job"]
     if tjob is not None:
@@ -310,6 +406,38 @@ def report(record: dict[str, Any]) -> None:
     print("\n".join(lines), flush=True)
 
 
+def log_to_mlflow(tracking: TrackingSpec, out: Path, record: dict[str, Any], status: str) -> str | None:
+    """The conversion as one MLflow run: formats, layouts and step as params, tensors/bytes/seconds as
+    metrics, both checksums and the checkpoint as tags, convert.json as its artifact. Spooled in
+    ``out`` first (``bench sync OUT`` uploads it if the store failed). Returns the run id."""
+    src, tgt = record["source"], record["target"]
+    params = {
+        "source.format": src["format"],
+        "source.layout": src["layout"],
+        "source.step": str(src["step"]),
+        "source.path": src["path"],
+        "target.format": tgt["format"],
+        "target.layout": tgt.get("layout", ""),
+        "optimizer": record["optimizer_line"],
+    }
+    tags = {
+        "parabench.kind": "convert",
+        "parabench.checksum_before": record["checksum_before"],
+        "parabench.checksum_after": record["checksum_after"],
+        "parabench.written": tgt.get("checkpoint") or tgt.get("path") or ",".join(tgt.get("files", [])),
+    }
+    # a local store keeps the experiment's artifacts beside it (as results/ does for bench run)
+    db = trackstore.sqlite_path(str(tracking.uri))
+    run = JobRun(tracking, results_dir=str(db.parent if db else out), run_dir=out)
+    run_id = run.start(f"convert {src['format']} -> {tgt['format']} {tgt.get('layout', '')}".rstrip(), params, tags)
+    run.log_metrics(
+        [("tensors", record["tensors"], 0), ("bytes", record["bytes"], 0), ("seconds", record["seconds"], 0)]
+    )
+    run.log_artifacts([out / RECORD], out)
+    run.end(status)
+    return run_id
+
+
 def main(argv: list[str]) -> int:
     parser = _parser()
     try:
@@ -328,7 +456,14 @@ def main(argv: list[str]) -> int:
         print(f"bench: convert failed: {exc}", file=sys.stderr)
         return 1
     report(record)
-    if record["checksum_before"] != record["checksum_after"]:
+    match = record["checksum_before"] == record["checksum_after"]
+    if p["tracking"] is not None:
+        run_id = log_to_mlflow(p["tracking"], p["out"], record, "FINISHED" if match else "FAILED")
+        if run_id:
+            print(
+                f"  mlflow: run {run_id} in experiment {p['tracking'].experiment} ({trackstore.shown(p['tracking'].uri)})"
+            )
+    if not match:
         shutil.rmtree(record["target"].get("checkpoint") or "/nonexistent", ignore_errors=True)
         print(
             "bench: convert failed: the canonical checksum changed; the converted checkpoint was removed",

@@ -29,8 +29,8 @@ from typing import Any
 from parabench import canonical
 from parabench.adapters.base import WorkerContext
 from parabench.adapters.registry import get_adapter
-from parabench.checkpoint import _ledger_checksum, read_marker, write_marker
-from parabench.devices import DEVICES
+from parabench.checkpoint import _ledger_checksum, read_marker, rng_state, write_marker
+from parabench.devices import DEVICES, drain_comm_threads
 from parabench.jobs import load_job
 from parabench.launchers import get_launcher
 from parabench.worker import _redirect_output, _serve_msrun_scheduler
@@ -71,6 +71,20 @@ def _harness(ctx, engine, saved: list[dict[str, Any]], step: int) -> dict[str, A
     }
 
 
+def _fresh_harness(ctx, engine, step: int) -> dict[str, Any]:
+    """The harness state of a source parabench did not write (Hugging Face: step 0; DeepSpeed's own:
+    its optimizer step): no loss history, an empty data ledger, this rank's RNG streams as the target
+    built them; a resume continues parabench's data stream at ``step``."""
+    dp_rank, dp_size = engine.data_parallel()
+    history: dict[str, list] = {"losses": [], "step_times": [], "all_step_times": []}
+    return {
+        "step": step,
+        "rng": rng_state(),
+        "ledger": {"dp_rank": dp_rank, "dp_size": dp_size, "checksum": 0},
+        "history": history,
+    }
+
+
 def _publish(ctx, tmp: Path, final: Path, step: int) -> int:
     total = write_marker(tmp, step, ctx, None, converted=True)
     os.rename(tmp, final)
@@ -93,9 +107,8 @@ def _import(engine, ctx, request: dict[str, Any]) -> dict[str, Any]:
         (tmp / "harness").mkdir(parents=True)
     ctx.comm.barrier()
     engine.save_checkpoint(tmp / "native")
-    harness = _harness(ctx, engine, saved, step) if saved else None
-    if harness is not None:
-        torch.save(harness, tmp / "harness" / f"rank{ctx.rank}.pt")
+    harness = _harness(ctx, engine, saved, step) if saved else _fresh_harness(ctx, engine, step)
+    torch.save(harness, tmp / "harness" / f"rank{ctx.rank}.pt")
     ctx.comm.barrier()
     if ctx.rank != 0:
         return {}
@@ -129,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     _redirect_output(run_dir, rank)
     print(f"[parabench convert] rank {rank}/{world} pid {os.getpid()}", flush=True)
     try:
-        return _run(run_dir, rank, local_rank, world)
+        code = _run(run_dir, rank, local_rank, world)
+        drain_comm_threads()  # else an abort at exit, seen at the end of a DeepSpeed export
+        return code
     except Exception:  # the command prints this log's tail and exits 1
         traceback.print_exc()
         sys.stderr.flush()

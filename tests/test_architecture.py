@@ -58,6 +58,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "parabench.faults",
             "parabench.commworker",
             "parabench.convertworker",
+            "parabench.dsnative",
         ),
     ),
     ("backends", ("parabench.adapters",)),

@@ -130,19 +130,42 @@ def test_deepspeed_round_trip_is_bitwise(ds_checkpoint, tmp_path):
         assert torch.equal(a["rng"]["torch"], b["rng"]["torch"])
 
 
-def test_hf_export_reads_back_as_the_same_model(to_fsdp, tmp_path):
-    """--to hf from the canonical directory: config.json + model.safetensors that parabench's Hugging
-    Face reader (names, shapes, dtypes) takes as the same model, whose logits are the canonical ones.
-    (transformers is not a dependency; where it is installed LlamaForCausalLM reads the same files.)"""
+@pytest.fixture(scope="module")
+def hf_export(to_fsdp, tmp_path_factory) -> tuple[Path, str]:
+    """--to hf from the canonical directory of the ZeRO-3 -> fsdp conversion (no launch)."""
+    out = tmp_path_factory.mktemp("hf") / "hf"
+    return out, _convert([str(to_fsdp[0] / "canonical"), "--to", "hf", "--out", str(out)])
+
+
+def _canonical_model(canonical_dir: Path):
+    """The canonical model (parabench.model) holding the weights of a canonical directory, and its spec."""
+    from parabench.jobs import model_spec
+    from parabench.model import build_llama, load_canonical
+
+    model = json.loads((canonical_dir / "manifest.json").read_text())["source"]["job"]["model"]
+    spec = model_spec({**model, "name": "canonical", "weights": str(canonical_dir / "model.safetensors")})
+    canon = build_llama(spec)
+    load_canonical(canon, spec, seed=0)
+    return canon, spec
+
+
+def _tokens(vocab_size: int):
+    import torch
+
+    return torch.randint(0, vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def test_hf_export_reads_back_as_the_same_model(to_fsdp, hf_export):
+    """--to hf: config.json + model.safetensors that parabench's Hugging Face reader (names, shapes,
+    dtypes) takes as the same model, whose logits are the canonical ones."""
     import torch
     from safetensors import safe_open
 
     from parabench.hf import check_weights, spec_fields
     from parabench.jobs import model_spec
-    from parabench.model import build_llama, load_canonical
+    from parabench.model import build_llama
 
-    out = tmp_path / "hf"
-    printed = _convert([str(to_fsdp[0] / "canonical"), "--to", "hf", "--out", str(out)])
+    out, printed = hf_export
     assert "optimizer state: not included in the hf export" in printed, printed
     spec = model_spec(spec_fields({"path": str(out)}))
     check_weights(spec)  # every canonical name with its shape, nothing else
@@ -153,12 +176,27 @@ def test_hf_export_reads_back_as_the_same_model(to_fsdp, tmp_path):
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert {f.get_slice(n).get_dtype() for n in f.keys()} == {"F32"}
         assert set(f.keys()) == set(spec.parameter_shapes())
-    hf_model, canon = build_llama(spec, seed=0), build_llama(spec)
-    canon_spec = model_spec({**spec.__dict__, "weights": str(to_fsdp[0] / "canonical" / "model.safetensors")})
-    load_canonical(canon, canon_spec, seed=0)
-    tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    hf_model, (canon, _) = build_llama(spec, seed=0), _canonical_model(to_fsdp[0] / "canonical")
+    tokens = _tokens(spec.vocab_size)
     with torch.no_grad():
         assert torch.equal(hf_model(tokens), canon(tokens))
+
+
+def test_hf_export_loads_in_transformers_with_the_same_logits(to_fsdp, hf_export):
+    """The issue's check: transformers' own LlamaForCausalLM.from_pretrained reads the --to hf export
+    (config.json + model.safetensors) and gives the canonical model's logits within 1e-5."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    out, _ = hf_export
+    model = transformers.LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    canon, spec = _canonical_model(to_fsdp[0] / "canonical")
+    tokens = _tokens(spec.vocab_size)
+    with torch.no_grad():
+        theirs, ours = model(tokens).logits, canon(tokens)
+    diff = (theirs - ours).abs().max().item()
+    print(f"transformers {transformers.__version__} LlamaForCausalLM vs canonical logits: max abs diff {diff:.3g}")
+    assert theirs.shape == ours.shape and diff < 1e-5, diff
 
 
 def _refused(argv: list[str], must_name: str, out: Path, capsys) -> None:
@@ -189,31 +227,86 @@ def test_bad_input_is_refused_before_anything_is_written(ds_checkpoint, tmp_path
     _refused([str(future), "--to", "fsdp", "--out", str(out)], "version 99", out, capsys)
 
 
+def _tiny_hf(directory: Path) -> Path:
+    """A Hugging Face directory (config.json + model.safetensors) holding the tiny model's canonical
+    initial weights: what the uninterrupted ddp run starts from."""
+    import torch
+    from safetensors.torch import save_file
+
+    from parabench.confutil import compose, to_plain
+    from parabench.hf import hf_config
+    from parabench.model import initial_weights
+    from parabench.runner import prepare
+
+    job = prepare(to_plain(compose(["backend=ddp", *FAST, *TINY])))
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(hf_config(job.model)))
+    weights = initial_weights(job.model, job.run.seed)
+    save_file({n: torch.from_numpy(w) for n, w in weights.items()}, str(directory / "model.safetensors"))
+    return directory
+
+
+def test_hf_source_to_ddp_resumes_as_a_fresh_run(ddp_losses, tmp_path, capsys):
+    """A Hugging Face directory as SOURCE: weights only, so the target starts fresh AdamW moments at
+    step 0; resumed for 20 steps on ddp x2 it is the uninterrupted ddp run, bit for bit (same weights,
+    same arithmetic). Then its bad input: no weights, another architecture, a mismatched shape."""
+    hf, out = _tiny_hf(tmp_path / "hf"), tmp_path / "ddp"
+    printed = _convert([str(hf), "--to", "ddp", "--out", str(out), *TINY[-2:]])
+    record = json.loads((out / "convert.json").read_text())
+    assert "bench convert: hf (safetensors; LlamaForCausalLM; weights only) step 0" in printed, printed
+    assert "(match)" in printed and record["checksum_before"] == record["checksum_after"], printed
+    assert "optimizer state: fresh AdamW, zero moments at step 0 (the source is a Hugging Face" in printed, printed
+    assert record["fresh_optimizer"] and record["source"]["format"] == "hf", record
+    _run(["backend=ddp", f"run.steps={STEPS}", f"run.resume={out}"], tmp_path / "r_ddp")
+    resumed = _losses(tmp_path / "r_ddp", "ddp")
+    print(f"ddp resumed from the converted hf directory vs ddp: {resumed == ddp_losses} bitwise")
+    assert resumed == ddp_losses, (resumed, ddp_losses)
+
+    bad = tmp_path / "bad"
+    (bad / "config.json").parent.mkdir()
+    (bad / "config.json").write_text((hf / "config.json").read_text())
+    _refused([str(bad), "--to", "ddp", "--out", str(tmp_path / "o1")], "no weights to convert", tmp_path / "o1", capsys)
+    config = json.loads((hf / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    _refused([str(bad), "--to", "ddp", "--out", str(tmp_path / "o2")], "GPT2LMHeadModel", tmp_path / "o2", capsys)
+    (bad / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    shutil.copyfile(hf / "model.safetensors", bad / "model.safetensors")
+    _refused([str(bad), "--to", "ddp", "--out", str(tmp_path / "o3")], "has shape [128, 64]", tmp_path / "o3", capsys)
+
+
 def _relative(resumed: list[float], reference: list[float]) -> float:
     assert len(resumed) == len(reference) == STEPS
     return max(abs(a - b) / abs(b) for a, b in zip(resumed[SAVED:], reference[SAVED:], strict=True))
 
 
 @pytest.mark.megatron
-def test_deepspeed_to_megatron_tp2_pp2_and_back_to_zero1(ds_checkpoint, ddp_losses, tmp_path):
-    """ZeRO-3 -> megatron tp=2 x pp=2 (fused QKV and gate/up TP splits, PP stages) resumed, and that
-    megatron checkpoint -> ZeRO-1 resumed: both within 1e-5 of the uninterrupted ddp run."""
+def test_deepspeed_to_megatron_tp2_and_pp2_and_back_to_zero1(ds_checkpoint, ddp_losses, tmp_path):
+    """ZeRO-3 -> megatron tp=2 (fused QKV and gate/up TP splits) resumed, ZeRO-3 -> megatron pp=2
+    (stage assignment) resumed, and the tp=2 checkpoint -> ZeRO-1 resumed: each within 1e-5 of the
+    uninterrupted ddp run. tp=2 x pp=2 (4 ranks) converts with matching checksums (read back
+    through Megatron's own loader)."""
     pytest.importorskip("megatron.core")
-    to_mg = tmp_path / "megatron"
-    printed = _convert([str(ds_checkpoint[1]), "--to", "megatron", *MEGATRON, "--out", str(to_mg), *TINY[:-2]])
-    assert "(match)" in printed and "tp=2 pp=2 world_size=4" in printed, printed
-    _run(["backend=megatron", *MEGATRON, f"run.steps={STEPS}", f"run.resume={to_mg}"], tmp_path / "r_mg")
-    reference = ddp_losses
-    rel_mg = _relative(_losses(tmp_path / "r_mg", "megatron"), reference)
+    rel = {}
+    for name, layout in (("tp2", ["backend.tp=2"]), ("pp2", ["backend.pp=2"])):
+        to_mg = tmp_path / name
+        printed = _convert([str(ds_checkpoint[1]), "--to", "megatron", *layout, "--out", str(to_mg), *TINY[:-2]])
+        assert "(match)" in printed and f"{layout[0].split('.')[1]} world_size=2" in printed, printed
+        _run(["backend=megatron", *layout, f"run.steps={STEPS}", f"run.resume={to_mg}"], tmp_path / f"r_{name}")
+        rel[f"megatron {name}"] = _relative(_losses(tmp_path / f"r_{name}", "megatron"), ddp_losses)
 
     back = tmp_path / "zero1"
     zero1 = ["backend.zero_stage=1", "launcher.nproc_per_node=2"]
-    printed = _convert([str(to_mg), "--to", "deepspeed", *zero1, "--out", str(back)])
-    assert "(match)" in printed and "zero_stage=1" in printed, printed
+    printed = _convert([str(tmp_path / "tp2"), "--to", "deepspeed", *zero1, "--out", str(back)])
+    assert "(match)" in printed and "megatron" in printed and "zero_stage=1" in printed, printed
     _run(["backend=deepspeed", *zero1, f"run.steps={STEPS}", f"run.resume={back}"], tmp_path / "r_ds")
-    rel_ds = _relative(_losses(tmp_path / "r_ds", "deepspeed"), reference)
-    print(f"vs ddp, steps 11-20: megatron tp2xpp2 resumed {rel_mg:.3g}, deepspeed ZeRO-1 resumed {rel_ds:.3g}")
-    assert rel_mg < 1e-5 and rel_ds < 1e-5, (rel_mg, rel_ds)
+    rel["deepspeed ZeRO-1 from megatron tp2"] = _relative(_losses(tmp_path / "r_ds", "deepspeed"), ddp_losses)
+    print("vs ddp, steps 11-20:", {k: f"{v:.3g}" for k, v in rel.items()})
+    assert all(v < 1e-5 for v in rel.values()), rel
+
+    printed = _convert(
+        [str(ds_checkpoint[1]), "--to", "megatron", *MEGATRON, "--out", str(tmp_path / "tp2pp2"), *TINY[:-2]]
+    )
+    assert "(match)" in printed and "tp=2 pp=2 world_size=4" in printed, printed
 
 
 @pytest.mark.mindspore
@@ -232,3 +325,43 @@ def test_to_mindspore_and_back_to_ddp(to_fsdp, ddp_losses, tmp_path):
     rel_ddp = _relative(_losses(tmp_path / "r_ddp", "ddp"), ddp_losses)
     print(f"vs ddp, steps 11-20: mindspore resumed {rel_ms:.3g}, ddp resumed from mindspore {rel_ddp:.3g}")
     assert rel_ms < 1e-5 and rel_ddp < 1e-5, (rel_ms, rel_ddp)
+
+
+def test_conversion_is_recorded_as_an_mlflow_run(tmp_path, capsys):
+    """With $MLFLOW_TRACKING_URI (or --tracking-uri) the conversion is also an MLflow run: formats,
+    layouts and step as params, tensors/bytes/seconds as metrics, both checksums as tags, convert.json
+    as its artifact. A store MLflow has no scheme for is refused before anything is written."""
+    from mlflow.tracking import MlflowClient
+
+    hf, out, uri = _tiny_hf(tmp_path / "hf"), tmp_path / "canon", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    proc = bench(
+        ["convert", str(hf), "--to", "canonical", "--out", str(out)], tmp_path, env={"MLFLOW_TRACKING_URI": uri}
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads((out / "convert.json").read_text())
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("convert").experiment_id])
+    assert f"mlflow: run {run.info.run_id} in experiment convert" in proc.stdout, proc.stdout
+    assert run.info.status == "FINISHED"
+    assert run.data.params["source.format"] == "hf" and run.data.params["target.format"] == "canonical"
+    assert run.data.params["source.step"] == "0" and "fresh AdamW" in run.data.params["optimizer"]
+    assert run.data.metrics["tensors"] == record["tensors"] and run.data.metrics["bytes"] == record["bytes"]
+    tags = run.data.tags
+    assert tags["parabench.checksum_before"] == tags["parabench.checksum_after"] == record["checksum_before"]
+    assert "convert.json" in [a.path for a in client.list_artifacts(run.info.run_id)]
+    assert list(tmp_path.glob("mlartifacts/convert/*/artifacts/convert.json"))  # beside the store, not in --out
+    # a server that does not answer: spooled in --out, and `bench sync` uploads it
+    spooled = tmp_path / "spooled"
+    proc = bench(
+        ["convert", str(hf), "--to", "canonical", "--out", str(spooled), "--tracking-uri", "http://127.0.0.1:1"],
+        tmp_path,
+    )
+    assert proc.returncode == 0 and f"bench sync {spooled}" in proc.stderr, proc.stderr[-3000:]
+    sync = bench(["sync", str(spooled), "--tracking-uri", uri], tmp_path)
+    assert sync.returncode == 0, sync.stderr[-3000:]
+    runs = client.search_runs([client.get_experiment_by_name("convert").experiment_id])
+    assert len(runs) == 2 and {r.info.status for r in runs} == {"FINISHED"}
+    bad = tmp_path / "never"
+    _refused(
+        [str(hf), "--to", "canonical", "--out", str(bad), "--tracking-uri", "ftp://x"], "--tracking-uri", bad, capsys
+    )

@@ -1,0 +1,82 @@
+"""bench convert from a checkpoint DeepSpeed's own tools wrote (issue 19): a transformers LlamaForCausalLM
+trained 3 steps through ``deepspeed.initialize`` (ZeRO-3, 2 CPU ranks, gloo) and saved with
+``engine.save_checkpoint`` (tests/ds_native_train.py), read through DeepSpeed's ``ds_to_universal``.
+The canonical state must be bit for bit what DeepSpeed's own API returns for the full fp32 weights and
+AdamW moments, the step carried, and ddp must resume from the converted checkpoint."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+from tests.test_convert import _convert, _losses, _refused, _run  # the tiny model's helpers
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("transformers")
+
+pytestmark = [pytest.mark.slow, pytest.mark.deepspeed]
+
+SAVED = 3
+
+
+@pytest.fixture(scope="module")
+def ds_native(tmp_path_factory) -> Path:
+    from parabench.runner import free_port
+
+    out = tmp_path_factory.mktemp("ds_native")
+    script = REPO / "tests" / "ds_native_train.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", f"--master-port={free_port()}"]
+    proc = subprocess.run(
+        [*cmd, str(script), str(out), "3", str(SAVED)],
+        env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def test_deepspeed_own_zero3_checkpoint_to_ddp(ds_native, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    out = tmp_path / "ddp"
+    printed = _convert([str(ds_native / "ckpt"), "--to", "ddp", "--out", str(out), "launcher.nproc_per_node=2"])
+    assert "(match)" in printed and "engine.save_checkpoint global_step3; ZeRO-3; world_size=2" in printed, printed
+    assert "optimizer state: included (AdamW exp_avg, exp_avg_sq, step 3)" in printed, printed
+    reference = load_file(str(ds_native / "reference.safetensors"))
+    ours = {
+        **load_file(str(out / "canonical" / "model.safetensors")),
+        **load_file(str(out / "canonical" / "optimizer.safetensors")),
+    }
+    assert ours.keys() == reference.keys()
+    differ = [n for n in reference if not torch.equal(ours[n], reference[n])]
+    assert not differ, differ  # bit for bit DeepSpeed's safe_get_full_fp32_param / _optimizer_state
+    assert json.loads((out / "canonical" / "manifest.json").read_text())["step"] == SAVED
+
+    results = tmp_path / "r_ddp"  # the tiny model of tests/test_convert.py is the script's
+    _run(["backend=ddp", f"run.steps={SAVED + 2}", f"run.resume={out}"], results)
+    resumed = _losses(results, "ddp")
+    assert len(resumed) == 2 and all(math.isfinite(x) for x in resumed), resumed  # steps 4 and 5
+
+
+def test_deepspeed_own_checkpoint_bad_input(ds_native, tmp_path, capsys):
+    src, out = tmp_path / "ckpt", tmp_path / "out"
+    shutil.copytree(ds_native / "ckpt", src)
+    (src / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    _refused([str(src), "--to", "ddp", "--out", str(out)], "rank 1 are missing", out, capsys)
+    shutil.copytree(ds_native / "ckpt", src, dirs_exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    _refused([str(src), "--to", "ddp", "--out", str(out)], "config.json gives [96, 64]", out, capsys)
+    (src / "config.json").unlink()
+    _refused([str(src), "--to", "ddp", "--out", str(out)], "no config.json", out, capsys)
