@@ -111,7 +111,7 @@ def canonical_names(spec: ModelSpec, layout: Layout, stage: int, chunk: int = 0)
     return list(dict.fromkeys(names))
 
 
-def _norm_names(layout: Layout) -> tuple[str, str]:
+def norm_names(layout: Layout) -> tuple[str, str]:
     if layout.te_names:
         return "self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"
     return "input_layernorm.weight", "pre_mlp_layernorm.weight"
@@ -151,7 +151,7 @@ def to_megatron(
 
     ``canonical`` needs at least ``canonical_names(spec, layout, stage, chunk)``."""
     t = layout.tp
-    ln1, ln2 = _norm_names(layout)
+    ln1, ln2 = norm_names(layout)
     out: dict[str, np.ndarray] = {}
     if layout.is_first(stage, chunk):
         out["embedding.word_embeddings.weight"] = _rows(canonical["model.embed_tokens.weight"], rank, t)
@@ -184,7 +184,7 @@ def from_megatron(
     """Canonical weights of one (stage, chunk) from its ``layout.tp`` tensor-rank shards (in rank order)."""
     if len(tp_shards) != layout.tp:
         raise ValueError(f"need {layout.tp} tensor-parallel shards, got {len(tp_shards)}")
-    ln1, ln2 = _norm_names(layout)
+    ln1, ln2 = norm_names(layout)
 
     def cat(name: str, axis: int) -> np.ndarray:
         return np.concatenate([s[name] for s in tp_shards], axis=axis)

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from parabench import canonical, dsnative, trackstore
+from parabench import canonical, dsnative, mcnative, trackstore
 from parabench.adapters.registry import get_adapter
 from parabench.checkpoint import (
     LAYOUT_KEYS,
@@ -48,8 +48,9 @@ ENTRY = ["-m", "parabench.convertworker"]
 WORK = "convert"  # <out>/convert/{export,import}/: each launch's spec, request and logs
 RECORD = "convert.json"
 NON_BACKENDS = ("canonical", "hf")
-FOREIGN = ("hf", "deepspeed")  # sources parabench did not write: read in the command, no export launch
+FOREIGN = ("hf", "deepspeed", "megatron")  # sources parabench did not write: read in the command, no export launch
 HF_NO_OPTIMIZER = "the source is a Hugging Face checkpoint: weights only, no optimizer state to carry"
+MEGATRON_NO_OPTIMIZER = "the Megatron checkpoint holds no optimizer state (saved with --no-save-optim)"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,7 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "src",
         help="a parabench checkpoint (step_N), a directory of them, a run directory, a canonical dir, "
-        "or a Hugging Face directory (config.json + safetensors; weights only)",
+        "a Hugging Face directory (config.json + safetensors; weights only), or a checkpoint DeepSpeed's "
+        "engine.save_checkpoint or Megatron-LM's save_checkpoint (torch_dist) wrote",
     )
     p.add_argument("--to", required=True, help="target backend (ddp, fsdp, deepspeed, ...), canonical or hf")
     p.add_argument("--out", required=True, help="new directory for the converted checkpoint")
@@ -118,6 +120,16 @@ def _deepspeed_source(path: Path) -> tuple[str, Path, dict[str, Any]]:
     return "deepspeed", path, {**meta, "identity": _identity(meta["spec"]), "layout": layout}
 
 
+def _megatron_source(path: Path) -> tuple[str, Path, dict[str, Any]]:
+    """A checkpoint Megatron-LM's ``save_checkpoint`` wrote (torch_dist), its args giving the model (parabench.mcnative)."""
+    meta = mcnative.inspect(path)
+    layout = (
+        f"(Megatron-LM {meta['directory'].name}; torch_dist; saved at tp={meta['tp']} pp={meta['pp']}; "
+        f"iteration {meta['iteration']})"
+    )
+    return "megatron", path, {**meta, "identity": _identity(meta["spec"]), "layout": layout}
+
+
 def find_source(text: str) -> tuple[str, Path, dict[str, Any]]:
     """("native", step dir, marker), ("canonical", dir, manifest) or ("hf", dir, {identity, spec}): a
     canonical directory itself, a Hugging Face directory, else the native checkpoint (the newest
@@ -129,6 +141,8 @@ def find_source(text: str) -> tuple[str, Path, dict[str, Any]]:
         return _canonical_source(path)
     if dsnative.is_checkpoint(path):  # DeepSpeed's own (its `latest` file), possibly beside a config.json
         return _deepspeed_source(path)
+    if mcnative.is_checkpoint(path):  # Megatron-LM's own (latest_checkpointed_iteration.txt, or an iter_N dir)
+        return _megatron_source(path)
     if (path / CONFIG).is_file() and not (path / MARKER).exists():  # parabench checkpoints hold no config.json
         return _hf_source(path)
     try:
@@ -270,7 +284,8 @@ def write_foreign_canonical(canon: Path, kind: str, src: Path, meta: dict[str, A
     starts a fresh one at the source's optimizer step). A Hugging Face checkpoint: its weights read as
     every backend reads them (parabench.model.initial_weights, the +model=hf reader), AdamW moments as a
     fresh AdamW starts them (zeros, step 0: torch.optim.AdamW's lazy state init,
-    docs/sources.md#canonical-conversion). DeepSpeed's own: weights, moments and step (parabench.dsnative)."""
+    docs/sources.md#canonical-conversion). DeepSpeed's own: weights, moments and step (parabench.dsnative);
+    Megatron-LM's own likewise (parabench.mcnative), fresh moments where it saved none."""
     import numpy as np
 
     from parabench.model import initial_weights
@@ -280,6 +295,10 @@ def write_foreign_canonical(canon: Path, kind: str, src: Path, meta: dict[str, A
         weights = initial_weights(meta["spec"], seed=0)  # read from spec.weights; the seed is not used
         moments = {key: {n: np.zeros_like(w) for n, w in weights.items()} for key in canonical.MOMENTS}
         state, extra["fresh_optimizer"] = canonical.CanonicalState(weights, moments, 0), HF_NO_OPTIMIZER
+    elif kind == "megatron":
+        state = mcnative.read(meta)
+        if meta["step"] is None:
+            extra["fresh_optimizer"] = MEGATRON_NO_OPTIMIZER
     else:
         state = dsnative.read(meta, canon.parent / WORK)
     keys = ("identity", "world_size", "layout")

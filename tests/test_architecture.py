@@ -59,6 +59,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "parabench.commworker",
             "parabench.convertworker",
             "parabench.dsnative",
+            "parabench.mcnative",
         ),
     ),
     ("backends", ("parabench.adapters",)),
