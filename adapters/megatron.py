@@ -757,22 +757,25 @@ class MegatronEngine(Engine):
         return {n: torch.from_numpy(v) for n, v in canonical.items()}
 
     # -- bench convert: AdamW state per parameter, through the same mapping as the weights ----------
+    def _main_param(self, p):
+        """The fp32 copy of model parameter ``p`` the optimizer steps: Float16OptimizerWithFloat16Params'
+        main param under bf16 (``fp32_from_float16_groups``, paired with ``float16_groups``), ``p``
+        itself in fp32. Under bf16 it holds the bits the bf16 weights are rounded from."""
+        for mo in self._megatron_optimizers():
+            groups = zip(getattr(mo, "float16_groups", []), getattr(mo, "fp32_from_float16_groups", []))
+            main = next((b for g16, g32 in groups for a, b in zip(g16, g32) if a is p), None)
+            if main is not None:
+                return main
+        return p
+
     def _adam_state(self, p) -> dict:
-        """The torch AdamW state of model parameter ``p``: on its fp32 main copy under bf16
-        (Float16OptimizerWithFloat16Params), on ``p`` itself in fp32; created as AdamW would
-        (zero moments, step 0.0) where no step has run yet."""
+        """The torch AdamW state of model parameter ``p``, on its main copy (:meth:`_main_param`);
+        created as AdamW would (zero moments, step 0.0) where no step has run yet."""
         import torch
 
+        main = self._main_param(p)
         for mo in self._megatron_optimizers():
-            pairs = [
-                (a, b)
-                for g16, g32 in zip(getattr(mo, "float16_groups", []), getattr(mo, "fp32_from_float16_groups", []))
-                for a, b in zip(g16, g32)
-            ]
-            main = next((b for a, b in pairs if a is p), None)
-            if main is None and any(q is p for g in mo.optimizer.param_groups for q in g["params"]):
-                main = p
-            if main is not None:
+            if any(q is main for g in mo.optimizer.param_groups for q in g["params"]):
                 state = mo.optimizer.state[main]
                 if "exp_avg" not in state:
                     state.update(
@@ -782,7 +785,8 @@ class MegatronEngine(Engine):
         raise RuntimeError("a megatron parameter is in none of the optimizer's groups")
 
     def export_canonical(self):
-        weights = self.full_state_dict()
+        # the fp32 main copies, not the bf16 weights rounded from them: a bf16 run resumes exactly
+        weights = self._gather_canonical(lambda _n, p: self._main_param(p))
         moments = {k: self._gather_canonical(lambda _n, p, k=k: self._adam_state(p)[k]) for k in MOMENTS}
         steps = {float(self._adam_state(p)["step"]) for c in self.chunks for p in _unwrap(c).parameters()}
         if len(steps) != 1:
@@ -790,24 +794,36 @@ class MegatronEngine(Engine):
         return CanonicalState(weights, moments, int(steps.pop()))
 
     def import_canonical(self, state):
+        """The model's weights came from the canonical ones (``model.weights``), rounded to bf16 under
+        bf16, and Megatron's fp32 main copies from those: set the main copies to the canonical fp32
+        values, then the AdamW moments and step."""
         import torch
 
         from parabench.adapters.megatron_mapping import canonical_names, to_megatron
 
-        if state.moments is None:
-            return
         spec = self.ctx.job.model
         for c, chunk in enumerate(self.chunks):
             params = dict(_unwrap(chunk).named_parameters())
             wanted = canonical_names(spec, self.layout, self.stage, c)
-            for key, values in state.moments.items():
+
+            def shards(values, c=c, wanted=wanted):
                 full = {n: values[n].numpy() for n in wanted}
-                for name, value in to_megatron(full, spec, self.layout, self.stage, c, self.tp_rank).items():
+                return to_megatron(full, spec, self.layout, self.stage, c, self.tp_rank).items()
+
+            for name, value in shards(state.weights):
+                main = self._main_param(params[name])
+                if main is not params[name]:
+                    main.data.copy_(torch.from_numpy(value).view_as(main))
+            if state.moments is None:
+                continue
+            for key, values in state.moments.items():
+                for name, value in shards(values):
                     target = self._adam_state(params[name])[key]
                     target.copy_(torch.from_numpy(value).view_as(target))
             for p in params.values():
                 self._adam_state(p)["step"] = torch.tensor(float(state.step))
-        self.steps = state.step
+        if state.moments is not None:
+            self.steps = state.step
 
     # -- checkpoints: megatron.core.dist_checkpointing ------------------------------------------
     def _sharded_state_dict(self, is_loading: bool) -> dict:

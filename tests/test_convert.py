@@ -309,6 +309,27 @@ def test_deepspeed_to_megatron_tp2_and_pp2_and_back_to_zero1(ds_checkpoint, ddp_
     assert "(match)" in printed and "tp=2 pp=2 world_size=4" in printed, printed
 
 
+@pytest.mark.megatron
+def test_megatron_bf16_carries_the_fp32_main_params(tmp_path):
+    """Under bf16 Megatron steps fp32 main copies of the bf16 weights: the conversion carries those,
+    not the bf16 values rounded from them, so megatron bf16 -> canonical -> megatron bf16 resumes bit
+    for bit (carrying the bf16 weights, step 4's loss differed in the 5th digit)."""
+    pytest.importorskip("megatron.core")
+    import torch
+    from safetensors.torch import load_file
+
+    one = ["backend=megatron", "run.precision=bf16", "launcher.nproc_per_node=1", "run.steps=4"]
+    _run([*one, "run.checkpoint.every=2"], tmp_path / "a")
+    (saved,) = (tmp_path / "a").glob("runs/*/*/megatron/checkpoints/step_000002")
+    out = tmp_path / "conv"
+    printed = _convert([str(saved), "--to", "megatron", "--out", str(out)])
+    assert "(match)" in printed and "bf16" in printed, printed
+    weights = load_file(str(out / "canonical" / "model.safetensors"))
+    assert any(not torch.equal(w, w.bfloat16().float()) for w in weights.values())  # fp32 bits, not bf16's
+    _run([*one, f"run.resume={out}"], tmp_path / "b")
+    assert _losses(tmp_path / "b", "megatron") == _losses(tmp_path / "a", "megatron")
+
+
 @pytest.mark.mindspore
 def test_to_mindspore_and_back_to_ddp(to_fsdp, ddp_losses, tmp_path):
     """The canonical state of the ZeRO-3 checkpoint -> mindspore (msrun, 2 ranks) resumed, and that
