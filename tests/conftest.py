@@ -25,6 +25,22 @@ def bench(args: list[str], results: Path, timeout: float = 600, env: dict | None
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or REPO)
 
 
+def torchrun_script(script: str, args: list[str], env: dict[str, str], nproc: int = 2) -> None:
+    """``torchrun --nproc-per-node NPROC tests/SCRIPT ARGS`` on a free port; fails the test with the
+    output's tail unless every rank exits 0 (the framework-native checkpoint writers)."""
+    from parabench.runner import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}"]
+    proc = subprocess.run(
+        [*cmd, str(REPO / "tests" / script), *args],
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
 def assert_refused_before_launch(args: list[str], must_name: str, tmp_path: Path, capsys) -> str:
     """``bench run ARGS`` (in-process, cwd = tmp_path) exits 2 with one `bench: error:` line naming
     ``must_name``, no traceback, and nothing written. Returns that line."""

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import torchrun_script
 from tests.test_convert import _convert, _losses, _refused, _run  # the tiny model's helpers
 
 pytest.importorskip("deepspeed")
@@ -29,19 +26,8 @@ SAVED = 3
 
 @pytest.fixture(scope="module")
 def ds_native(tmp_path_factory) -> Path:
-    from parabench.runner import free_port
-
     out = tmp_path_factory.mktemp("ds_native")
-    script = REPO / "tests" / "ds_native_train.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", f"--master-port={free_port()}"]
-    proc = subprocess.run(
-        [*cmd, str(script), str(out), "3", str(SAVED)],
-        env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torchrun_script("ds_native_train.py", [str(out), "3", str(SAVED)], {"DS_ACCELERATOR": "cpu"})
     return out
 
 

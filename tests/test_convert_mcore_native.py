@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import torchrun_script
 from tests.test_convert import _canonical_model, _convert, _losses, _refused, _run  # the tiny model's helpers
 
 pytest.importorskip("megatron.core")
@@ -29,19 +26,8 @@ ITER = f"iter_{SAVED:07d}"
 
 @pytest.fixture(scope="module")
 def mc_native(tmp_path_factory) -> Path:
-    from parabench.runner import free_port
-
     out = tmp_path_factory.mktemp("mc_native")
-    script = REPO / "tests" / "mcore_native_train.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", f"--master-port={free_port()}"]
-    proc = subprocess.run(
-        [*cmd, str(script), str(out), str(SAVED)],
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torchrun_script("mcore_native_train.py", [str(out), str(SAVED)], {})
     return out
 
 
