@@ -1,8 +1,8 @@
 """A checkpoint in Megatron-LM's own layout, not parabench's (tests/test_convert_mcore_native.py).
 
-``torchrun --nproc-per-node 2 tests/mcore_native_train.py OUT STEPS``: a tiny Llama-shaped
+``torchrun --nproc-per-node TPxPP tests/mcore_native_train.py OUT STEPS TP PP``: a tiny Llama-shaped
 megatron-core ``GPTModel`` (local layer spec, RMSNorm, SwiGLU, RoPE, grouped-query attention, untied
-output layer) at tensor-parallel size 2, Megatron's own weight init, wrapped in Megatron's
+output layer) at tensor-parallel size TP and pipeline-parallel size PP, Megatron's own weight init, wrapped in Megatron's
 ``DistributedDataParallel`` and trained STEPS steps with ``get_megatron_optimizer`` (Adam with
 decoupled weight decay, fp32) through ``get_forward_backward_func``, then saved as Megatron-LM's
 ``save_checkpoint`` saves with ``--ckpt-format torch_dist`` (its default): the state
@@ -17,9 +17,10 @@ are written by megatron-core's own ``sharded_state_dict`` and ``dist_checkpointi
 megatron-core asks for CUDA devices and CUDA RNG; on this CPU the calls go through parabench's
 CUDA -> CPU redirection, as ``bench run backend=megatron`` does.
 
-Rank 0 also writes ``OUT/reference.pt``: fixed tokens and the logits the trained model gives for
-them (the vocab-parallel halves gathered), and the AdamW moments of the word embeddings and the
-final norm, gathered over the tensor-parallel ranks, under their canonical (Hugging Face) names.
+Rank 0 also writes ``OUT/reference.pt``: every rank's parameters and AdamW moments under the module's
+own names with its (pipeline stage, tensor rank), and at PP=1 fixed tokens with the logits the
+trained model gives for them (the vocab-parallel parts gathered) and the AdamW moments of the word
+embeddings and the final norm, gathered over the tensor-parallel ranks, under canonical names.
 """
 
 import argparse
@@ -33,14 +34,13 @@ import torch.nn.functional as F
 
 from parabench.redirect import install
 
-TP = 2
 SEQ = 32
 SHAPE = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2)
 VOCAB = 512
 MAX_POSITIONS = 2048  # the tiny llama preset's, so that bench run resumes the same model
 
 
-def megatron_lm_args(steps: int) -> argparse.Namespace:
+def megatron_lm_args(steps: int, tp: int, pp: int) -> argparse.Namespace:
     """The arguments Megatron-LM pickles into every checkpoint (``state_dict['args']``), for this model:
     names and meanings of megatron/training/arguments.py."""
     from megatron.core.transformer.enums import AttnBackend
@@ -69,8 +69,8 @@ def megatron_lm_args(steps: int) -> argparse.Namespace:
         multi_latent_attention=False,
         attention_backend=AttnBackend.auto,
         init_method_std=0.02,
-        tensor_model_parallel_size=TP,
-        pipeline_model_parallel_size=1,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=None,
         context_parallel_size=1,
         use_distributed_optimizer=False,
@@ -94,6 +94,7 @@ def megatron_lm_args(steps: int) -> argparse.Namespace:
 
 
 def build(args: argparse.Namespace):
+    from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -110,7 +111,8 @@ def build(args: argparse.Namespace):
         add_bias_linear=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        tensor_model_parallel_size=TP,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         init_method_std=args.init_method_std,
         use_cpu_initialization=True,
         pipeline_dtype=torch.float32,
@@ -127,6 +129,8 @@ def build(args: argparse.Namespace):
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
         vocab_size=VOCAB,
         max_sequence_length=MAX_POSITIONS,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
         rotary_percent=1.0,
@@ -160,7 +164,7 @@ def _loss(per_token):
 def train(model, optimizer, steps: int) -> list[float]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    data = torch.Generator().manual_seed(100)  # the same batches on both tensor-parallel ranks
+    data = torch.Generator().manual_seed(100)  # the same batches on every rank
     forward_backward, losses = get_forward_backward_func(), []
 
     def forward_step(batches, model):
@@ -184,7 +188,8 @@ def train(model, optimizer, steps: int) -> list[float]:
         )
         ok, _, _ = optimizer.step()
         assert ok, "the optimizer skipped a step"
-        losses.append(float(out[0]["loss"]))
+        if out:  # the last pipeline stage
+            losses.append(float(out[0]["loss"]))
     return losses
 
 
@@ -212,8 +217,9 @@ def save_as_megatron_lm(model, optimizer, args: argparse.Namespace, root: str) -
     state["optimizer"] = optimizer.sharded_state_dict(state)
     state["opt_param_scheduler"] = {"max_lr": args.lr, "min_lr": args.lr, "num_steps": iteration * 2}
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    pp_rank, pp_size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
     state["rng_state"] = ShardedObject(
-        "rng_state", [rng], (1, tp_size), (0, tp_rank), replica_id=ps.get_data_parallel_rank()
+        "rng_state", [rng], (pp_size, tp_size), (pp_rank, tp_rank), replica_id=ps.get_data_parallel_rank()
     )
     dist_checkpointing.save(state, directory, get_default_save_sharded_strategy("torch_dist"))
     torch.distributed.barrier()
@@ -222,8 +228,26 @@ def save_as_megatron_lm(model, optimizer, args: argparse.Namespace, root: str) -
             f.write(str(iteration))
 
 
-def reference(model, optimizer) -> dict:
-    """Logits for fixed tokens (vocab-parallel halves gathered) and two parameters' AdamW moments."""
+def shards(model, optimizer) -> list:
+    """Every rank's (stage, tensor rank, {name: weight}, {name: exp_avg}, {name: exp_avg_sq}) under
+    the module's own parameter names (layer indices within the stage), gathered on every rank."""
+    from megatron.core import parallel_state as ps
+
+    params = dict(model.module.named_parameters())
+    states = optimizer.optimizer.state
+    mine = (
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_tensor_model_parallel_rank(),
+        {n: p.detach().clone() for n, p in params.items()},
+        *({n: states[p][key].clone() for n, p in params.items()} for key in ("exp_avg", "exp_avg_sq")),
+    )
+    everyone: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    return everyone
+
+
+def logits_and_moments(model, optimizer, tp: int) -> dict:
+    """Logits for fixed tokens (vocab-parallel parts gathered) and two parameters' AdamW moments (PP=1)."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     gpt = model.module
@@ -236,31 +260,33 @@ def reference(model, optimizer) -> dict:
     embedding, norm = gpt.embedding.word_embeddings.weight, gpt.decoder.final_layernorm.weight
     out = {"tokens": tokens, "logits": logits.float().clone()}
     for key in ("exp_avg", "exp_avg_sq"):
-        parts = [torch.empty_like(states[embedding][key]) for _ in range(TP)]
+        parts = [torch.empty_like(states[embedding][key]) for _ in range(tp)]
         torch.distributed.all_gather(parts, states[embedding][key].contiguous())
         out[f"{key}/model.embed_tokens.weight"] = torch.cat(parts)
         out[f"{key}/model.norm.weight"] = states[norm][key].clone()
     return out
 
 
-def main(out: str, steps: int) -> None:
+def main(out: str, steps: int, tp: int, pp: int) -> None:
     torch.distributed.init_process_group("gloo")
     install("cuda", "cpu")
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=TP)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     model_parallel_cuda_manual_seed(1234)
-    args = megatron_lm_args(steps)
+    args = megatron_lm_args(steps, tp, pp)
     model, optimizer = build(args)
-    losses = train(model, optimizer, steps)
+    train(model, optimizer, steps)
     save_as_megatron_lm(model, optimizer, args, os.path.join(out, "ckpt"))
-    ref = reference(model, optimizer)
+    ref = {"shards": shards(model, optimizer), "step": steps}
+    if pp == 1:
+        ref.update(logits_and_moments(model, optimizer, tp))
     if torch.distributed.get_rank() == 0:
-        torch.save({**ref, "losses": losses, "step": steps}, os.path.join(out, "reference.pt"))
+        torch.save(ref, os.path.join(out, "reference.pt"))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], *(int(a) for a in sys.argv[2:5]))

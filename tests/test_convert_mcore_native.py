@@ -1,8 +1,9 @@
 """bench convert from a checkpoint in Megatron-LM's own layout (issue 19): a megatron-core GPTModel trained
-3 steps at tp=2 with Megatron's optimizer and saved as Megatron-LM's save_checkpoint saves with
---ckpt-format torch_dist (tests/mcore_native_train.py). The canonical model must give the trained
-model's logits, the AdamW moments must be bit for bit Megatron's, the step carried, and ddp must
-resume from the converted checkpoint."""
+3 steps at tp=2 (and at pp=2) with Megatron's optimizer and saved as Megatron-LM's save_checkpoint
+saves with --ckpt-format torch_dist (tests/mcore_native_train.py). Every canonical weight and AdamW
+moment must be bit for bit the training ranks' own parameters and optimizer state (put together with
+the layout's mapping), the canonical model must give the trained model's logits, the step is
+carried, and ddp must resume from the converted checkpoint."""
 
 from __future__ import annotations
 
@@ -24,11 +25,36 @@ SAVED = 3
 ITER = f"iter_{SAVED:07d}"
 
 
+def _trained(tmp_path_factory, tp: int, pp: int) -> Path:
+    out = tmp_path_factory.mktemp(f"mc_native_tp{tp}pp{pp}")
+    torchrun_script("mcore_native_train.py", [str(out), str(SAVED), str(tp), str(pp)], {})
+    return out
+
+
 @pytest.fixture(scope="module")
 def mc_native(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("mc_native")
-    torchrun_script("mcore_native_train.py", [str(out), str(SAVED)], {})
-    return out
+    return _trained(tmp_path_factory, 2, 1)
+
+
+def _assert_bit_equal_to_the_ranks(canonical_dir: Path, reference: dict, tp: int, pp: int) -> None:
+    """The canonical weights and moments against every training rank's own parameters and AdamW
+    state (module names, layer indices within the stage) put together by the layout's mapping."""
+    import torch
+    from safetensors.torch import load_file
+
+    from parabench.adapters.megatron_mapping import Layout, unshard_all
+
+    spec = _canonical_model(canonical_dir)[1]
+    ours = {
+        **load_file(str(canonical_dir / "model.safetensors")),
+        **load_file(str(canonical_dir / "optimizer.safetensors")),
+    }
+    for index, prefix in ((2, ""), (3, "exp_avg/"), (4, "exp_avg_sq/")):
+        shards = {(s[0], 0, s[1]): {n: t.numpy() for n, t in s[index].items()} for s in reference["shards"]}
+        full = unshard_all(shards, spec, Layout(tp=tp, pp=pp))
+        assert len(full) == len(spec.parameter_shapes())
+        differ = [n for n, v in full.items() if not torch.equal(torch.from_numpy(v), ours[prefix + n])]
+        assert not differ, (prefix, differ)
 
 
 def test_megatron_lm_checkpoint_to_canonical_and_ddp(mc_native, tmp_path):
@@ -46,6 +72,7 @@ def test_megatron_lm_checkpoint_to_canonical_and_ddp(mc_native, tmp_path):
     diff = (logits - reference["logits"]).abs().max().item()
     print(f"canonical vs Megatron GPTModel (tp=2) logits: max abs diff {diff:.3g}")
     assert logits.shape == reference["logits"].shape and diff < 1e-5, diff
+    _assert_bit_equal_to_the_ranks(canon / "canonical", reference, 2, 1)
     moments = load_file(str(canon / "canonical" / "optimizer.safetensors"))
     differ = [k for k in reference if "/" in k and not torch.equal(moments[k], reference[k])]
     assert not differ, differ  # bit for bit the moments in Megatron's optimizer
@@ -58,6 +85,17 @@ def test_megatron_lm_checkpoint_to_canonical_and_ddp(mc_native, tmp_path):
     _run(["backend=ddp", f"run.steps={SAVED + 2}", f"run.resume={out}"], results)
     resumed = _losses(results, "ddp")
     assert len(resumed) == 2 and all(math.isfinite(x) for x in resumed), resumed  # steps 4 and 5
+
+
+def test_megatron_lm_checkpoint_saved_with_pipeline_stages(tmp_path_factory, tmp_path):
+    """Saved at pp=2, the stages' layers come back in order (the layers are stacked on a global axis)."""
+    import torch
+
+    trained = _trained(tmp_path_factory, 1, 2)
+    canon = tmp_path / "canon"
+    printed = _convert([str(trained / "ckpt"), "--to", "canonical", "--out", str(canon)])
+    assert "(match)" in printed and "saved at tp=1 pp=2" in printed, printed
+    _assert_bit_equal_to_the_ranks(canon / "canonical", torch.load(trained / "reference.pt", weights_only=True), 1, 2)
 
 
 def _edit_args(src: Path, **changes) -> None:
