@@ -55,6 +55,24 @@ def test_deepspeed_own_zero3_checkpoint_to_ddp(ds_native, tmp_path):
     assert len(resumed) == 2 and all(math.isfinite(x) for x in resumed), resumed  # steps 4 and 5
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_deepspeed_own_zero1_and_zero2_checkpoints_are_read_bit_for_bit(stage, tmp_path):
+    """ZeRO 1/2 keep one model-states file and flat fp32 partitions per rank: the canonical state is
+    still bit for bit DeepSpeed's own full fp32 weights and AdamW moments."""
+    import torch
+    from safetensors.torch import load_file
+
+    trained, out = tmp_path / "trained", tmp_path / "canon"
+    torchrun_script("ds_native_train.py", [str(trained), str(stage), str(SAVED)], {"DS_ACCELERATOR": "cpu"})
+    printed = _convert([str(trained / "ckpt"), "--to", "canonical", "--out", str(out)])
+    assert "(match)" in printed and "ZeRO-1/2; world_size=2" in printed, printed
+    reference = load_file(str(trained / "reference.safetensors"))
+    canon = out / "canonical"
+    ours = {**load_file(str(canon / "model.safetensors")), **load_file(str(canon / "optimizer.safetensors"))}
+    assert ours.keys() == reference.keys()
+    assert not [n for n in reference if not torch.equal(ours[n], reference[n])]
+
+
 def test_deepspeed_own_checkpoint_bad_input(ds_native, tmp_path, capsys):
     src, out = tmp_path / "ckpt", tmp_path / "out"
     shutil.copytree(ds_native / "ckpt", src)
