@@ -125,7 +125,7 @@ def _megatron_source(path: Path) -> tuple[str, Path, dict[str, Any]]:
     meta = mcnative.inspect(path)
     layout = (
         f"(Megatron-LM {meta['directory'].name}; torch_dist; saved at tp={meta['tp']} pp={meta['pp']}; "
-        f"iteration {meta['iteration']})"
+        f"{meta['precision']}; iteration {meta['iteration']})"
     )
     return "megatron", path, {**meta, "identity": _identity(meta["spec"]), "layout": layout}
 

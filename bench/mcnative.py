@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ COMMON = "common.pt"
 METADATA = "metadata.json"
 VERSION = 3.0  # Megatron-LM's checkpoint_version since it saved the QKV per query group
 STATE = "optimizer.state."
+MAIN = STATE + "fp32_param."  # Float16OptimizerWithFloat16Params' fp32 main params (bf16 runs)
 # (args field, value the canonical Llama needs): anything else changes the math and is refused by name.
 REQUIRED = (
     ("normalization", "RMSNorm"),
@@ -87,7 +89,11 @@ def _common(directory: Path) -> dict[str, Any]:
     import torch
 
     try:  # Megatron-LM pickles its argparse namespace (and megatron-core enums): weights_only=False, as it loads it
-        common = torch.load(directory / COMMON, map_location="cpu", weights_only=False)
+        with (
+            warnings.catch_warnings()
+        ):  # megatron-core's import-time notes (no Transformer Engine/Apex) say nothing here
+            warnings.simplefilter("ignore", UserWarning)
+            common = torch.load(directory / COMMON, map_location="cpu", weights_only=False)
     except ModuleNotFoundError as exc:
         raise SpecError(
             "SRC", f"{directory / COMMON} needs {exc.name} to be read (pip install megatron-core)"
@@ -116,8 +122,8 @@ def spec_from_args(args: Any, name: str):
         value = _arg(args, field)
         if value != needed and not (needed is None and not value):
             raise SpecError("SRC", f"args.{field}={value!r}: the canonical Llama needs {needed!r}")
-    if _arg(args, "bf16") or _arg(args, "fp16"):
-        raise SpecError("SRC", "args.bf16/fp16: only fp32 Megatron checkpoints are read (mixed precision is untested)")
+    if _arg(args, "fp16"):
+        raise SpecError("SRC", "args.fp16=True: fp16 Megatron checkpoints are not read (untested; fp32 and bf16 are)")
     heads, hidden = _arg(args, "num_attention_heads"), _arg(args, "hidden_size")
     kv_channels = getattr(args, "kv_channels", None) or hidden // heads
     if kv_channels * heads != hidden:
@@ -225,6 +231,12 @@ def inspect(path: Path) -> dict[str, Any]:
         if got != shape:
             has = f"shape {list(got)}" if got else "no such tensor"
             raise SpecError("SRC", f"{key}: the Megatron checkpoint has {has}; its args give {list(shape)}")
+    step = _optimizer(tensors, wanted, common, directory)
+    main = [k for k in wanted if MAIN + k in tensors]
+    bf16 = bool(_arg(args, "bf16"))
+    if bf16 and step is not None and len(main) != len(wanted):
+        absent = next(k for k in wanted if MAIN + k not in tensors)
+        raise SpecError("SRC", f"{directory}: a bf16 checkpoint without {MAIN}{absent} (the fp32 main params)")
     tied_copy = {"output_layer.weight"} if spec.tie_word_embeddings else set()
     extra = sorted(k for k in tensors if not k.startswith(STATE) and k not in wanted and k not in tied_copy)
     if extra:
@@ -233,7 +245,9 @@ def inspect(path: Path) -> dict[str, Any]:
         "spec": spec,
         "directory": directory,
         "te_names": te_names,
-        "step": _optimizer(tensors, wanted, common, directory),
+        "step": step,
+        "precision": "bf16" if bf16 else "fp32",
+        "weights_from": MAIN if main else "",  # under bf16 the fp32 main params, not the bf16 weights
         "iteration": common.get("iteration"),
         "tp": getattr(args, "tensor_model_parallel_size", 1),
         "pp": getattr(args, "pipeline_model_parallel_size", 1),
@@ -243,19 +257,25 @@ def inspect(path: Path) -> dict[str, Any]:
 
 def read(meta: dict[str, Any]) -> CanonicalState:
     """The canonical state of the checkpoint ``inspect`` checked: the global tensors through
-    torch.distributed.checkpoint (no process group), unstacked per layer and mapped as a tp=1, pp=1
-    Megatron model (parabench.adapters.megatron_mapping.from_megatron). Without optimizer state: AdamW
-    moments as a fresh AdamW starts them (zeros, step 0)."""
+    torch.distributed.checkpoint (no process group) in their stored dtype, widened to fp32 exactly,
+    unstacked per layer and mapped as a tp=1, pp=1 Megatron model
+    (parabench.adapters.megatron_mapping.from_megatron). The weights are the fp32 main params where the
+    checkpoint has them (bf16). Without optimizer state: AdamW moments as a fresh AdamW starts them
+    (zeros, step 0)."""
     import numpy as np
     import torch
     import torch.distributed.checkpoint as dcp
 
     spec, directory = meta["spec"], meta["directory"]
     wanted = megatron_shapes(spec, meta["te_names"])
-    prefixes = [""] + ([f"{STATE}{m}." for m in MOMENTS] if meta["step"] is not None else [])
-    state = {p + k: torch.empty(shape, dtype=torch.float32) for p in prefixes for k, shape in wanted.items()}
+    prefixes = [meta["weights_from"]] + ([f"{STATE}{m}." for m in MOMENTS] if meta["step"] is not None else [])
+    stored = _tensors(directory)
+    state = {
+        p + k: torch.empty(shape, dtype=stored[p + k].properties.dtype) for p in prefixes for k, shape in wanted.items()
+    }
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
-    weights = _canonical(state, "", spec, meta["te_names"])
+    state = {k: v.float() for k, v in state.items()}
+    weights = _canonical(state, meta["weights_from"], spec, meta["te_names"])
     if meta["step"] is None:
         moments = {m: {n: np.zeros_like(w) for n, w in weights.items()} for m in MOMENTS}
         return CanonicalState(weights, moments, 0)

@@ -1,10 +1,11 @@
 """A checkpoint in Megatron-LM's own layout, not parabench's (tests/test_convert_mcore_native.py).
 
-``torchrun --nproc-per-node TPxPP tests/mcore_native_train.py OUT STEPS TP PP``: a tiny Llama-shaped
+``torchrun --nproc-per-node TPxPP tests/mcore_native_train.py OUT STEPS TP PP [bf16]``: a tiny Llama-shaped
 megatron-core ``GPTModel`` (local layer spec, RMSNorm, SwiGLU, RoPE, grouped-query attention, untied
 output layer) at tensor-parallel size TP and pipeline-parallel size PP, Megatron's own weight init, wrapped in Megatron's
 ``DistributedDataParallel`` and trained STEPS steps with ``get_megatron_optimizer`` (Adam with
-decoupled weight decay, fp32) through ``get_forward_backward_func``, then saved as Megatron-LM's
+decoupled weight decay; fp32, or with ``bf16`` Megatron-LM's ``--bf16``: the model in bf16 inside
+``Float16Module``, fp32 main params in the optimizer) through ``get_forward_backward_func``, then saved as Megatron-LM's
 ``save_checkpoint`` saves with ``--ckpt-format torch_dist`` (its default): the state
 ``generate_state_dict`` builds (``args``, ``checkpoint_version`` 3.0, ``iteration``, ``model``,
 ``optimizer``, ``opt_param_scheduler``, ``rng_state``) through ``dist_checkpointing.save`` into
@@ -17,8 +18,9 @@ are written by megatron-core's own ``sharded_state_dict`` and ``dist_checkpointi
 megatron-core asks for CUDA devices and CUDA RNG; on this CPU the calls go through parabench's
 CUDA -> CPU redirection, as ``bench run backend=megatron`` does.
 
-Rank 0 also writes ``OUT/reference.pt``: every rank's parameters and AdamW moments under the module's
-own names with its (pipeline stage, tensor rank), and at PP=1 fixed tokens with the logits the
+Rank 0 also writes ``OUT/reference.pt``: every rank's parameters (under bf16 the optimizer's fp32 main
+params) and AdamW moments under the module's own names with its (pipeline stage, tensor rank), and in
+fp32 at PP=1 fixed tokens with the logits the
 trained model gives for them (the vocab-parallel parts gathered) and the AdamW moments of the word
 embeddings and the final norm, gathered over the tensor-parallel ranks, under canonical names.
 """
@@ -40,7 +42,7 @@ VOCAB = 512
 MAX_POSITIONS = 2048  # the tiny llama preset's, so that bench run resumes the same model
 
 
-def megatron_lm_args(steps: int, tp: int, pp: int) -> argparse.Namespace:
+def megatron_lm_args(steps: int, tp: int, pp: int, bf16: bool) -> argparse.Namespace:
     """The arguments Megatron-LM pickles into every checkpoint (``state_dict['args']``), for this model:
     names and meanings of megatron/training/arguments.py."""
     from megatron.core.transformer.enums import AttnBackend
@@ -74,9 +76,9 @@ def megatron_lm_args(steps: int, tp: int, pp: int) -> argparse.Namespace:
         virtual_pipeline_model_parallel_size=None,
         context_parallel_size=1,
         use_distributed_optimizer=False,
-        bf16=False,
+        bf16=bf16,
         fp16=False,
-        params_dtype=torch.float32,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
         optimizer="adam",
         lr=1e-3,
         weight_decay=0.1,
@@ -99,6 +101,7 @@ def build(args: argparse.Namespace):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     config = TransformerConfig(
@@ -115,7 +118,9 @@ def build(args: argparse.Namespace):
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         init_method_std=args.init_method_std,
         use_cpu_initialization=True,
-        pipeline_dtype=torch.float32,
+        bf16=args.bf16,
+        params_dtype=args.params_dtype,
+        pipeline_dtype=args.params_dtype,
         # no fused CUDA kernels on the host
         bias_activation_fusion=False,
         apply_rope_fusion=False,
@@ -136,6 +141,8 @@ def build(args: argparse.Namespace):
         rotary_percent=1.0,
         rotary_base=args.rotary_base,
     )
+    if args.bf16:  # as Megatron-LM's get_model wraps it
+        model = Float16Module(config, model)
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False)
     model = DistributedDataParallel(config=config, ddp_config=ddp, module=model)
     fields = {f for f in OptimizerConfig.__dataclass_fields__}
@@ -149,6 +156,8 @@ def build(args: argparse.Namespace):
             adam_beta2=args.adam_beta2,
             adam_eps=args.adam_eps,
             clip_grad=args.clip_grad,
+            bf16=args.bf16,
+            params_dtype=args.params_dtype,
             **({"decoupled_weight_decay": True} if "decoupled_weight_decay" in fields else {}),
         ),
         [model],
@@ -200,6 +209,7 @@ def save_as_megatron_lm(model, optimizer, args: argparse.Namespace, root: str) -
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
+    from megatron.core.utils import unwrap_model
 
     iteration = args.iteration
     directory = os.path.join(root, f"iter_{iteration:07d}")
@@ -213,7 +223,7 @@ def save_as_megatron_lm(model, optimizer, args: argparse.Namespace, root: str) -
         "rng_tracker_states": get_cuda_rng_tracker().get_states(),
     }
     state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration}
-    state["model"] = model.module.sharded_state_dict()
+    state["model"] = unwrap_model(model).sharded_state_dict()  # Megatron-LM unwraps DDP and Float16Module
     state["optimizer"] = optimizer.sharded_state_dict(state)
     state["opt_param_scheduler"] = {"max_lr": args.lr, "min_lr": args.lr, "num_steps": iteration * 2}
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
@@ -232,13 +242,18 @@ def shards(model, optimizer) -> list:
     """Every rank's (stage, tensor rank, {name: weight}, {name: exp_avg}, {name: exp_avg_sq}) under
     the module's own parameter names (layer indices within the stage), gathered on every rank."""
     from megatron.core import parallel_state as ps
+    from megatron.core.utils import unwrap_model
 
-    params = dict(model.module.named_parameters())
+    main = {}  # bf16 param -> its fp32 main param (Float16OptimizerWithFloat16Params, maybe in a chain)
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        pairs = zip(getattr(opt, "float16_groups", []), getattr(opt, "fp32_from_float16_groups", []), strict=True)
+        main.update({id(a): b for g16, g32 in pairs for a, b in zip(g16, g32, strict=True)})
+    params = {n: main.get(id(p), p) for n, p in unwrap_model(model).named_parameters()}
     states = optimizer.optimizer.state
     mine = (
         ps.get_pipeline_model_parallel_rank(),
         ps.get_tensor_model_parallel_rank(),
-        {n: p.detach().clone() for n, p in params.items()},
+        {n: p.detach().float().clone() for n, p in params.items()},
         *({n: states[p][key].clone() for n, p in params.items()} for key in ("exp_avg", "exp_avg_sq")),
     )
     everyone: list = [None] * torch.distributed.get_world_size()
@@ -267,7 +282,7 @@ def logits_and_moments(model, optimizer, tp: int) -> dict:
     return out
 
 
-def main(out: str, steps: int, tp: int, pp: int) -> None:
+def main(out: str, steps: int, tp: int, pp: int, bf16: bool) -> None:
     torch.distributed.init_process_group("gloo")
     install("cuda", "cpu")
     from megatron.core import parallel_state as ps
@@ -275,12 +290,12 @@ def main(out: str, steps: int, tp: int, pp: int) -> None:
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     model_parallel_cuda_manual_seed(1234)
-    args = megatron_lm_args(steps, tp, pp)
+    args = megatron_lm_args(steps, tp, pp, bf16)
     model, optimizer = build(args)
     train(model, optimizer, steps)
     save_as_megatron_lm(model, optimizer, args, os.path.join(out, "ckpt"))
     ref = {"shards": shards(model, optimizer), "step": steps}
-    if pp == 1:
+    if pp == 1 and not bf16:
         ref.update(logits_and_moments(model, optimizer, tp))
     if torch.distributed.get_rank() == 0:
         torch.save(ref, os.path.join(out, "reference.pt"))
@@ -289,4 +304,4 @@ def main(out: str, steps: int, tp: int, pp: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], *(int(a) for a in sys.argv[2:5]))
+    main(sys.argv[1], *(int(a) for a in sys.argv[2:5]), bf16=sys.argv[5:] == ["bf16"])

@@ -98,6 +98,22 @@ def test_megatron_lm_checkpoint_saved_with_pipeline_stages(tmp_path_factory, tmp
     _assert_bit_equal_to_the_ranks(canon / "canonical", torch.load(trained / "reference.pt", weights_only=True), 1, 2)
 
 
+def test_megatron_lm_bf16_checkpoint_gives_the_fp32_main_params(tmp_path_factory, tmp_path):
+    """Saved with --bf16: the weights are the optimizer's fp32 main params (optimizer.state.fp32_param.*),
+    not the bf16 model weights rounded from them; moments and step as in fp32."""
+    import torch
+    from safetensors.torch import load_file
+
+    trained = tmp_path_factory.mktemp("mc_native_bf16")
+    torchrun_script("mcore_native_train.py", [str(trained), str(SAVED), "2", "1", "bf16"], {})
+    canon = tmp_path / "canon"
+    printed = _convert([str(trained / "ckpt"), "--to", "canonical", "--out", str(canon)])
+    assert "(match)" in printed and "saved at tp=2 pp=1; bf16" in printed, printed
+    _assert_bit_equal_to_the_ranks(canon / "canonical", torch.load(trained / "reference.pt", weights_only=True), 2, 1)
+    weights = load_file(str(canon / "canonical" / "model.safetensors"))
+    assert any(not torch.equal(w, w.bfloat16().float()) for w in weights.values())
+
+
 def _edit_args(src: Path, **changes) -> None:
     import torch
 
@@ -129,6 +145,8 @@ def test_megatron_lm_checkpoint_bad_input(mc_native, tmp_path, capsys):
     _refused([str(src), "--to", "ddp", "--out", str(out)], "args.use_distributed_optimizer", out, capsys)
     _edit_args(fresh(), ffn_hidden_size=96)
     _refused([str(src), "--to", "ddp", "--out", str(out)], "its args give [2, 192, 64]", out, capsys)
+    _edit_args(fresh(), fp16=True)
+    _refused([str(src), "--to", "ddp", "--out", str(out)], "args.fp16=True", out, capsys)
     _edit_args(fresh(), checkpoint_version=2.0)
     _refused([str(src), "--to", "ddp", "--out", str(out)], "checkpoint_version 2.0", out, capsys)
     legacy = tmp_path / "legacy"
