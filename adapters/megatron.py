@@ -810,10 +810,10 @@ class MegatronEngine(Engine):
                 full = {n: values[n].numpy() for n in wanted}
                 return to_megatron(full, spec, self.layout, self.stage, c, self.tp_rank).items()
 
-            for name, value in shards(state.weights):
-                main = self._main_param(params[name])
-                if main is not params[name]:
-                    main.data.copy_(torch.from_numpy(value).view_as(main))
+            mains = {n: self._main_param(p) for n, p in params.items()}
+            if any(mains[n] is not p for n, p in params.items()):  # bf16: separate fp32 main copies
+                for name, value in shards(state.weights):
+                    mains[name].data.copy_(torch.from_numpy(value).view_as(mains[name]))
             if state.moments is None:
                 continue
             for key, values in state.moments.items():

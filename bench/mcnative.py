@@ -88,10 +88,11 @@ def _check_format(directory: Path) -> None:
 def _common(directory: Path) -> dict[str, Any]:
     import torch
 
-    try:  # Megatron-LM pickles its argparse namespace (and megatron-core enums): weights_only=False, as it loads it
-        with (
-            warnings.catch_warnings()
-        ):  # megatron-core's import-time notes (no Transformer Engine/Apex) say nothing here
+    # Megatron-LM pickles its argparse namespace (and megatron-core enums): weights_only=False, as it
+    # loads it; unpickling imports megatron-core, whose import-time notes (no Transformer Engine/Apex)
+    # say nothing about reading a checkpoint
+    try:
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             common = torch.load(directory / COMMON, map_location="cpu", weights_only=False)
     except ModuleNotFoundError as exc:
@@ -248,6 +249,7 @@ def inspect(path: Path) -> dict[str, Any]:
         "step": step,
         "precision": "bf16" if bf16 else "fp32",
         "weights_from": MAIN if main else "",  # under bf16 the fp32 main params, not the bf16 weights
+        "dtypes": {k: m.properties.dtype for k, m in tensors.items()},  # as stored; read() widens to fp32
         "iteration": common.get("iteration"),
         "tp": getattr(args, "tensor_model_parallel_size", 1),
         "pp": getattr(args, "pipeline_model_parallel_size", 1),
@@ -269,10 +271,8 @@ def read(meta: dict[str, Any]) -> CanonicalState:
     spec, directory = meta["spec"], meta["directory"]
     wanted = megatron_shapes(spec, meta["te_names"])
     prefixes = [meta["weights_from"]] + ([f"{STATE}{m}." for m in MOMENTS] if meta["step"] is not None else [])
-    stored = _tensors(directory)
-    state = {
-        p + k: torch.empty(shape, dtype=stored[p + k].properties.dtype) for p in prefixes for k, shape in wanted.items()
-    }
+    dtypes = meta["dtypes"]
+    state = {p + k: torch.empty(shape, dtype=dtypes[p + k]) for p in prefixes for k, shape in wanted.items()}
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
     state = {k: v.float() for k, v in state.items()}
     weights = _canonical(state, meta["weights_from"], spec, meta["te_names"])
