@@ -33,8 +33,6 @@ built against NumPy 1.x and fail under NumPy 2.x, so it needs ``numpy<2`` (check
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -162,13 +160,9 @@ class MindSporeAdapter(Adapter):
 
     @classmethod
     def launch_env(cls, job: JobSpec) -> dict[str, str]:
-        # msrun starts each process as `python ...` found on PATH: put this interpreter's bin first,
-        # so the workers run in the same environment as the runner. GLOG_v=3: MindSpore's C++ log at
-        # ERROR (its INFO/WARNING lines would bury the worker's own output).
-        here, path = os.path.dirname(sys.executable), os.environ.get("PATH", "")
-        if path.split(os.pathsep)[0] != here:
-            path = os.pathsep.join([here, path]) if path else here
-        return {"PATH": path, "GLOG_v": "3"}
+        # GLOG_v=3: MindSpore's C++ log at ERROR (its INFO/WARNING lines would bury the worker's own
+        # output). Nothing of this shell (PATH: launchers.Msrun.process_env, on a local start only).
+        return {"GLOG_v": "3"}
 
     @classmethod
     def expected_model_state(cls, job: JobSpec) -> StateFormula:

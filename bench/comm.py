@@ -100,7 +100,8 @@ def launch(p: Prepared, run_dir: Path) -> tuple[int, str]:
     """Start the workers and wait for them (launcher.setup_timeout_s at most). (exit code, reason)."""
     job = dataclasses.replace(p.job, device=dataclasses.replace(p.job.device, type=p.device))
     adapter = get_adapter(job.backend.name)
-    cmd = get_launcher(adapter.capabilities.launcher).command(
+    launcher = get_launcher(adapter.capabilities.launcher)
+    cmd = launcher.command(
         job,  # type: ignore[arg-type]  # the launch/backend fields of a JobSpec
         job.launch.master_port or free_port(),
         str(run_dir),
@@ -110,7 +111,7 @@ def launch(p: Prepared, run_dir: Path) -> tuple[int, str]:
     env = launch_env(job)  # type: ignore[arg-type]
     with open(run_dir / "logs" / "launcher.log", "w") as log:
         proc = subprocess.Popen(
-            cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, env=launcher.process_env(env, os.environ), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
     try:
         return proc.wait(timeout=job.launch.setup_timeout_s), ""

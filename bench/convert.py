@@ -259,7 +259,7 @@ def launch(job: JobSpec, run_dir: Path, request: dict[str, Any]) -> dict[str, An
         try:
             rc = subprocess.run(
                 cmd,
-                env={**os.environ, **launch_env(job)},
+                env=launcher.process_env(launch_env(job), os.environ),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

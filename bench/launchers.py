@@ -13,7 +13,7 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 from parabench.adapters.registry import get_adapter
@@ -51,6 +51,15 @@ class Launcher:
     def coords() -> tuple[int, int, int]:
         """(rank, local_rank, world_size) of this worker, from the launcher's environment."""
         raise NotImplementedError
+
+    @classmethod
+    def process_env(
+        cls, env: Mapping[str, str], here: Mapping[str, str], python: str = sys.executable
+    ) -> dict[str, str]:
+        """The environment to start this launcher with on this machine: ``here`` (this shell's), then
+        the job's ``env``. Only a local start reads this shell; the bundle and the Kubernetes
+        manifest carry ``env`` alone, so they never depend on the submitting environment."""
+        return {**here, **env}
 
 
 def _c10d(job: JobSpec) -> bool:
@@ -112,8 +121,8 @@ class Torchrun(Launcher):
 class Msrun(Launcher):
     """MindSpore's ``msrun``: one scheduler process plus the workers, all running the same command.
 
-    msrun starts each process as ``python <args>`` from PATH (the adapter's ``launch_env`` puts this
-    interpreter's bin first) and exports, per worker, ``RANK_ID`` (= node_rank x local workers +
+    msrun starts each process as ``python <args>`` from PATH (a local start puts this interpreter's
+    bin first: :meth:`process_env`) and exports, per worker, ``RANK_ID`` (= node_rank x local workers +
     local index, given ``--node_rank``), ``DEVICE_ID`` (the local index), ``MS_WORKER_NUM`` and
     ``MS_ROLE=MS_WORKER``. The scheduler gets the same command with ``MS_ROLE=MS_SCHED`` and
     ``RANK_ID=0``, so ``parabench.worker`` serves the scheduler first (without touching rank 0's
@@ -164,6 +173,18 @@ class Msrun(Launcher):
             + ' --log_dir="$RUN_DIR/logs" python -m parabench.worker "$RUN_DIR"'
             + _bundle_args(job)
         )
+
+    @classmethod
+    def process_env(
+        cls, env: Mapping[str, str], here: Mapping[str, str], python: str = sys.executable
+    ) -> dict[str, str]:
+        # msrun starts `python ...` found on PATH: this interpreter's bin first, so the workers run in
+        # the runner's environment (a venv need not be activated).
+        out = {**here, **env}
+        bin_dir, path = os.path.dirname(python), out.get("PATH", "")
+        if path.split(os.pathsep)[0] != bin_dir:
+            out["PATH"] = os.pathsep.join([bin_dir, path]) if path else bin_dir
+        return out
 
     @staticmethod
     def coords() -> tuple[int, int, int]:

@@ -262,7 +262,7 @@ def launch(job: JobSpec, run_dir: Path, env: dict[str, str], port: int, tracker=
     with open(run_dir / "logs" / "launcher.log", "w") as log:
         proc = subprocess.Popen(
             cmd,
-            env={**os.environ, **env},
+            env=launcher.process_env(env, os.environ),
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

@@ -173,6 +173,30 @@ def test_single_node_mindspore_npu_job_is_a_master_only(tmp_path, monkeypatch, c
     assert env["HCCL_CONNECT_TIMEOUT"] == "180" and env["GLOG_v"] == "3" and "PATH" not in env
 
 
+@pytest.mark.parametrize("backend", ["mindspore", "ddp"])
+def test_the_manifest_does_not_depend_on_the_submitting_shell(backend, tmp_path, monkeypatch, capsys):
+    """The same job submitted from a shell with this venv active (its bin first on PATH, as a user
+    usually has it), without it, and with other local variables set: the same PyTorchJob, and no
+    PATH in the container (the image has its own)."""
+    import os
+    import sys
+
+    here = os.path.dirname(sys.executable)
+    rest = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if p != here)
+    jobs = []
+    for name, path in (("active", os.pathsep.join([here, rest])), ("inactive", rest)):
+        monkeypatch.setenv("PATH", path)
+        monkeypatch.setenv("VIRTUAL_ENV", os.path.dirname(here) if name == "active" else "/elsewhere")
+        (tmp_path / name).mkdir()
+        docs, run_dir = write_manifest(
+            tmp_path / name, monkeypatch, capsys, f"backend={backend}", "device=npu", "data.global_batch_size=8"
+        )
+        job, container = check_bundle(docs, run_dir)
+        assert "PATH" not in env_of(container) and here not in (run_dir / "pytorchjob.yaml").read_text()
+        jobs.append(job)
+    assert jobs[0] == jobs[1]
+
+
 def test_the_schema_check_has_teeth(tmp_path, monkeypatch, capsys):
     """A misspelt field, a wrong type and a missing required field each fail the validation used above."""
     docs, _ = write_manifest(tmp_path, monkeypatch, capsys, "backend=ddp", "device=cuda")

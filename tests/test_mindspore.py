@@ -135,11 +135,13 @@ def test_msrun_command_and_coordinates(monkeypatch):
     monkeypatch.setenv("DEVICE_ID", "1")
     monkeypatch.setenv("MS_WORKER_NUM", "4")
     assert Msrun.coords() == (3, 1, 4)
-    env = get_adapter("mindspore").launch_env(job)
     import os
     import sys
 
-    assert env["PATH"].split(os.pathsep)[0] == os.path.dirname(sys.executable)
+    assert "PATH" not in get_adapter("mindspore").launch_env(job)  # the bundle's: nothing of this shell
+    here = os.path.dirname(sys.executable)
+    for path in ("/usr/bin", f"{here}{os.pathsep}/usr/bin"):  # a local start: this interpreter's bin first, once
+        assert Msrun.process_env({"GLOG_v": "3"}, {"PATH": path})["PATH"] == f"{here}{os.pathsep}/usr/bin"
 
 
 # --------------------------------------------------------------------------------------------
