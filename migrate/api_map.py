@@ -184,12 +184,25 @@ CUDA_ONLY_MODULES: dict[str, str] = {
     "deep_gemm": "DeepGEMM is CUDA-only",
     "torch.distributed._symmetric_memory": "symmetric memory / NVSHMEM is CUDA-only: use torch.distributed collectives",
     "nvshmem": "NVSHMEM is CUDA-only",
+    # issue #29: each named CUDA-only by its own documentation (docs/sources.md#cuda-only-packages)
+    "helion": "Helion kernels compile to Triton/CuTe/TileIR/Pallas, none for NPU: keep the torch fallback",
+    "deep_ep": "DeepEP all-to-all kernels need NVIDIA GPUs and NVSHMEM: use MindSpeed's MoE token dispatcher",
+    "megablocks": "MegaBlocks' dropless-MoE kernels are CUDA (stk, grouped_gemm, Triton): use MindSpeed MoE",
+    "grouped_gemm": "grouped_gemm is a CUDA (CUTLASS) kernel: use torch_npu.npu_grouped_matmul",
+    "torchao.prototype.mx_formats": "torchao MX/NVFP4 kernels need NVIDIA Blackwell (CUDA): keep bf16",
+    "torchao.prototype.float8nocompile": "torchao float8 prototype kernels are Triton/CUDA: keep bf16",
+    "deepspeed.ops.sparse_attention": "DeepSpeed sparse attention is written in Triton: use dense attention "
+    "or torch_npu.npu_fusion_attention with a sparse mask",
 }
 
 
-def cuda_only_module_tip(module: str) -> str | None:
-    """Tip for a dotted module name (longest matching prefix), or names ending in ``_cuda``."""
+def cuda_only_module_tip(module: str, local: frozenset[str] = frozenset()) -> str | None:
+    """Tip for a dotted module name (longest matching prefix), or names ending in ``_cuda``;
+    None for a module of the project itself (``local``: its top-level package and module names,
+    so a project's own ``nvidia/`` folder is not NVIDIA's package)."""
     parts = module.split(".")
+    if parts[0] in local:
+        return None
     for i in range(len(parts), 0, -1):
         tip = CUDA_ONLY_MODULES.get(".".join(parts[:i]))
         if tip:

@@ -193,7 +193,10 @@ def _main(argv: list[str]) -> int:
                 file=sys.stderr,
             )
         return 1 if pending or unread else 0
-    return 0
+    unread = [r for r in result.files if r.may_hold_cuda]
+    for r in unread:  # named even with -q: the output tree is not the migrated project
+        print(f"bench migrate: {r.path} was not migrated ({r.reason}) and may hold CUDA code", file=sys.stderr)
+    return 1 if unread else 0
 
 
 def _source_roots(src: list[str]) -> list[Path]:

@@ -37,6 +37,9 @@ class Options:
     # --mode runtime, set per file: why it is an entry point although it has no `__main__` guard
     # (a launch script or the package metadata starts it, or it trains at top level: migrate.entries)
     entry: str = ""
+    # the migrated tree's own top-level packages and modules, found by the engine: an import of
+    # one of them is the project's code, never a CUDA-only package of the same name (a local `nvidia/`)
+    local_packages: frozenset[str] = frozenset()
 
     def rule_enabled(self, code: str, targets: frozenset[str], modes: frozenset[str]) -> bool:
         if self.target not in targets or self.mode not in modes:

@@ -68,6 +68,8 @@ class RunResult:
 def classify(path: Path) -> str:
     name = path.name
     suffix = path.suffix.lower()
+    if _is_ci_config(path):
+        return "ci"
     if suffix == ".py":
         return "python"
     if suffix in SHELL_EXT:
@@ -94,6 +96,20 @@ def classify(path: Path) -> str:
             if any(s in head for s in (b"bash", b"/sh", b" sh", b"zsh")):
                 return "shell"
     return "file"
+
+
+# CI configuration is not training code: its `cuda` matrix values and CUDA images choose the CI's
+# machines, so it is left as it is and reported (issue #29)
+CI_DIRS = (".github/workflows", ".circleci", ".buildkite", ".gitlab")
+CI_FILES = frozenset({".gitlab-ci.yml", "azure-pipelines.yml", ".travis.yml", "Jenkinsfile", "bitbucket-pipelines.yml"})
+CI_REASON = "CI configuration: left as is (it picks the CI's machines, not the training code's device)"
+
+
+def _is_ci_config(path: Path) -> bool:
+    if path.name in CI_FILES:
+        return True
+    posix = path.parent.as_posix() + "/"
+    return any(f"{d}/" in posix or posix.startswith(f"{d}/") for d in CI_DIRS)
 
 
 def discover(roots: list[Path]) -> list[tuple[Path, Path, str, str]]:
@@ -180,7 +196,8 @@ def _process(task: Task, options: Options) -> FileResult:
     if task.entry:
         options = dataclasses.replace(options, entry=task.entry)
     res = FileResult(task.rel, task.kind, "copied")
-    if task.kind == "file":
+    if task.kind in ("file", "ci"):
+        res.reason = CI_REASON if task.kind == "ci" else ""
         _copy(task)
         return res
     data = _read(task.src)
@@ -385,9 +402,10 @@ def run(
         else:
             dest = None
         kind = classify(path)
-        if in_place and kind == "file":
+        if in_place and kind in ("file", "ci"):
             continue
         tasks.append(Task(str(path), rel, kind, dest, diff, starts.get(rel, "")))
+    options = dataclasses.replace(options, local_packages=local_packages(entries))
     jobs = jobs or os.cpu_count() or 1
     with _workers(len(tasks), jobs) as pool:
         # the parsers' fixed value sets of the whole run, before any file is migrated (rules/_values.py)
@@ -401,6 +419,20 @@ def run(
         results.extend(_map(tasks, options, pool, jobs, progress))
     results.sort(key=lambda r: r.path)
     return RunResult(options, [str(r) for r in roots], str(out) if out else None, results, in_place)
+
+
+def local_packages(entries: list[tuple[Path, Path, str, str]]) -> frozenset[str]:
+    """Top-level package and module names of the migrated trees: the first part of each Python
+    file's path below its root (below ``src/`` too, the src layout), ``.py`` stripped."""
+    names: set[str] = set()
+    for root, path, _rel, how in entries:
+        if how != "file" or path.suffix != ".py" or path == root:
+            continue
+        parts = path.relative_to(root).parts
+        for start in (0, 1) if parts[0] == "src" else (0,):
+            if len(parts) > start:
+                names.add(parts[start].removesuffix(".py"))
+    return frozenset(names)
 
 
 def _entry_points(entries: list[tuple[Path, Path, str, str]]) -> dict[str, str]:

@@ -58,6 +58,7 @@ _OPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.Lt
 _OPS.update({ast.Gt: operator.gt, ast.GtE: operator.ge})
 # torch.backends.cudnn members that are harmless without cuDNN (plain flags, the query itself)
 _CUDNN_OK = frozenset({"benchmark", "deterministic", "enabled", "allow_tf32", "is_available"})
+_HOST_DEVICES = frozenset({"cpu", "meta"})  # a gate naming these also lets the fallback machine in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +132,21 @@ class _File:
                 stores[node.id] = stores.get(node.id, 0) + 1
         # names stored once, by `name = value`: the value reaches the tests that read them
         self.values = {k: v[0] for k, v in assigned.items() if len(v) == 1 and stores.get(k) == 1}
+        self.kernels = self._cuda_kernels()
+
+    def _cuda_kernels(self) -> dict[str, str]:
+        """Functions of the module decorated by a CUDA-only package (``@triton.jit``,
+        ``@helion.kernel()``) -> that package: calling one needs CUDA."""
+        out: dict[str, str] = {}
+        for stmt in self.tree.body:
+            if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for deco in stmt.decorator_list:
+                q = self.qname(deco.func if isinstance(deco, ast.Call) else deco)
+                if q and api_map.cuda_only_module_tip(q):
+                    out[stmt.name] = q.split(".")[0]
+                    break
+        return out
 
     # --- names --------------------------------------------------------------------------------------
 
@@ -165,6 +181,8 @@ class _File:
             q = self.qname(node.func)
             if q in _CALLS:
                 return _CALLS[q][self.env]
+            if _is_device_prefix_test(node):  # str(x.device).startswith("cuda")
+                return self._device_string(node.args[0].value, False)
             if isinstance(node.func, ast.Name) and node.func.id == "bool" and len(node.args) == 1:
                 return self.value(node.args[0], depth + 1)
             return UNKNOWN
@@ -186,15 +204,28 @@ class _File:
                 return v
         return UNKNOWN if unknown else v
 
+    def _device_string(self, value: str, negated: bool):
+        """A test that a device (type) equals ``value``: no CUDA in either environment; an NPU
+        after migration, where it is unknown which device the code was given."""
+        if value.startswith("npu") and self.env == 1:
+            return UNKNOWN
+        return negated
+
     def _compare(self, node: ast.Compare, depth: int):
         op, left, right = node.ops[0], node.left, node.comparators[0]
+        if isinstance(op, (ast.In, ast.NotIn)) and isinstance(right, (ast.Tuple, ast.List, ast.Set)):
+            # `device.type in ("cuda", "xpu")`: a device gate unless the literal names the host too
+            names = [e.value for e in right.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+            devices = [n for n in names if _DEVICE.match(n)]
+            if devices and not _HOST_DEVICES.intersection(names):
+                found = {self._device_string(d, False) for d in devices}
+                if UNKNOWN in found:
+                    return UNKNOWN
+                return isinstance(op, ast.NotIn)
         for side in (left, right):
             if isinstance(side, ast.Constant) and isinstance(side.value, str) and _DEVICE.match(side.value):
                 if isinstance(op, (ast.Eq, ast.NotEq, ast.Is, ast.IsNot, ast.In, ast.NotIn)):
-                    # no CUDA in either environment; an NPU after migration (unknown which device is used)
-                    if side.value.startswith("npu") and self.env == 1:
-                        return UNKNOWN
-                    return isinstance(op, (ast.NotEq, ast.IsNot, ast.NotIn))
+                    return self._device_string(side.value, isinstance(op, (ast.NotEq, ast.IsNot, ast.NotIn)))
         fn = _OPS.get(type(op))
         lv, rv = self.value(left, depth + 1), self.value(right, depth + 1)
         if fn is None or lv is UNKNOWN or rv is UNKNOWN:
@@ -270,6 +301,8 @@ class _File:
             mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
             return next((m for m in mods if api_map.cuda_only_module_tip(m)), None)
         if isinstance(node, ast.Name):
+            if node.id in self.kernels:
+                return f"{node.id} (a {self.kernels[node.id]} kernel)"
             q = self.imports.get(node.id)
             return q if q and api_map.cuda_only_module_tip(q) else None
         if isinstance(node, ast.Attribute):
@@ -307,6 +340,20 @@ class _File:
             if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value.split(":")[0] == "cuda":
                 return f"device '{arg.value}'"
         return None
+
+
+def _is_device_prefix_test(node: ast.Call) -> bool:
+    """``<expr>.startswith("cuda")`` / ``("npu")``: a string test of a device."""
+    func = node.func
+    return (
+        isinstance(func, ast.Attribute)
+        and func.attr == "startswith"
+        and len(node.args) == 1
+        and not node.keywords
+        and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+        and node.args[0].value in ("cuda", "npu", "cuda:", "npu:")
+    )
 
 
 def _at_least_one(fn, lv, rv):

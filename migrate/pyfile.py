@@ -50,6 +50,13 @@ _STATIC_WORDS = (
     "causal_conv1d",
     "cupy",
     "deep_gemm",
+    "helion",
+    "deep_ep",
+    "megablocks",
+    "grouped_gemm",
+    "mx_formats",
+    "float8nocompile",
+    "sparse_attention",
     "accelerator",
     "profiler",  # PY121: torch.profiler.profile() profiles the device by default
     "use_deterministic_algorithms",  # PY115 must see the user's own setting (issue #13 class 4)
@@ -660,6 +667,9 @@ def _keep_linked_spans(spans: list[_Span], keep: list[bool], triggered: list[int
                     special.add(x.targets[0].id)
         if "torch.cuda." in spans[k].text:
             special.update(_type_string_collections(spans[k].nodes))
+        for x in spans[k].nodes:  # `@triton.jit def kernel`: its calls are CUDA-only code (rules/_guard.py)
+            if type(x) in _FUNCS and x.decorator_list and _mentions_trigger(x.decorator_list, search, set()):
+                special.add(x.name)
         _assigned_names(spans[k].nodes, special)
     if any("profiler" in spans[k].text.lower() for k in triggered):
         special.update(_PROFILE_READS)

@@ -42,7 +42,7 @@ def _split(result: RunResult) -> tuple[list[Finding], list[Finding]]:
 
 def _counts(result: RunResult) -> dict[str, int]:
     c = collections.Counter(r.status for r in result.files)
-    scanned = sum(1 for r in result.files if r.kind not in ("file", "symlink") and r.status != "skipped")
+    scanned = sum(1 for r in result.files if r.kind not in ("file", "symlink", "ci") and r.status != "skipped")
     return {
         "files_total": len(result.files),
         "files_scanned": scanned,
@@ -139,7 +139,7 @@ def summary_text(result: RunResult, *, limit: int = 20) -> str:
     lines = [
         f"bench migrate --to {o.target} ({o.mode}{', safe only' if o.safe_only else ''}): "
         f"{c['files_scanned']} files scanned, {c['files_changed']} changed, {c['files_unchanged']} unchanged, "
-        f"{c['files_skipped']} skipped, {c['files_copied']} copied as-is",
+        f"{c['files_skipped']} not migrated, {c['files_copied']} copied as-is",
     ]
     by_safety = collections.Counter(f.safety for f in changes)
     lines.append(f"changes: {len(changes)} (safe {by_safety[SAFE]}, review {by_safety[REVIEW]})")
@@ -155,13 +155,15 @@ def summary_text(result: RunResult, *, limit: int = 20) -> str:
     for code, n in sorted(collections.Counter(f.rule for f in manual).items()):
         r = rules.get(code)
         lines.append(f"  {code} {r.name if r else '':<26} {n}")
-    skipped = [r for r in result.files if r.status == "skipped"]
-    if skipped:
-        lines.append(f"skipped files: {len(skipped)}")
-        for r in skipped[:limit]:
-            lines.append(f"  {r.path}: {r.reason}")
-        if len(skipped) > limit:
-            lines.append(f"  ... {len(skipped) - limit} more (see --report)")
+    for title, files in (
+        ("not migrated (copied unchanged)", [r for r in result.files if r.status == "skipped"]),
+        ("left as is on purpose (review by hand)", [r for r in result.files if r.kind == "ci"]),
+    ):
+        if files:
+            lines.append(f"{title}: {len(files)}")
+            lines += [f"  {r.path}: {r.reason}" for r in files[:limit]]
+            if len(files) > limit:
+                lines.append(f"  ... {len(files) - limit} more (see --report)")
     if manual:
         lines.append("manual work:")
         for f in manual[:limit]:
@@ -272,4 +274,8 @@ def checklist(result: RunResult, report_dir: Path, link_root: Path | None) -> st
     if skipped:
         out += ["", "## Files not migrated", ""]
         out += [f"- [ ] `{r.path}`: {r.reason}" for r in skipped]
+    ci = [r for r in result.files if r.kind == "ci"]
+    if ci:
+        out += ["", "## Left as is on purpose", ""]
+        out += [f"- [ ] `{r.path}`: {r.reason}" for r in ci]
     return "\n".join(out) + "\n"

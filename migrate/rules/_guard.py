@@ -27,7 +27,7 @@ import libcst as cst
 from parabench.migrate import api_map
 from parabench.migrate.core import MANUAL, Finding
 from parabench.migrate.rules._base import all_rules
-from parabench.migrate.rules._py import PyContext, _climb, cuda_refs, dotted
+from parabench.migrate.rules._py import PyContext, _climb, cuda_refs, dotted, string_value
 
 CODE = "PY914"
 # calls that answer "is there CUDA here?" -> their value on a machine without CUDA
@@ -50,6 +50,7 @@ _COMPARE = {
 }
 # a string operand equal to 'cuda' before migration: `x == 'cuda'` is False without CUDA
 _STRING_COMPARE = {cst.Equal: False, cst.In: False, cst.Is: False, cst.NotEqual: True, cst.NotIn: True, cst.IsNot: True}
+_HOST_DEVICES = frozenset({"cpu", "meta"})
 _OWNER = {"supported": "PY101", "module": "PY101", "replace": "PY101", "legacy": "PY108", "nvtx": "PY113"}
 
 
@@ -76,10 +77,23 @@ def keep_unsafe_guards(ctx: PyContext) -> None:
             cuda_only = _cuda_only(ctx)
         hit = _first_inside(ctx, cuda_only, regions)
         if hit is not None:
-            for a in used:
+            # the whole test stays: `x.is_cuda and y.is_cuda` with one half migrated asks for both devices
+            test = cond if isinstance(cond, (cst.BooleanOperation, cst.IfExp)) else cond.test
+            for a in [*used, *_atoms_inside(ctx, atoms, test)]:
                 unsafe.setdefault(a, hit)
     if unsafe:
         _withdraw(ctx, [atoms[a] for a in unsafe], unsafe)
+
+
+def _atoms_inside(ctx: PyContext, atoms: dict, root: cst.CSTNode) -> list[cst.CSTNode]:
+    out = []
+    for node in atoms:
+        cur = node
+        while cur is not None and cur is not root:
+            cur = ctx.parent(cur)
+        if cur is root:
+            out.append(node)
+    return out
 
 
 # --- the checks whose value the migration flips --------------------------------------------------
@@ -139,6 +153,16 @@ def _call_atom(ctx: PyContext, outer: cst.CSTNode) -> tuple[cst.CSTNode, object]
 
 def _string_atom(ctx: PyContext, node: cst.CSTNode) -> tuple[cst.CSTNode, object] | None:
     parent = ctx.parent(node)
+    if isinstance(parent, cst.Element) and isinstance(ctx.parent(parent), (cst.Tuple, cst.List, cst.Set)):
+        # `device.type in ("cuda", "xpu")`: False without CUDA on the machine migrated to, unless
+        # the literal also names the CPU (then the fallback takes the same branch)
+        container = ctx.parent(parent)
+        target = ctx.parent(container)
+        if not isinstance(target, cst.ComparisonTarget) or target.comparator is not container:
+            return None
+        if any(string_value(e.value) in _HOST_DEVICES for e in container.elements):
+            return None
+        node, parent = container, target
     if isinstance(parent, cst.ComparisonTarget):
         comparison, op = ctx.parent(parent), parent.operator
     elif isinstance(parent, cst.Comparison) and parent.left is node:
@@ -333,14 +357,32 @@ def _cuda_only(ctx: PyContext) -> dict[cst.CSTNode, str]:
             for use in b.uses:
                 out.setdefault(use.outer, f"torch.cuda.{use.path}".rstrip("."))
     for local, quals in ctx._imports.items():
-        module = next((q for q in sorted(quals) if api_map.cuda_only_module_tip(q)), None)
+        module = next((q for q in sorted(quals) if api_map.cuda_only_module_tip(q, ctx.options.local_packages)), None)
         if module is not None:
             for use in ctx.names.get(local, ()):
                 out.setdefault(use, module)
+    for name, module in _cuda_kernels(ctx):
+        for use in ctx.names.get(name, ()):
+            if not isinstance(ctx.parent(use), cst.FunctionDef):
+                out.setdefault(use, f"{name} (a {module} kernel)")
     for stmt in ctx.import_nodes:
         for q in _imported_modules(stmt):
-            if api_map.cuda_only_module_tip(q):
+            if api_map.cuda_only_module_tip(q, ctx.options.local_packages):
                 out.setdefault(stmt, q)
+    return out
+
+
+def _cuda_kernels(ctx: PyContext) -> list[tuple[str, str]]:
+    """(name, package) of the module's functions decorated by a CUDA-only package:
+    ``@triton.jit``, ``@triton.autotune(...)``, ``@helion.kernel()``: calling one needs CUDA."""
+    out = []
+    for stmt in ctx.module.body:
+        for deco in getattr(stmt, "decorators", ()) if isinstance(stmt, cst.FunctionDef) else ():
+            expr = deco.decorator.func if isinstance(deco.decorator, cst.Call) else deco.decorator
+            hit = [q for q in sorted(ctx.qnames(expr)) if api_map.cuda_only_module_tip(q, ctx.options.local_packages)]
+            if hit:
+                out.append((stmt.name.value, hit[0].split(".")[0]))
+                break
     return out
 
 

@@ -27,7 +27,7 @@ class CudaOnlyImport(PyRule):
     def visit_Import(self, node: cst.Import) -> None:
         for alias in node.names:
             mod = dotted(alias.name) or ""
-            tip = api_map.cuda_only_module_tip(mod)
+            tip = api_map.cuda_only_module_tip(mod, self.ctx.options.local_packages)
             if tip:
                 self.manual(node, f"import {mod}: CUDA-only", op=mod, tip=tip)
 
@@ -43,10 +43,14 @@ class CudaOnlyImport(PyRule):
         for modules, mapping, code in MIGRATED:
             if mod in modules and names and all(n in mapping for n in names) and code in self.ctx.active:
                 return
-        tip = api_map.cuda_only_module_tip(mod)
+        tip = api_map.cuda_only_module_tip(mod, self.ctx.options.local_packages)
         if tip is None:
             for n in names:  # `from torch.distributed import _symmetric_memory`, `from apex import amp`
-                tip = api_map.cuda_only_module_tip(f"{mod}.{n}") if mod != "apex" else api_map.cuda_only_module_tip(mod)
+                tip = (
+                    api_map.cuda_only_module_tip(f"{mod}.{n}", self.ctx.options.local_packages)
+                    if mod != "apex"
+                    else api_map.cuda_only_module_tip(mod, self.ctx.options.local_packages)
+                )
                 if tip:
                     mod = f"{mod}.{n}"
                     break

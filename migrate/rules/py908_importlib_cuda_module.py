@@ -22,6 +22,6 @@ class ImportlibCudaModule(PyRule):
         value = string_value(node)
         if not value or string_role(self.ctx, node) != "import":
             return
-        tip = api_map.cuda_only_module_tip(value)
+        tip = api_map.cuda_only_module_tip(value, self.ctx.options.local_packages)
         if tip:
             self.manual(node, f"dynamic import of {value}: CUDA-only", op=value, tip=tip)

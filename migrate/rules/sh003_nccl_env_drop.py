@@ -11,6 +11,9 @@ from parabench.migrate.rules._text import shell_code_lines
 
 ASSIGN = re.compile(r"(?<![A-Za-z0-9_$])((?:TORCH_)?NCCL_[A-Z0-9_]+)=(\"[^\"]*\"|'[^']*'|\S*)\s*")
 MARK = "# [bench migrate] dropped, no HCCL equivalent:"
+# an option whose argument is the assignment (`mpirun -x NAME=V`, `docker run -e NAME=V`): removing
+# the assignment removes its flag too, or the flag would take the next word as its argument
+FLAG_BEFORE = re.compile(r"(?:(?<=\s)|^)(?:-x|-e|--env|-env)\s+$")
 
 
 @register
@@ -39,9 +42,10 @@ class ShellNcclEnvDrop(TextRule):
                 doc.change(rule, start, end, f"{MARK} {stripped}", f"dropped {names}", op=names, tip=tip)
             else:
                 for m in matches:
+                    flag = FLAG_BEFORE.search(code, 0, m.start())
                     doc.change(
                         rule,
-                        offset + m.start(),
+                        offset + (flag.start() if flag else m.start()),
                         offset + m.end(),
                         "",
                         f"dropped {m.group(1)} from the command",

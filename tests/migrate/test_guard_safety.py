@@ -137,3 +137,35 @@ def test_checker_three_valued_logic():
 
 def test_unparseable_input_gives_no_violation():
     assert violations("def f(:\n", "x = 1\n") == []
+
+
+GATES = FIXTURES / "defects" / "i29_c1_device_gates" / "unchanged.py"
+
+
+def test_checker_reports_every_device_gate_of_issue_29():
+    """Issue #29 class 1: each gate form of the fixture renamed by spelling (as a text migrator does,
+    and as bench migrate did for most of them) is reported once, at the CUDA-only code it let in:
+    `.is_cuda`, `and` of two, `device.type == 'cuda'`, `device_type == 'cuda' and ...`,
+    `in ('cuda',)`, `!= 'cuda'` in a conditional expression, `str(device).startswith('cuda')`."""
+    src = GATES.read_text()
+    renamed = (
+        src.replace(".is_cuda", ".is_npu")
+        .replace('"cuda"', '"npu"')
+        .replace("torch.cuda.is_available", "torch.npu.is_available")
+    )
+    found = [(v.line, v.construct) for v in violations(src, renamed)]
+    assert found == [
+        (28, "_scale_kernel (a triton kernel)"),
+        (34, "_add (a helion kernel)"),
+        (40, "torch.cuda.CUDAGraph"),
+        (47, "fused_dense_cuda"),
+        (55, "deep_ep"),
+        (62, "_scale_kernel (a triton kernel)"),
+        (67, "torch.cuda.CUDAGraph"),
+    ]
+
+
+def test_checker_accepts_gates_that_also_admit_the_host():
+    """`device.type in ('cuda', 'cpu')` took the branch on the machine without CUDA too: not a gate."""
+    src = "import torch\ndef f(x):\n    if x.device.type in ('cuda', 'cpu'):\n        torch.cuda.synchronize()\n"
+    assert violations(src, src.replace("'cuda'", "'npu'")) == []

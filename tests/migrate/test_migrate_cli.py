@@ -24,6 +24,9 @@ HERE = Path(__file__).parent
 PROJECT = HERE / "fixtures" / "project"
 GOLDEN = HERE / "golden"
 REGEN = os.environ.get("BENCH_MIGRATE_REGEN") == "1"
+# the project holds legacy/old_eval.py, Python 2 with CUDA code: it cannot be migrated, so every
+# run over the project exits 1 (issue #29 class 9)
+NOT_MIGRATED = 1
 
 
 def _snapshot(root: Path) -> dict[str, str]:
@@ -65,7 +68,7 @@ def test_golden_project(project: Path, tmp_path: Path, capsys):
     before = _snapshot(project)
     out, report = tmp_path / "project_npu", tmp_path / "report"
     rc = main([str(project), "--to", "npu", "--out", str(out), "--report", str(report), "--no-progress"])
-    assert rc == 0
+    assert rc == NOT_MIGRATED
     summary = capsys.readouterr().out
     assert _snapshot(project) == before, "the input tree must not be modified"
     assert (out / "inside_link.py").is_symlink() and not (out / "outside_link").exists()
@@ -86,9 +89,9 @@ def test_golden_project(project: Path, tmp_path: Path, capsys):
 
 def test_second_run_changes_nothing(project: Path, tmp_path: Path):
     out1, out2 = tmp_path / "o1", tmp_path / "o2"
-    assert main([str(project), "--out", str(out1), "-q"]) == 0
+    assert main([str(project), "--out", str(out1), "-q"]) == NOT_MIGRATED
     rep = tmp_path / "rep2"
-    assert main([str(out1), "--out", str(out2), "-q", "--report", str(rep)]) == 0
+    assert main([str(out1), "--out", str(out2), "-q", "--report", str(rep)]) == NOT_MIGRATED
     assert _snapshot(out1) == _snapshot(out2)
     data = json.loads((rep / "report.json").read_text())
     assert data["summary"]["changes"] == 0 and data["summary"]["files_changed"] == 0
@@ -117,7 +120,7 @@ def test_report_schema(project: Path, tmp_path: Path):
 def test_diff_writes_nothing(project: Path, tmp_path: Path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     before = _snapshot(tmp_path)
-    assert main([str(project), "--diff"]) == 0
+    assert main([str(project), "--diff"]) == NOT_MIGRATED
     out = capsys.readouterr().out
     assert "--- a/train.py\n+++ b/train.py\n" in out and "+import torch_npu\n" in out
     assert _snapshot(tmp_path) == before
@@ -133,7 +136,7 @@ def test_check_exit_codes(project: Path, tmp_path: Path):
 
 def test_safe_only_and_select(project: Path, tmp_path: Path):
     rep = tmp_path / "rep"
-    assert main([str(project), "--out", str(tmp_path / "o"), "--safe-only", "--report", str(rep), "-q"]) == 0
+    assert main([str(project), "--out", str(tmp_path / "o"), "--safe-only", "--report", str(rep), "-q"]) == NOT_MIGRATED
     data = json.loads((rep / "report.json").read_text())
     assert data["summary"]["changes_by_safety"]["review"] == 0
     assert data["summary"]["review_not_applied"] > 0
@@ -169,12 +172,12 @@ def test_out_must_be_empty_unless_force(project: Path, tmp_path: Path, capsys):
     out.mkdir()
     (out / "x").write_text("x")
     assert main([str(project), "--out", str(out), "-q"]) == 2
-    assert main([str(project), "--out", str(out), "-q", "--force"]) == 0
+    assert main([str(project), "--out", str(out), "-q", "--force"]) == NOT_MIGRATED
 
 
 def test_in_place_with_backup(project: Path):
     original = (project / "train.py").read_text()
-    assert main([str(project), "--in-place", "--backup", "-q"]) == 0
+    assert main([str(project), "--in-place", "--backup", "-q"]) == NOT_MIGRATED
     assert (project / "train.py.orig").read_text() == original
     assert "torch.npu.set_device" in (project / "train.py").read_text()
     assert not (project / "README.md.orig").exists()  # only changed files are backed up
@@ -188,7 +191,7 @@ def test_in_place_requires_clean_git(project: Path):
     (project / "model.py").write_text((project / "model.py").read_text() + "\n# dirty\n")
     assert main([str(project), "--in-place", "-q"]) == 2
     subprocess.run(["git", "checkout", "-q", "model.py"], cwd=project, check=True)
-    assert main([str(project), "--in-place", "-q"]) == 0
+    assert main([str(project), "--in-place", "-q"]) == NOT_MIGRATED
     assert "import torch_npu" in (project / "train.py").read_text()
 
 
