@@ -222,6 +222,22 @@ APEX_NORM: dict[str, str] = {
 APEX_NORM_MODULES = ("apex.normalization", "apex.normalization.fused_layer_norm")
 # apex FusedAdam defaults to adam_w_mode=True, i.e. decoupled weight decay = AdamW.
 APEX_OPTIM: dict[str, str] = {"FusedAdam": "torch.optim.AdamW", "FusedSGD": "torch.optim.SGD"}
+# what each replacement accepts (PyTorch's signatures, docs/sources.md#class-s-review): at most this
+# many positional arguments in apex's order, and these keywords. A call passing anything else
+# (apex's `bias_correction`, `adam_w_mode`, `set_grad_none`, a third positional argument of
+# FusedAdam, which is bias_correction) would raise TypeError or mean something else: left, reported.
+APEX_ACCEPTS: dict[str, tuple[int, frozenset[str]]] = {
+    "torch.optim.AdamW": (
+        2,
+        frozenset({"params", "lr", "betas", "eps", "weight_decay", "amsgrad", "foreach", "maximize", "capturable"}),
+    ),
+    "torch.optim.SGD": (
+        6,
+        frozenset({"params", "lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize", "foreach"}),
+    ),
+    "torch.nn.LayerNorm": (3, frozenset({"normalized_shape", "eps", "elementwise_affine"})),
+    "torch.nn.RMSNorm": (3, frozenset({"normalized_shape", "eps", "elementwise_affine"})),
+}
 APEX_OPTIM_MODULES = ("apex.optimizers", "apex.optimizers.fused_adam", "apex.optimizers.fused_sgd")
 
 # pip packages that only exist for CUDA (requirements*.txt).

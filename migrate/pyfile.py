@@ -68,7 +68,7 @@ _STATIC_WORDS = (
 # whitespace), module names (PY908: api_map.CUDA_ONLY_MODULES and *_cuda*).
 _MODULE_WORDS = sorted({"cuda", *api_map.CUDA_ONLY_MODULES}, key=len, reverse=True)
 _STRING_GATE = re.compile(
-    r"^(?:cuda(?::\d*)?|nccl|gpu|(?:\w+:\w+,)*cuda:nccl(?:,\w+:\w+)*"
+    r"^(?:cuda(?::\d*|:\{\w*\}|:%[ds])?|nccl|gpu|(?:\w+:\w+,)*cuda:nccl(?:,\w+:\w+)*"
     r"|[A-Z0-9_]*(?:CUDA|NCCL)[^a-z]*|\s*nvidia-smi(?:\s.*)?"
     r"|[\w.]*(?:" + "|".join(map(re.escape, _MODULE_WORDS)) + r")[\w.]*)$",
     re.DOTALL,

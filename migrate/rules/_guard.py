@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import re
 
 import libcst as cst
 
@@ -51,6 +52,15 @@ _COMPARE = {
 # a string operand equal to 'cuda' before migration: `x == 'cuda'` is False without CUDA
 _STRING_COMPARE = {cst.Equal: False, cst.In: False, cst.Is: False, cst.NotEqual: True, cst.NotIn: True, cst.IsNot: True}
 _HOST_DEVICES = frozenset({"cpu", "meta"})
+# test skips -> whether the test runs when the condition is true (issue #29 class 2)
+SKIP_CALLS: dict[str, bool] = {
+    "unittest.skipIf": False,
+    "unittest.case.skipIf": False,
+    "pytest.mark.skipif": False,
+    "unittest.skipUnless": True,
+    "unittest.case.skipUnless": True,
+}
+_CUDA_ONLY_REASON = re.compile(r"cuda[- ]only|only (?:on|for|with) cuda|cuda kernel|triton", re.IGNORECASE)
 _OWNER = {"supported": "PY101", "module": "PY101", "replace": "PY101", "legacy": "PY108", "nvtx": "PY113"}
 
 
@@ -76,13 +86,21 @@ def keep_unsafe_guards(ctx: PyContext) -> None:
         if cuda_only is None:
             cuda_only = _cuda_only(ctx)
         hit = _first_inside(ctx, cuda_only, regions)
+        if hit is None and isinstance(cond, cst.Call):
+            hit = _cuda_only_reason(ctx, cond)
         if hit is not None:
             # the whole test stays: `x.is_cuda and y.is_cuda` with one half migrated asks for both devices
-            test = cond if isinstance(cond, (cst.BooleanOperation, cst.IfExp)) else cond.test
+            test = _test_of(cond)
             for a in [*used, *_atoms_inside(ctx, atoms, test)]:
                 unsafe.setdefault(a, hit)
     if unsafe:
         _withdraw(ctx, [atoms[a] for a in unsafe], unsafe)
+
+
+def _test_of(cond: cst.CSTNode) -> cst.CSTNode:
+    if isinstance(cond, (cst.BooleanOperation, cst.IfExp)):
+        return cond
+    return cond.args[0].value if isinstance(cond, cst.Call) else cond.test
 
 
 def _atoms_inside(ctx: PyContext, atoms: dict, root: cst.CSTNode) -> list[cst.CSTNode]:
@@ -209,19 +227,53 @@ def _conditions(ctx: PyContext, atoms: dict, names: dict[str, cst.CSTNode]) -> l
                 or isinstance(p, (cst.IfExp, cst.If, cst.While, cst.Assert))
                 and p.test is child
             )
-            if decides and p not in seen:
+            skip = _skip_call(ctx, p, child)
+            if (decides or skip) and p not in seen:
                 seen.add(p)
                 out.append(p)
-            if isinstance(p, (cst.If, cst.While)):
+            if isinstance(p, (cst.If, cst.While)) or skip:
                 break
             child, p = p, ctx.parent(p)
     return out
+
+
+def _skip_call(ctx: PyContext, p: cst.CSTNode, child: cst.CSTNode) -> bool:
+    """Is ``p`` a test skip (``@unittest.skipIf(cond, ...)``, ``pytest.mark.skipif``, ``pytestmark =``)
+    whose condition is ``child``? It guards the test it decorates (or the rest of the module)."""
+    if not isinstance(p, cst.Call) or not p.args or p.args[0] is not child:
+        return False
+    if not ctx.qnames(p.func) & SKIP_CALLS.keys():
+        return False
+    holder = ctx.parent(p)
+    return isinstance(holder, cst.Decorator) or isinstance(holder, cst.Assign) and holder.value is p
+
+
+def _skip_regions(ctx, cond: cst.Call, atoms, names, regions, used) -> None:
+    """The test that a skip keeps from running on a machine without CUDA."""
+    value = _eval(cond.args[0].value, atoms, names, regions, used, 0)
+    runs_when = SKIP_CALLS[sorted(ctx.qnames(cond.func) & SKIP_CALLS.keys())[0]]
+    if value is UNKNOWN or bool(value) == runs_when:
+        return
+    holder = ctx.parent(cond)
+    regions += [ctx.parent(holder)] if isinstance(holder, cst.Decorator) else _rest(ctx, holder)
+
+
+def _cuda_only_reason(ctx: PyContext, cond: cst.Call) -> tuple[cst.CSTNode, str] | None:
+    """A skip whose reason says the test is of CUDA-only code ("... CUDA-only", "CUDA kernels")."""
+    for arg in cond.args[1:]:
+        text = string_value(arg.value) or ""
+        if _CUDA_ONLY_REASON.search(text):
+            return arg.value, f"a test of CUDA-only code ({text!r})"
+    return None
 
 
 def _regions(ctx: PyContext, cond: cst.CSTNode, atoms: dict, names: dict) -> tuple[list[cst.CSTNode], list]:
     """(code unreachable before migration on a machine without CUDA, the checks that decided it)."""
     regions: list[cst.CSTNode] = []
     used: list[cst.CSTNode] = []
+    if isinstance(cond, cst.Call):
+        _skip_regions(ctx, cond, atoms, names, regions, used)
+        return regions, used
     if isinstance(cond, (cst.BooleanOperation, cst.IfExp)):
         _eval(cond, atoms, names, regions, used, 0)
         return regions, used

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -37,6 +38,25 @@ DEVICE_POS0_CALLS = frozenset(
         "torch.set_default_device",
         "torch.Generator",
         "torch.cuda.amp.GradScaler",
+        # torch.cuda queries that take a device (issue #29 class 4): renamed to torch.npu by PY101,
+        # whose torch_npu versions reject a "cuda" device string
+        *(
+            f"torch.cuda.{name}"
+            for name in (
+                "get_device_properties",
+                "get_device_name",
+                "set_device",
+                "synchronize",
+                "device",
+                "memory_allocated",
+                "max_memory_allocated",
+                "memory_reserved",
+                "max_memory_reserved",
+                "reset_peak_memory_stats",
+                "memory_stats",
+                "mem_get_info",
+            )
+        ),
     }
 )
 # Calls whose first positional argument / backend keyword is the process-group backend.
@@ -589,7 +609,26 @@ def _role_holder(ctx: PyContext, node: cst.CSTNode) -> tuple[cst.CSTNode, cst.CS
             container = ctx.parent(p)
             child, p = container, ctx.parent(container)
             continue
+        spec = _formatted_spec(ctx, child, p)
+        if spec is not None:  # "cuda:{}".format(i), "cuda:%d" % i: the result is the device spec
+            child, p = spec, ctx.parent(spec)
+            continue
         return child, p
+
+
+FORMAT_SPEC_RE = re.compile(r"^cuda:(?:\{\w*\}|%[ds])$")
+
+
+def _formatted_spec(ctx: PyContext, child: cst.CSTNode, p: cst.CSTNode | None) -> cst.CSTNode | None:
+    """The ``.format(...)`` call or ``%`` expression that fills in the string ``child``, or None."""
+    if not isinstance(child, cst.SimpleString) or not FORMAT_SPEC_RE.match(string_value(child) or ""):
+        return None
+    if isinstance(p, cst.BinaryOperation) and isinstance(p.operator, cst.Modulo) and p.left is child:
+        return p
+    if isinstance(p, cst.Attribute) and p.value is child and p.attr.value == "format":
+        call = ctx.parent(p)
+        return call if isinstance(call, cst.Call) and call.func is p else None
+    return None
 
 
 def _named_value_role(names: str) -> str:

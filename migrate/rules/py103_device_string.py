@@ -14,6 +14,7 @@ from parabench.migrate.core import SAFE
 from parabench.migrate.rules._base import register
 from parabench.migrate.rules._py import (
     DEVICE_RE,
+    FORMAT_SPEC_RE,
     PyRule,
     fstring_device,
     fstring_to_npu,
@@ -36,7 +37,9 @@ class DeviceString(PyRule):
 
     def visit_SimpleString(self, node: cst.SimpleString) -> None:
         value = string_value(node)
-        if value is None or not DEVICE_RE.match(value) or "cuda" not in node.value:
+        if value is None or "cuda" not in node.value:
+            return
+        if not DEVICE_RE.match(value) and not FORMAT_SPEC_RE.match(value):  # "cuda:{}".format(i): _role_holder
             return
         if string_role(self.ctx, node) in ROLES and not kept_in_python(self, node, value, value.replace("cuda", "npu")):
             self.change(

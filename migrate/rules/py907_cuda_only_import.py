@@ -8,6 +8,7 @@ from parabench.migrate import api_map
 from parabench.migrate.core import MANUAL
 from parabench.migrate.rules._base import register
 from parabench.migrate.rules._py import PyRule, dotted
+from parabench.migrate.rules.py111_apex_norm import import_fits
 
 # apex imports migrated by other rules when those rules are active
 MIGRATED = (
@@ -42,7 +43,8 @@ class CudaOnlyImport(PyRule):
         )
         for modules, mapping, code in MIGRATED:
             if mod in modules and names and all(n in mapping for n in names) and code in self.ctx.active:
-                return
+                if import_fits(self.ctx, node, mapping):
+                    return
         tip = api_map.cuda_only_module_tip(mod, self.ctx.options.local_packages)
         if tip is None:
             for n in names:  # `from torch.distributed import _symmetric_memory`, `from apex import amp`
