@@ -4,9 +4,12 @@
 A cluster file gives the device (its name, kind and memory), devices per node, host memory for
 offloaded states, the intra- and inter-node links (bandwidth per device per direction and a
 latency) and, where states can be offloaded, the host link (device <-> host bandwidth per device
-per direction, and the node's host memory bandwidth the host optimizer step is bound by). Peak FLOP/s are not repeated there: they come from ``parabench.flops`` (the table MFU
-uses, or the measured CPU GEMM peak), so a plan's MFU and a run's MFU share one peak. Values
-without a solid public source are listed under ``uncertain`` and every plan says so.
+per direction, and the node's host memory bandwidth the host optimizer step is bound by), and the
+device's dense peak FLOP/s per precision with its source (``peak_tflops``, ``peak_source``): a
+device missing from ``parabench.flops``' table still gets a peak, and a cluster without one is
+refused (a step time without a peak would be NaN). The CPU cluster measures its peak instead (the
+GEMM peak at its threads per rank, ``measured``). Values without a solid public source are listed
+under ``uncertain`` and every plan says so.
 """
 
 from __future__ import annotations
@@ -56,6 +59,9 @@ class Cluster:
     measured: dict[str, Any] | None = None  # CPU: how the figures were measured
     # None: nothing to offload to (the CPU cluster: host memory is the device's memory)
     host_link: HostLink | None = None
+    # dense peak TFLOP/s per precision and where it comes from (None: measured, the CPU cluster)
+    peak_tflops: dict[str, float] | None = None
+    peak_source: str = ""
 
     def link(self, group_span: int) -> Link:
         """The link a group spanning ``group_span`` consecutive devices runs over."""
@@ -83,6 +89,7 @@ def load(name: str) -> Cluster:
     if not path.is_file():
         raise SpecError("cluster", f"unknown cluster {name!r} (available: {', '.join(available())})")
     raw = yaml.safe_load(path.read_text())
+    _check_peak(name, raw)
     mem = raw["memory_gib"] * GIB if "memory_gib" in raw else raw["memory_gb"] * 1e9
 
     def link(node: dict[str, Any]) -> Link:
@@ -101,7 +108,21 @@ def load(name: str) -> Cluster:
         domain=int(raw.get("supernode_devices", 0)),
         measured=raw.get("measured"),
         host_link=_host_link(raw.get("host_link")),
+        peak_tflops={k: float(v) for k, v in raw["peak_tflops"].items()} if "peak_tflops" in raw else None,
+        peak_source=str(raw.get("peak_source", "")),
     )
+
+
+def _check_peak(name: str, raw: dict[str, Any]) -> None:
+    """A cluster carries its device's peak with a source, unless it measures it (the CPU cluster)."""
+    if raw.get("device_kind") == "cpu" and "measured" in raw:
+        return
+    if not raw.get("peak_tflops") or not raw.get("peak_source"):
+        raise SpecError(
+            "cluster",
+            f"conf/cluster/{name}.yaml has no peak: add peak_tflops (dense TFLOP/s per precision, e.g. "
+            "{bf16: 989}) and peak_source (the datasheet or paper it comes from)",
+        )
 
 
 def _host_link(node: dict[str, Any] | None) -> HostLink | None:
@@ -116,4 +137,8 @@ def peak(cluster: Cluster, precision: str, cache_dir: Path) -> Peak | None:
     if cluster.device_kind == "cpu":
         threads = int((cluster.measured or {}).get("threads_per_rank", 1))
         return cpu_gemm_peak(threads, precision, cache_dir, cluster.device_name)
-    return table_peak(cluster.device_name, precision)
+    if cluster.peak_tflops is None:
+        return table_peak(cluster.device_name, precision)
+    tflops = cluster.peak_tflops.get(precision)
+    uncertain = "peak" in cluster.uncertain
+    return Peak(tflops, f"{cluster.peak_source} (conf/cluster/{cluster.name}.yaml)", uncertain) if tflops else None

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from parabench.commvolume import Batch, Layout, StepComm, step_comm
 from parabench.flops import flops_per_token
 from parabench.plan.cluster import Cluster
+from parabench.plan.gemms import CURVES, Curve, forward_gemms, recompute_share, step_compute_s
 from parabench.plan.profiles import PROFILES, Offload, States
 from parabench.spec import JobSpec
 
@@ -49,6 +50,11 @@ class Calibration:
     links: dict[str, list[float]] = field(default_factory=dict)
     # seconds of framework work per micro-batch and rank, keyed like ``efficiency`` (absent: 0)
     micro_batch: dict[str, float] = field(default_factory=dict)
+    # device kind -> [e_max, x0] of the GEMM efficiency curve (absent: gemms.CURVES)
+    curves: dict[str, list[float]] = field(default_factory=dict)
+
+    def curve(self, kind: str) -> Curve:
+        return Curve(*self.curves[kind]) if kind in self.curves else CURVES[kind]
 
     def eff(self, backend: str, kind: str, threads: int | None = None, layout: str | None = None) -> float:
         """The fitted share of the peak: first for this layout (``layout_key``), for a CPU rank at its
@@ -96,6 +102,30 @@ def layout_key(layout: Layout) -> str:
 
 
 @dataclass(frozen=True)
+class Features:
+    """What a stack does that no harness option sets (a published run's, docs/plan.md#overlap):
+    ``tp_overlap``: tensor-parallel collectives overlapped with the GEMMs (Megatron's tp_comm_overlap
+    with Transformer Engine on CUDA, MindSpeed's mc2 on the NPU); ``recompute``: replaces the
+    layout's (``selective_op``: torchtitan's op-level selective activation checkpointing)."""
+
+    tp_overlap: bool = False
+    recompute: str | None = None
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """Each mechanism's communication in a step and the part of it hidden behind compute (s)."""
+
+    total: dict[str, float] = field(default_factory=dict)
+    hidden: dict[str, float] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        return ", ".join(
+            f"{k} {1e3 * self.hidden.get(k, 0.0):.3g}/{1e3 * v:.3g} ms hidden" for k, v in self.total.items() if v
+        )
+
+
+@dataclass(frozen=True)
 class Estimate:
     job: JobSpec
     states: States
@@ -119,6 +149,8 @@ class Estimate:
     cp_hidden_s: float = 0.0  # context-parallel ring hidden behind the attention compute
     host_capacity_bytes: float = float("inf")  # this device's share of its node's host memory
     framework_s: float = 0.0  # calibrated framework cost per micro-batch x model_passes
+    overlap: Overlap = field(default_factory=Overlap)  # per mechanism: communication and what is hidden
+    compute_model: str = "flops"  # flops (one efficiency) | gemm-shapes (the device kind's curve)
 
     @property
     def margin_bytes(self) -> float:
@@ -185,26 +217,29 @@ def threads_of(cluster: Cluster) -> int | None:
 
 
 def estimate(
-    job: JobSpec, cluster: Cluster, peak_tflops: float | None, cal: Calibration, threads: int | None = None
+    job: JobSpec,
+    cluster: Cluster,
+    peak_tflops: float | None,
+    cal: Calibration,
+    threads: int | None = None,
+    features: Features | None = None,
 ) -> Estimate:
-    """``threads``: a recorded CPU run's threads per rank (default: the cluster's)."""
+    """``threads``: a recorded CPU run's threads per rank (default: the cluster's); ``features``:
+    what the stack does beyond the harness's options (published runs; default none)."""
     prof = PROFILES[job.backend.name]
+    features = features or Features()
     states = prof.states(job)
-    recompute = prof.recompute(job)
-    acts = activation_bytes(job, recompute, prof.fused_attention(job))
+    recompute = features.recompute or prof.recompute(job)
+    acts = activation_bytes(job, "selective" if recompute == "selective_op" else recompute, prof.fused_attention(job))
     buffers = prof.buffers(job)
     overhead = cal.over(job.backend.name, cluster.device_kind)
     # without a host link (the CPU cluster) "offloaded" states stay in the same memory as the rest
     host = states.host if cluster.host_link else 0.0
     device = states.total - host + acts + buffers + overhead
     fpt = flops_per_token(job.model, job.data.seq_len)
-    flops = fpt * job.tokens_per_step / job.parallel.world_size
-    if recompute == "full":
-        flops *= 4 / 3
     kind, layout = cluster.device_kind, prof.layout(job)
     threads = (threads or threads_of(cluster)) if kind == "cpu" else None
-    eff = cal.eff(job.backend.name, kind, threads, layout_key(layout))
-    compute = flops / (peak_tflops * 1e12 * eff) if peak_tflops else float("nan")
+    compute, compute_model = _compute_s(job, layout, cluster, peak_tflops, cal, threads, recompute)
     framework = cal.per_micro_batch(job.backend.name, kind, threads, layout_key(layout)) * model_passes(job)
     comm = step_comm(
         job.model,
@@ -219,11 +254,11 @@ def estimate(
         g: sum(c.seconds(*_link(cluster, spans[g], cal, c.kind)) for c in comm.collectives if c.group == g)
         for g in spans
     }
-    dp_hidden = prof.overlap(job) * min(times["dp"], compute * 2 / 3)
-    # the ring passes the next K/V chunk while the current one's attention runs (the attention
-    # share of the FLOPs: PaLM's 12 L H Q T term of flops_per_token; docs/sources.md#comm-volume-context-parallel)
-    cp_hidden = min(times["cp"], compute * (1 - 6 * job.model.num_matmul_params() / fpt))
-    exposed = sum(times.values()) - dp_hidden - cp_hidden
+    gather = sum(c.seconds(*_link(cluster, spans["dp"], cal, c.kind)) for c in comm.collectives
+                 if c.group == "dp" and c.kind == "all_gather")  # fmt: skip
+    overlap = _overlap(job, prof, times, gather, compute, features, 6 * job.model.num_matmul_params() / fpt)
+    dp_hidden = overlap.hidden["dp grad reduce"] + overlap.hidden["dp param gather"]
+    exposed = sum(times.values()) - sum(overlap.hidden.values())
     transfer, host_step, offload = _offload_time(
         prof.offload(job, states), cluster, min(job.parallel.world_size, cluster.devices_per_node),
         max(compute * 2 / 3 - dp_hidden, 0.0),
@@ -238,9 +273,57 @@ def estimate(
     return Estimate(
         job, states, acts, buffers, overhead, device, host, cluster.memory_bytes,
         compute, sum(times.values()), exposed, bubble, step, per_device, mfu, comm,
-        offload, transfer, host_step, cp_hidden,
+        offload, transfer, host_step, overlap.hidden["cp ring"],
         cluster.host_memory_bytes / min(job.parallel.world_size, cluster.devices_per_node), framework,
+        overlap, compute_model,
     )  # fmt: skip
+
+
+def _compute_s(
+    job: JobSpec, layout: Layout, cluster: Cluster, peak_tflops: float | None, cal: Calibration,
+    threads: int | None, recompute: str,
+) -> tuple[float, str]:  # fmt: skip
+    """(seconds of compute per step, the model used). A device kind with a GEMM efficiency curve
+    (``gemms.CURVES``) and no efficiency of its own from recorded runs: the step's GEMMs at their
+    shapes' efficiency (docs/plan.md#compute-from-gemm-shapes); otherwise (the CPU) the model FLOPs
+    at one calibrated efficiency, x 4/3 with full recomputation (one more forward)."""
+    if not peak_tflops:
+        return float("nan"), "flops"
+    kind, name = cluster.device_kind, job.backend.name
+    if kind in CURVES and not cal.calibrated(name, kind):
+        gemms = forward_gemms(job.model, job.data.seq_len, job.data.micro_batch_size, layout.tp, layout.cp)
+        share = recompute_share(job.model, recompute)
+        return step_compute_s(
+            gemms, job.grad_accum, layout.pp, peak_tflops * 1e12, cal.curve(kind), share
+        ), "gemm-shapes"
+    flops = flops_per_token(job.model, job.data.seq_len) * job.tokens_per_step / job.parallel.world_size
+    if recompute == "full":
+        flops *= 4 / 3
+    eff = cal.eff(name, kind, threads, layout_key(layout))
+    return flops / (peak_tflops * 1e12 * eff), "flops"
+
+
+def _overlap(
+    job: JobSpec, prof, times: dict[str, float], gather: float, compute: float, features: Features, gemm_share: float
+) -> Overlap:
+    """What each mechanism hides (docs/sources.md#plan-overlap): the dp gradient reduction behind the
+    backward (2/3 of the compute) as far as the backend overlaps it; with ``overlap_param_gather``
+    the distributed optimizer's parameter all-gather behind the forward (1/3); the context-parallel
+    ring behind the attention (the 12 L H Q T share of the FLOPs: PaLM); tensor-parallel
+    collectives behind the GEMMs where the stack overlaps them (``Features.tp_overlap``); pipeline
+    send/recv where the schedule overlaps it (the profile's ``pp_overlap``)."""
+    param = prof.param_overlap(job) * min(gather, compute / 3)
+    grad_part = times["dp"] - (gather if prof.param_overlap(job) else 0.0)
+    hidden = {
+        "dp grad reduce": prof.overlap(job) * min(grad_part, compute * 2 / 3),
+        "dp param gather": param,
+        "tp": min(times["tp"], compute * gemm_share) if features.tp_overlap else 0.0,
+        "cp ring": min(times["cp"], compute * (1 - gemm_share)),
+        "pp send/recv": prof.pp_overlap(job) * min(times["pp"], compute),
+    }
+    total = {"dp grad reduce": grad_part, "dp param gather": times["dp"] - grad_part, "tp": times["tp"],
+             "cp ring": times["cp"], "pp send/recv": times["pp"]}  # fmt: skip
+    return Overlap(total, hidden)
 
 
 def _offload_time(off: Offload, cluster: Cluster, ranks_per_node: int, backward_left: float) -> tuple[float, ...]:

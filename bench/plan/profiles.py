@@ -90,6 +90,10 @@ class Profile:
     # None = commvolume's default (the root stays unsharded from forward to backward), 0 = resharded too
     root_elements: Callable[[JobSpec], int | None] = lambda job: None
     offload: Callable[[JobSpec, States], Offload] = lambda job, states: Offload()
+    # share of the distributed optimizer's parameter all-gather hidden behind the forward
+    param_overlap: Callable[[JobSpec], float] = lambda job: 0.0
+    # share of the pipeline send/recv hidden behind compute
+    pp_overlap: Callable[[JobSpec], float] = lambda job: 0.0
 
     def widths(self, job: JobSpec) -> Widths:
         return Widths.for_precision(job.run.precision, self.grad_fp32(job))
@@ -357,6 +361,20 @@ def _mg_buffers(job: JobSpec) -> float:
     return 2.0 * chunk
 
 
+def _mg_param_overlap(job: JobSpec) -> float:
+    """overlap_param_gather (distributed optimizer): the next bucket's parameter all-gather runs
+    during the forward (Megatron-Core docs, distributed optimizer) on a device with streams; on the
+    CPU (no streams) it blocks, as FSDP's does (``_fsdp_overlap``)."""
+    o = job.backend.options
+    return float(o.overlap_param_gather and o.distributed_optimizer and job.device.type != "cpu")
+
+
+def _mg_pp_overlap(job: JobSpec) -> float:
+    """The interleaved schedule overlaps its send/recv with compute (Megatron-LM's overlap_p2p_comm,
+    on by default, interleaved only); plain 1F1B's batched send/recv blocks. None on the CPU."""
+    return float(job.backend.options.vpp > 1 and job.device.type != "cpu")
+
+
 def _mg_layout(job: JobSpec) -> Layout:
     o, par = job.backend.options, job.parallel
     return Layout(
@@ -435,6 +453,8 @@ PROFILES: dict[str, Profile] = {
         lambda j: float(j.backend.options.overlap_grad_reduce),
         lambda j: "none",
         lambda j: j.device.type != "cpu",  # megatron-core's local attention (CPU) keeps the scores
+        param_overlap=_mg_param_overlap,
+        pp_overlap=_mg_pp_overlap,
     ),
     "mindspore": Profile(
         _no_options, _dp_layout(lambda j: "none"), lambda j: True, _replicated, lambda j: 0.0, lambda j: 1.0, _ac

@@ -16,7 +16,7 @@ from typing import Any
 from parabench.confutil import compose, to_plain
 from parabench.errors import SpecError, UserError
 from parabench.plan.cluster import Cluster
-from parabench.plan.estimate import Calibration, Estimate, estimate
+from parabench.plan.estimate import Calibration, Estimate, Features, estimate
 from parabench.plan.profiles import PROFILES
 from parabench.runner import execute, prepare
 
@@ -74,7 +74,9 @@ def search(
     mbs: list[int],
     peak: float | None,
     cal: Calibration,
+    features: Features | None = None,
 ) -> Searched:
+    """``features``: what the stack does beyond the harness's options, for every candidate (published runs)."""
     out = Searched()
     for cfg, overrides in candidates(base, cluster, world, mbs):
         try:
@@ -83,7 +85,7 @@ def search(
             reason = str(exc).split(":", 1)[0]  # the key that refused it
             out.invalid[reason] = out.invalid.get(reason, 0) + 1
             continue
-        est = estimate(job, cluster, peak, cal)
+        est = estimate(job, cluster, peak, cal, features=features)
         out.overrides[id(est)] = overrides
         out.plains[id(est)] = cfg
         (out.ranked if est.fits else out.unfit).append(est)

@@ -1,0 +1,109 @@
+"""Compute time of a step from the shapes of its GEMMs (docs/plan.md#compute-from-gemm-shapes).
+
+Every matrix multiply of a Llama forward pass, per device after the tensor- and context-parallel
+splits (Megatron's column/row-parallel linears split the output or the input dimension by tp,
+Narayanan et al. 2021 sec. 2.3; context parallelism gives a rank s / cp query tokens against all s
+keys, Liu et al. 2023), as (m, n, k): m tokens of the micro-batch, an n x k weight. Their FLOPs
+summed are exactly PaLM's 6N + 12 L H Q T per token (Chowdhery et al. 2022, App. B;
+docs/sources.md#plan-gemm-shapes): the backward runs two GEMMs of the same shape per forward GEMM.
+
+Each GEMM runs at a share of the device's peak that grows with its arithmetic intensity
+x = mnk / (mk + kn + mn) (FLOPs per byte moved for 2-byte operands: the roofline model, Williams,
+Waterman and Patterson 2009): eff(x) = e_max x / (x + x0), e_max and x0 fitted once per device kind
+on published runs (benchmarks/plan_published.py --fit; the values and the rows they were fitted on
+are in ``CURVES`` and docs/plan.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parabench.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Share of the peak a GEMM reaches at arithmetic intensity x: e_max x / (x + x0)."""
+
+    e_max: float
+    x0: float
+    fitted_on: str = ""  # which published rows (benchmarks/data/published_runs.yaml)
+
+    def eff(self, m: float, n: float, k: float) -> float:
+        x = intensity(m, n, k)
+        return self.e_max * x / (x + self.x0)
+
+
+# Fitted by `benchmarks/plan_published.py --fit` (docs/plan.md#calibration-on-published-runs).
+CURVES: dict[str, Curve] = {
+    "cuda": Curve(0.48, 141.4, "megatron-readme (9 rows) + torchtitan-h100-202412 (2 rows), H100"),
+    "npu": Curve(0.89, 1345.4, "mindspeed-llm-readme (10 expressible rows), Ascend 910B"),
+}
+
+
+def intensity(m: float, n: float, k: float) -> float:
+    """FLOPs per byte of a GEMM of 2-byte operands: 2mnk / (2 (mk + kn + mn))."""
+    return m * n * k / (m * k + k * n + m * n)
+
+
+@dataclass(frozen=True)
+class Gemm:
+    what: str
+    m: float
+    n: float
+    k: float
+    count: float  # how many per forward pass of one micro-batch over the whole model
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.n * self.k * self.count
+
+
+def forward_gemms(model: ModelSpec, seq_len: int, micro_batch: int, tp: int = 1, cp: int = 1) -> list[Gemm]:
+    """The forward GEMMs of one micro-batch on one device (all layers; a pipeline stage runs 1 / pp
+    of them). The attention scores and their product with V are one batched GEMM each over the
+    device's heads: (s / cp) x s x head_dim per head, of which a causal kernel computes half (FlashAttention
+    skips the blocks above the diagonal, Dao 2023; Megatron's context-parallel ring balances them over
+    the cp ranks): ``count`` = L / 2. (MFU still counts PaLM's full 12 L H Q T.)"""
+    h, i, layers = model.hidden_size, model.intermediate_size, model.num_hidden_layers
+    q = model.num_attention_heads * model.head_dim
+    kv = model.num_key_value_heads * model.head_dim
+    m = micro_batch * seq_len / cp
+    return [
+        Gemm("qkv", m, (q + 2 * kv) / tp, h, layers),
+        Gemm("attention scores", m, seq_len, q / tp, layers / 2),
+        Gemm("attention x V", m, q / tp, seq_len, layers / 2),
+        Gemm("o", m, h, q / tp, layers),
+        Gemm("gate+up", m, 2 * i / tp, h, layers),
+        Gemm("down", m, h, i / tp, layers),
+        Gemm("lm_head", m, model.vocab_size / tp, h, 1),
+    ]
+
+
+# torchtitan's "op" selective activation checkpointing saves the output of every other mm of a
+# block (parallelize_llama.py: ``func == aten.mm and mm_count % 2 == 0`` is recomputed): of the
+# seven mms of a Llama block (q, k, v, o, w1, w3, w2 in call order) the 2nd, 4th and 6th (k, o, w3)
+
+
+def recompute_share(model: ModelSpec, recompute: str) -> float:
+    """Forward FLOPs recomputed in the backward, as a share of one forward pass."""
+    if recompute == "full":
+        return 1.0
+    if recompute != "selective_op":
+        return 0.0
+    h, i, layers = model.hidden_size, model.intermediate_size, model.num_hidden_layers
+    kv = model.num_key_value_heads * model.head_dim
+    q = model.num_attention_heads * model.head_dim
+    per_layer = h * (q + 2 * kv) + h * q + 3 * h * i
+    recomputed = h * kv + h * q + h * i  # k, o, w3 (up)
+    total = layers * per_layer + model.vocab_size * h
+    return layers * recomputed / total
+
+
+def step_compute_s(
+    gemms: list[Gemm], micro_batches: float, pp: int, peak_flops: float, curve: Curve, recompute: float
+) -> float:
+    """Seconds of GEMM work a device does per step: forward + backward (3 x the forward GEMMs) +
+    the recomputed share of the forward, over its 1 / pp of the model, for every micro-batch."""
+    forward = sum(g.flops / (peak_flops * curve.eff(g.m, g.n, g.k)) for g in gemms)
+    return forward * (3.0 + recompute) * micro_batches / pp

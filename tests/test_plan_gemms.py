@@ -1,0 +1,87 @@
+"""The planner's GEMM-shape compute model and cluster peaks (issue 28), against hand-computed values
+from outside sources: Meta's Llama 3 8B config.json (h 4096, 32 layers, 32 heads, 8 KV heads, FFN
+14,336, vocabulary 128,256), PaLM's FLOPs per token (Chowdhery et al. 2022, App. B) and torchtitan's
+op-level selective checkpointing policy (every second mm of a block recomputed)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from parabench.errors import SpecError
+from parabench.spec import ModelSpec
+
+LLAMA3_8B = ModelSpec("llama3-8b", 4096, 14336, 32, 32, 8, 128256)
+# per layer: q 4096^2 + k, v 2 x 4096 x 1024 + o 4096^2 + MLP 3 x 4096 x 14336 = 218,103,808;
+# x 32 layers + lm_head 128,256 x 4,096 = 7,504,658,432 matmul weights (the embedding is a lookup)
+MATMUL_8B = 7_504_658_432
+
+
+def test_gemm_flops_are_palm_6n_plus_causal_attention():
+    from parabench.plan.gemms import forward_gemms
+
+    seq = 8192
+    gemms = forward_gemms(LLAMA3_8B, seq, micro_batch=1)
+    # forward + backward = 3 x forward; PaLM's attention 12 L H Q T per token, halved by the causal kernel
+    want = (6 * MATMUL_8B + 12 * 32 * 4096 * seq / 2) * seq
+    assert 3 * sum(g.flops for g in gemms) == pytest.approx(want, rel=1e-12)
+    assert want / seq == 51_470_401_536
+
+
+def test_tensor_and_context_parallel_split_the_gemms():
+    from parabench.plan.gemms import forward_gemms
+
+    whole = {g.what: g for g in forward_gemms(LLAMA3_8B, 8192, 1)}
+    split = {g.what: g for g in forward_gemms(LLAMA3_8B, 8192, 1, tp=8, cp=4)}
+    # column-parallel qkv: (4096 + 2 x 1024) / 8 = 768 outputs; row-parallel down: 14336 / 8 = 1792 inputs
+    assert split["qkv"].n == 768 and split["down"].k == 1792
+    # context parallel: 8192 / 4 = 2048 query tokens of the micro-batch against all 8192 keys
+    assert split["qkv"].m == 2048 and split["attention scores"].n == 8192
+    assert sum(g.flops for g in split.values()) == pytest.approx(sum(g.flops for g in whole.values()) / 32)
+
+
+def test_arithmetic_intensity_of_a_square_gemm():
+    from parabench.plan.gemms import Curve, intensity
+
+    # 2 n^3 FLOPs over 3 n^2 two-byte matrices: n / 3 FLOPs per byte
+    assert intensity(4096, 4096, 4096) == pytest.approx(4096 / 3)
+    curve = Curve(0.5, 4096 / 3)
+    assert curve.eff(4096, 4096, 4096) == pytest.approx(0.25)  # at x = x0 the curve is at half its e_max
+
+
+def test_torchtitan_op_selective_checkpointing_recomputes_k_o_and_w3():
+    from parabench.plan.gemms import recompute_share
+
+    # k 4096 x 1024 + o 4096^2 + w3 4096 x 14336 = 79,691,776 per layer, x 32 over all matmul weights
+    assert recompute_share(LLAMA3_8B, "selective_op") == pytest.approx(32 * 79_691_776 / MATMUL_8B)
+    assert recompute_share(LLAMA3_8B, "full") == 1.0 and recompute_share(LLAMA3_8B, "none") == 0.0
+
+
+def test_cluster_peak_comes_from_the_cluster_file(tmp_path, monkeypatch):
+    from parabench.plan import cluster as clusters
+
+    h100 = clusters.load("h100-sxm")
+    pk = clusters.peak(h100, "bf16", tmp_path)
+    assert pk.tflops == 989 and "H100 datasheet" in pk.source  # NVIDIA H100 SXM datasheet: 989 TFLOP/s dense bf16
+    raw = yaml.safe_load((clusters.cluster_dir() / "h100-sxm.yaml").read_text())
+    del raw["peak_tflops"]
+    (tmp_path / "nopeak.yaml").write_text(yaml.safe_dump(raw))
+    monkeypatch.setattr(clusters, "cluster_dir", lambda: tmp_path)
+    with pytest.raises(SpecError) as err:
+        clusters.load("nopeak")
+    assert "no peak" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_tp_overlap_hides_tensor_parallel_collectives_behind_the_gemms():
+    from test_plan import _job
+
+    from parabench.plan.cluster import load
+    from parabench.plan.estimate import Calibration, Features, estimate
+
+    job = _job("megatron", 2, "run.precision=bf16", "data.global_batch_size=4", device="cuda", tp=2,
+               sequence_parallel=True)  # fmt: skip
+    plain = estimate(job, load("h100-sxm"), 989.0, Calibration())
+    over = estimate(job, load("h100-sxm"), 989.0, Calibration(), features=Features(tp_overlap=True))
+    assert plain.overlap.hidden["tp"] == 0 and plain.overlap.total["tp"] > 0
+    assert 0 < over.overlap.hidden["tp"] <= plain.overlap.total["tp"]  # at most the GEMMs' time hides it
+    assert over.step_s == pytest.approx(plain.step_s - over.overlap.hidden["tp"])
