@@ -216,7 +216,21 @@ def plan_resume(job: JobSpec, run_dir: Path | None) -> Path | None:
     if found is None:
         return None
     check_compatible(job, found[1], found[0])
+    check_work_left(job, found[1], found[0])
     return found[0]
+
+
+def check_work_left(job: JobSpec, marker: dict[str, Any], path: Path) -> None:
+    """Refuse a resume at or past the job's last step: it would train nothing and end as a run whose
+    figures look measured."""
+    total, step = job.run.warmup_steps + job.run.steps, int(marker.get("step", 0))
+    if step >= total:
+        raise SpecError(
+            "run.resume",
+            f"nothing left to train: checkpoint {path} is at step {step} and this job ends at step {total}; "
+            "to measure again from step 0 use run.resume=never with another run.checkpoint.dir "
+            "(or raise run.steps to train on)",
+        )
 
 
 def write_resume_file(run_dir: Path, path: Path | None) -> None:
@@ -369,7 +383,9 @@ class Checkpointer:
 
     # -- saving ------------------------------------------------------------------------------
     def due(self, completed: int, total: int) -> bool:
-        return self.every > 0 and completed % self.every == 0 and completed < total
+        """Every ``every`` steps and after the last step, so the run's end state can be continued or
+        converted."""
+        return self.every > 0 and (completed % self.every == 0 or completed == total)
 
     def save(self, completed: int, harness: dict[str, Any]) -> SaveRecord:
         """Write checkpoint ``step_<completed>`` (async: its marker follows at the next save/close)."""
@@ -438,8 +454,8 @@ class Checkpointer:
 
     # -- what the loop calls --------------------------------------------------------------------
     def after_step(self, completed: int, total: int, history: dict[str, list], ledger) -> None:
-        """After a step, outside its timed region: save when ``completed`` is a multiple of every,
-        or when it is the step the runner asked to stop at (then raise StopRequested)."""
+        """After a step, outside its timed region: save when ``completed`` is a multiple of every or
+        the last step, or when it is the step the runner asked to stop at (then raise StopRequested)."""
         stop = stop_step(self.ctx.run_dir) == completed
         if not (stop or self.due(completed, total)):
             return

@@ -304,7 +304,7 @@ def test_rank_killed_during_a_save_loses_only_that_save_and_recovers(results, un
     assert summary["losses"] == uninterrupted("ddp")["losses"]
     assert summary["data_checksum"] == uninterrupted("ddp")["data_checksum"]
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert ckpts == ["step_000010", "step_000015"]  # step 10 saved again after the resume; keep=2
+    assert ckpts == ["step_000015", "step_000020"]  # 10 saved again, then 15 and 20 (the last); keep=2
     (run,) = (row for _, row in mlflow_runs(results).iterrows())
     assert run["status"] == "FINISHED" and run["metrics.restarts"] == 1
 

@@ -32,7 +32,10 @@ def test_async_save_is_complete_and_resumes_bitwise(tmp_path):
     args += ["run.checkpoint.async=true", f"run.checkpoint.dir={tmp_path / 'ck'}"]
     saved = run_ok([*args, "tracking.enabled=false"], tmp_path / "saved")
     assert (tmp_path / "ck" / "step_000005" / "COMPLETE").is_file()
-    resumed = run_ok([*args, "run.resume=auto", "tracking.enabled=false"], tmp_path / "resumed")
+    assert (tmp_path / "ck" / "step_000006" / "COMPLETE").is_file()  # the last step, saved too
+    again = [a for a in args if not a.startswith("run.checkpoint.dir=")]  # its own dir: step 6 is the newest there
+    resume = f"run.resume={tmp_path / 'ck' / 'step_000005'}"
+    resumed = run_ok([*again, resume, "tracking.enabled=false"], tmp_path / "resumed")
     assert resumed["resumed_step"] == 5
     assert resumed["losses"] == saved["losses"]
 
