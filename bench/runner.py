@@ -516,6 +516,7 @@ def build_summary(job: JobSpec, adapter, results: list[dict]) -> dict[str, Any]:
             "peak_tflops_per_device": peak.tflops if peak else None,
             "peak_source": peak.source if peak else "unknown device peak: MFU not computed",
             "peak_uncertain": bool(peak and peak.uncertain),
+            "peak_measured_at": peak.measured_at if peak else None,
             "initial_checksum": checksums.pop() if len(checksums) == 1 else f"MISMATCH {sorted(checksums)}",
             **_data_summary(results),
             "losses": results[0]["losses"],

@@ -102,3 +102,21 @@ def test_mfu_is_achieved_over_peak_with_the_slowest_rank_per_step():
     assert s["tokens_per_s_per_device"] == pytest.approx(2000)
     assert s["achieved_tflops_per_device"] == pytest.approx(2.0)
     assert s["mfu"] == pytest.approx(0.25)
+
+
+def test_the_cpu_peak_is_the_highest_measurement_and_says_when(tmp_path, monkeypatch):
+    """Three runs on one CPU model and thread count measure 0.054, 0.373 and 0.2 TFLOP/s (a loaded
+    machine, then an idle one, then a loaded one): the peak is 0.054 only until a higher
+    measurement, and 0.373 with its time from then on; another thread count keeps its own."""
+    import parabench.flops as flops
+
+    measured = iter([0.054, 0.373, 0.2, 0.1])
+    monkeypatch.setattr(flops, "_gemm_tflops", lambda threads, precision: next(measured), raising=False)
+    clock = iter(["2026-12-05T13:00:00Z", "2026-12-05T14:00:00Z", "2026-12-05T15:00:00Z", "2026-12-05T16:00:00Z"])
+    monkeypatch.setattr(flops.time, "strftime", lambda fmt, t=None: next(clock))
+    peaks = [flops.cpu_gemm_peak(2, "fp32", tmp_path, "Some CPU") for _ in range(3)]
+    assert [p.tflops for p in peaks] == [0.054, 0.373, 0.373]
+    assert peaks[2].measured_at == "2026-12-05T14:00:00Z" and "measured 2026-12-05T14:00:00Z" in peaks[2].source
+    assert "this run: 0.2" in peaks[2].source
+    other = flops.cpu_gemm_peak(1, "fp32", tmp_path, "Some CPU")
+    assert other.tflops == 0.1 and other.measured_at == "2026-12-05T16:00:00Z"
