@@ -171,12 +171,23 @@ def expected_sum(world: int, index: int) -> int:
 # --------------------------------------------------------------------------------------------
 # The alpha-beta model of one operation: t(S) = alpha + beta x S.
 # --------------------------------------------------------------------------------------------
+MAX_FIT_ERR = 0.5  # above this largest relative error the fitted alpha and beta are not shown as a model
+
+
 @dataclass(frozen=True)
 class Fit:
     alpha_s: float  # latency: the time of an empty operation
     beta_s_per_byte: float  # inverse bandwidth: 1 / beta is the asymptotic algbw
     max_rel_err: float  # max over sizes of |fit - measured| / measured
     points: int
+
+    def problem(self) -> str | None:
+        """Why the two numbers do not describe the measured curve (then print no bandwidth), or None."""
+        if self.beta_s_per_byte <= 0:
+            return "the time does not grow with the size (no bandwidth to fit: too few or too noisy sizes)"
+        if self.max_rel_err > MAX_FIT_ERR:
+            return f"the model misses a measured time by {100 * self.max_rel_err:.0f}% (noisy sizes?)"
+        return None
 
     def as_params(self, op: str) -> dict[str, str]:
         bw = 1 / self.beta_s_per_byte / 1e9 if self.beta_s_per_byte > 0 else float("inf")
@@ -186,6 +197,7 @@ class Fit:
             f"fit.{op}.algbw_asymptote_GBps": f"{bw:.4g}",
             f"fit.{op}.max_rel_err": f"{self.max_rel_err:.4g}",
             f"fit.{op}.points": str(self.points),
+            **({f"fit.{op}.warning": self.problem()} if self.problem() else {}),
         }
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from parabench import __version__, envreport
 from parabench.adapters.registry import get_adapter
-from parabench.collectives import OPS, CommJob, SizePoint, fit_alpha_beta, stack_for, sweep
+from parabench.collectives import OPS, CommJob, Fit, SizePoint, fit_alpha_beta, stack_for, sweep
 from parabench.commworker import comm_job
 from parabench.confutil import compose, expand_sweep, to_plain
 from parabench.devices import DEVICES
@@ -178,12 +178,21 @@ def print_table(p: Prepared, rows: list[dict[str, Any]], fitted: dict[str, Any])
             note = f"  (rounded from {r['requested']} B)" if r["size"] != r["requested"] else ""
             print(f"{r['size']:12d} {r['count']:11d} {r['time_s'] * 1e6:11.1f} {bw} {wrong:>7}{note}")
         if op in fitted:
-            f = fitted[op]
-            bw = 1 / f.beta_s_per_byte / 1e9 if f.beta_s_per_byte > 0 else float("inf")
-            print(
-                f"  fit: t = {f.alpha_s * 1e6:.1f} us + S / {bw:.4g} GB/s "
-                f"(max error {100 * f.max_rel_err:.1f}% over {f.points} sizes)"
-            )
+            print(fit_line(fitted[op]))
+
+
+def fit_line(fit: Fit) -> str:
+    """The alpha-beta line under an operation's table, or a warning where the fit means nothing."""
+    problem = fit.problem()
+    if problem:
+        return (
+            f"  fit: warning: no latency/bandwidth model: {problem} "
+            f"(max error {100 * fit.max_rel_err:.1f}% over {fit.points} sizes)"
+        )
+    return (
+        f"  fit: t = {fit.alpha_s * 1e6:.1f} us + S / {1 / fit.beta_s_per_byte / 1e9:.4g} GB/s "
+        f"(max error {100 * fit.max_rel_err:.1f}% over {fit.points} sizes)"
+    )
 
 
 def _record(
