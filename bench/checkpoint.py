@@ -123,7 +123,7 @@ def _final_dirs(root: Path) -> list[Path]:
     return [p for p in root.iterdir() if p.name.startswith(PREFIX) and not p.name.endswith((TMP, OLD))]
 
 
-def _resolve_path(text: str) -> tuple[Path, dict[str, Any]]:
+def _resolve_path(text: str, warn=None) -> tuple[Path, dict[str, Any]]:
     """run.resume=<path>: a checkpoint, a directory of checkpoints, or a run directory."""
     path = Path(text).expanduser()
     if not path.exists():
@@ -136,7 +136,7 @@ def _resolve_path(text: str) -> tuple[Path, dict[str, Any]]:
         except CheckpointError as exc:
             raise SpecError("run.resume", str(exc)) from None
     for root in (path, path / "checkpoints"):
-        found = newest_complete(root)
+        found = newest_complete(root, warn)
         if found:
             return found
     raise SpecError("run.resume", f"no complete checkpoint in {path}")
@@ -194,16 +194,17 @@ def check_support(job: JobSpec) -> None:
         )
 
 
-def plan_resume(job: JobSpec, run_dir: Path | None) -> Path | None:
+def plan_resume(job: JobSpec, run_dir: Path | None, warn=None) -> Path | None:
     """Before launch: the checkpoint this job starts from (or None), checked against the job.
-    ``run_dir`` None: the run directory is not known yet (only an explicit run.checkpoint.dir is looked at)."""
+    ``run_dir`` None: the run directory is not known yet (only an explicit run.checkpoint.dir is looked at).
+    ``warn``: where skipped partial or corrupt checkpoints are reported (default: stderr)."""
     check_support(job)
     resume = job.run.resume
     root = checkpoint_root(job, run_dir) if (run_dir or job.run.checkpoint.dir) else None
     if root and root.exists() and not (root.is_dir() and os.access(root, os.R_OK | os.W_OK | os.X_OK)):
         raise SpecError("run.checkpoint.dir", f"{root} is not a readable and writable directory")
     supported = get_adapter(job.backend.name).capabilities.checkpoint is not None
-    own = newest_complete(root) if root and supported else None
+    own = newest_complete(root, warn) if root and supported else None
     if resume == "never":
         if own:
             raise SpecError(
@@ -212,7 +213,7 @@ def plan_resume(job: JobSpec, run_dir: Path | None) -> Path | None:
                 "or choose another run.checkpoint.dir",
             )
         return None
-    found = own if resume == "auto" else _resolve_path(resume)
+    found = own if resume == "auto" else _resolve_path(resume, warn)
     if found is None:
         return None
     check_compatible(job, found[1], found[0])

@@ -372,7 +372,9 @@ def execute(
 ) -> dict[str, Any] | None:
     import yaml
 
-    resume_from = plan_resume(job, run_dir)  # refused (exit 2) before the run directory is touched
+    # refused (exit 2) before the run directory is touched. prepare() has looked at an explicit
+    # run.checkpoint.dir and run.resume path already and reported their skipped checkpoints once.
+    resume_from = plan_resume(job, run_dir, warn=lambda msg: None)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_resume_file(run_dir, resume_from)
     (run_dir / "logs").mkdir(exist_ok=True)

@@ -63,3 +63,22 @@ def test_a_finished_run_saves_its_last_step_and_is_not_resumed_again(tmp_path):
     assert len(list(Path(results).glob("runs/*/*/*"))) == 1
     runs = mlflow_runs(results)
     assert len(runs) == 1 and set(runs["status"]) == {"FINISHED"}
+
+
+@pytest.mark.parametrize("how", ["dir", "path"])
+def test_a_skipped_checkpoint_is_reported_once(tmp_path, monkeypatch, capsys, how):
+    """A checkpoint directory with an unfinished save: `bench run` says so once (it looked at the
+    directory before launch and again once the run directory was known)."""
+    from parabench.cli import main
+
+    ck = tmp_path / "ck"
+    fake_checkpoint(ck, 5, job_of())
+    (ck / "step_000010.tmp").mkdir()
+    where = f"run.checkpoint.dir={ck}" if how == "dir" else f"run.resume={ck}"
+    monkeypatch.chdir(tmp_path)
+    args = ["run", "+model=llama", "run.steps=10", where, "launcher.dry_run=true"]
+    assert main([*args, f"run.results_dir={tmp_path / 'results'}"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("step_000010.tmp: an unfinished save (skipped)") == 1, err
+    (resume,) = (tmp_path / "results").glob("runs/*/*/*/resume.json")
+    assert json.loads(resume.read_text())["path"] == str((ck / "step_000005").resolve())
