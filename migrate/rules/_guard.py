@@ -60,7 +60,9 @@ SKIP_CALLS: dict[str, bool] = {
     "unittest.skipUnless": True,
     "unittest.case.skipUnless": True,
 }
-_CUDA_ONLY_REASON = re.compile(r"cuda[- ]only|only (?:on|for|with) cuda|cuda kernel|triton", re.IGNORECASE)
+_CUDA_ONLY_REASON = re.compile(
+    r"cuda[- ]only|only (?:on|for|with|supports?) (?:nvidia )?(?:cuda|nvidia)|cuda kernel|triton", re.IGNORECASE
+)
 _OWNER = {"supported": "PY101", "module": "PY101", "replace": "PY101", "legacy": "PY108", "nvtx": "PY113"}
 
 
@@ -81,12 +83,12 @@ def keep_unsafe_guards(ctx: PyContext) -> None:
     unsafe: dict[cst.CSTNode, tuple[cst.CSTNode, str]] = {}
     for cond in _conditions(ctx, atoms, names):
         regions, used = _regions(ctx, cond, atoms, names)
-        if not regions or all(a in unsafe for a in used):
+        if not used or all(a in unsafe for a in used):
             continue
         if cuda_only is None:
             cuda_only = _cuda_only(ctx)
-        hit = _first_inside(ctx, cuda_only, regions)
-        if hit is None and isinstance(cond, cst.Call):
+        hit = _first_inside(ctx, cuda_only, regions) if regions else None
+        if hit is None and isinstance(cond, (cst.Call, cst.Assert)) and (regions or _falsy(cond, atoms, names)):
             hit = _cuda_only_reason(ctx, cond)
         if hit is not None:
             # the whole test stays: `x.is_cuda and y.is_cuda` with one half migrated asks for both devices
@@ -95,6 +97,14 @@ def keep_unsafe_guards(ctx: PyContext) -> None:
                 unsafe.setdefault(a, hit)
     if unsafe:
         _withdraw(ctx, [atoms[a] for a in unsafe], unsafe)
+
+
+def _falsy(cond: cst.CSTNode, atoms: dict, names: dict) -> bool:
+    """An assert that fails on a machine without CUDA (what follows it is unreachable there)."""
+    if not isinstance(cond, cst.Assert):
+        return False
+    value = _eval(cond.test, atoms, names, [], [], 0)
+    return value is not UNKNOWN and not value
 
 
 def _test_of(cond: cst.CSTNode) -> cst.CSTNode:
@@ -259,11 +269,14 @@ def _skip_regions(ctx, cond: cst.Call, atoms, names, regions, used) -> None:
 
 
 def _cuda_only_reason(ctx: PyContext, cond: cst.Call) -> tuple[cst.CSTNode, str] | None:
-    """A skip whose reason says the test is of CUDA-only code ("... CUDA-only", "CUDA kernels")."""
-    for arg in cond.args[1:]:
-        text = string_value(arg.value) or ""
+    """A skip whose reason, or an assert whose message, says what it guards is CUDA-only
+    ("... CUDA-only", "only supports NVIDIA CUDA GPUs", "CUDA kernels")."""
+    reasons = [a.value for a in cond.args[1:]] if isinstance(cond, cst.Call) else [cond.msg] if cond.msg else []
+    for node in reasons:
+        text = " ".join(ctx.code(node).split())
         if _CUDA_ONLY_REASON.search(text):
-            return arg.value, f"a test of CUDA-only code ({text!r})"
+            short = text if len(text) <= 80 else text[:77] + "..."
+            return node, f"code its {'reason' if isinstance(cond, cst.Call) else 'message'} calls CUDA-only: {short}"
     return None
 
 
