@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -487,10 +488,53 @@ def _artifact_files(run_dir: Path) -> list[Path]:
 
 
 def _report_failure(run_dir: Path, reason: str, tracker) -> None:
-    print(f"\nparabench: run FAILED: {reason}", file=sys.stderr)
-    for log in sorted((run_dir / "logs").glob("*.log")):  # ranks, the launcher, msrun's scheduler/workers
-        print(f"---- last lines of {log} ----\n{_tail(log)}", file=sys.stderr)
-    tracker.set_tags({"failure_reason": reason[:5000]})
+    """One line with the failed rank's own error where the logs name it (never the launcher's
+    traceback); the logs' last lines only where they do not."""
+    cause = failure_cause(run_dir / "logs")
+    print(f"\nparabench: run FAILED: {reason}" + (f": {cause}" if cause else ""), file=sys.stderr)
+    if cause is None:
+        for log in sorted((run_dir / "logs").glob("*.log")):  # ranks, the launcher, msrun's scheduler/workers
+            print(f"---- last lines of {log} ----\n{_tail(log)}", file=sys.stderr)
+    tracker.set_tags({"failure_reason": (f"{reason}: {cause}" if cause else reason)[:5000]})
+
+
+# torchrun's summary of a failed job: "Root Cause (first observed failure):" ... "rank : R" ... "exitcode : C"
+ROOT_CAUSE = re.compile(r"Root Cause[^\n]*\n.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+
+
+def failure_cause(logs: Path) -> str | None:
+    """``rank R: <its last exception line>`` or ``rank R: killed by signal N (NAME)``: the first rank
+    torchrun saw fail, else the first rank log ending in an exception; None when no log says."""
+    try:
+        found = ROOT_CAUSE.search((logs / "launcher.log").read_text(errors="replace"))
+    except OSError:
+        found = None
+    if found:
+        rank, code = int(found.group(1)), int(found.group(2))
+        error = _last_exception(logs / f"rank{rank}.log")
+        if error:
+            return f"rank {rank}: {error}"
+        if code < 0:
+            return f"rank {rank}: killed by signal {-code} ({signal.Signals(-code).name})"
+        return None
+    for log in sorted(logs.glob("rank*.log"), key=lambda p: int(re.sub(r"\D", "", p.stem) or 0)):
+        error = _last_exception(log)
+        if error:
+            return f"{log.stem.replace('rank', 'rank ')}: {error}"
+    return None
+
+
+def _last_exception(log: Path) -> str | None:
+    """The ``Type: message`` line that ends the last Python traceback of ``log``, if any."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    if not starts:
+        return None
+    after = [line for line in lines[starts[-1] + 1 :] if line and not line.startswith((" ", "\t"))]
+    return after[0].strip() if after else None
 
 
 def build_summary(job: JobSpec, adapter, results: list[dict]) -> dict[str, Any]:

@@ -327,6 +327,9 @@ def test_resilience_experiment_recovers_every_backend_and_compares(results, unin
     assert len(children) == len(EXPERIMENT_BACKENDS) and set(children["status"]) == {"FINISHED"}
     for suffix, variant in EXPERIMENT_BACKENDS:
         (path,) = results.glob(f"runs/resilience_cpu/*/*_{suffix}/summary.json")
+    cause = "rank 0: parabench.faults.InjectedFault: fault.kind=exception on rank 0 before step 1"
+    assert f"parabench: run FAILED: a worker failed (torchrun exit code 1): {cause}\n" in proc.stderr
+    assert "ChildFailedError" not in proc.stderr and "Traceback" not in proc.stderr
         summary = json.loads(path.read_text())
         if suffix in ("ddp", "fsdp"):
             assert_recovered(summary, uninterrupted(suffix))
