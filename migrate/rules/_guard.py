@@ -61,7 +61,8 @@ SKIP_CALLS: dict[str, bool] = {
     "unittest.case.skipUnless": True,
 }
 _CUDA_ONLY_REASON = re.compile(
-    r"cuda[- ]only|only (?:on|for|with|supports?) (?:nvidia )?(?:cuda|nvidia)|cuda kernel|triton", re.IGNORECASE
+    r"cuda[- ]only|only (?:supported )?(?:on |for |with |supports? )?(?:nvidia |an? )?(?:cuda|nvidia)|cuda kernel|triton",
+    re.IGNORECASE,
 )
 _OWNER = {"supported": "PY101", "module": "PY101", "replace": "PY101", "legacy": "PY108", "nvtx": "PY113"}
 
@@ -88,7 +89,7 @@ def keep_unsafe_guards(ctx: PyContext) -> None:
         if cuda_only is None:
             cuda_only = _cuda_only(ctx)
         hit = _first_inside(ctx, cuda_only, regions) if regions else None
-        if hit is None and isinstance(cond, (cst.Call, cst.Assert)) and (regions or _falsy(cond, atoms, names)):
+        if hit is None and (isinstance(cond, cst.Call) and regions or _fails_without_cuda(cond, atoms, names)):
             hit = _cuda_only_reason(ctx, cond)
         if hit is not None:
             # the whole test stays: `x.is_cuda and y.is_cuda` with one half migrated asks for both devices
@@ -99,12 +100,26 @@ def keep_unsafe_guards(ctx: PyContext) -> None:
         _withdraw(ctx, [atoms[a] for a in unsafe], unsafe)
 
 
-def _falsy(cond: cst.CSTNode, atoms: dict, names: dict) -> bool:
-    """An assert that fails on a machine without CUDA (what follows it is unreachable there)."""
-    if not isinstance(cond, cst.Assert):
-        return False
-    value = _eval(cond.test, atoms, names, [], [], 0)
-    return value is not UNKNOWN and not value
+def _raises(block: cst.CSTNode) -> list[cst.Raise]:
+    """The ``raise X(...)`` that a block consists of (``if not x.is_cuda: raise ...``), if it does."""
+    body = block.body if isinstance(block, (cst.IndentedBlock, cst.SimpleStatementSuite)) else ()
+    if len(body) != 1:
+        return []
+    line = body[0]
+    small = line.body if isinstance(line, cst.SimpleStatementLine) else [line]
+    return [s for s in small if isinstance(s, cst.Raise) and s.exc is not None]
+
+
+def _fails_without_cuda(cond: cst.CSTNode, atoms: dict, names: dict) -> bool:
+    """An assert that fails, or an ``if ...: raise`` that raises, on a machine without CUDA: the
+    check keeps what follows from CUDA-less machines, and its message may say why."""
+    if isinstance(cond, cst.Assert):
+        value = _eval(cond.test, atoms, names, [], [], 0)
+        return value is not UNKNOWN and not value
+    if isinstance(cond, cst.If) and _raises(cond.body):
+        value = _eval(cond.test, atoms, names, [], [], 0)
+        return value is not UNKNOWN and bool(value)
+    return False
 
 
 def _test_of(cond: cst.CSTNode) -> cst.CSTNode:
@@ -271,7 +286,12 @@ def _skip_regions(ctx, cond: cst.Call, atoms, names, regions, used) -> None:
 def _cuda_only_reason(ctx: PyContext, cond: cst.Call) -> tuple[cst.CSTNode, str] | None:
     """A skip whose reason, or an assert whose message, says what it guards is CUDA-only
     ("... CUDA-only", "only supports NVIDIA CUDA GPUs", "CUDA kernels")."""
-    reasons = [a.value for a in cond.args[1:]] if isinstance(cond, cst.Call) else [cond.msg] if cond.msg else []
+    if isinstance(cond, cst.Call):
+        reasons = [a.value for a in cond.args[1:]]
+    elif isinstance(cond, cst.If):
+        reasons = [r.exc for r in _raises(cond.body)]
+    else:
+        reasons = [cond.msg] if cond.msg else []
     for node in reasons:
         text = " ".join(ctx.code(node).split())
         if _CUDA_ONLY_REASON.search(text):
