@@ -102,9 +102,12 @@ def recovery_figures(
     if ckpt.get("load_s") is not None:
         out["ckpt_load_s"] = max((r.get("checkpoint") or {}).get("load_s") or 0.0 for r in results)
         out["resumed_step"] = ckpt.get("resumed_step")
+        out["resumed_from"] = ckpt.get("resumed_from")
     fired = _read_lines(run_dir / "faults" / FIRED)
     if fired:
         fault = fired[0]
+        where = "before step" if fault.get("at", "step") == "step" else "in the save after step"
+        out["fault"] = f"{fault['kind']} on rank {fault['rank']} {where} {fault['step']}"
         detected = [d["time"] for d in _read_lines(run_dir / "faults" / DETECTED) if d["time"] >= fault["time"]]
         # no peer noticed (the agent stopped them first): the restarted workers' start bounds it
         detected = detected or [r["started_wall"] for r in results if r.get("restart_count") and "started_wall" in r]

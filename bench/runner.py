@@ -665,6 +665,28 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
+def resilience_lines(s: dict[str, Any]) -> list[str]:
+    """The summary's faults, restarts, resume and checkpoints, where there were any (docs/resilience.md)."""
+    lines = []
+    if s.get("fault"):
+        detect = f", detected after {s['time_to_detect_s']:.1f} s" if s.get("time_to_detect_s") is not None else ""
+        lines.append(f"  fault          {s['fault']}{detect}")
+    if s.get("restarts"):
+        lines.append(f"  restarts       {s['restarts']} (torchrun restarted the workers)")
+    if s.get("resumed_step") is not None:
+        again = f"; {s['steps_recomputed']} steps recomputed" if s.get("steps_recomputed") is not None else ""
+        source = f" of {s['resumed_from']}" if s.get("resumed_from") else ""
+        lines.append(f"  resumed        from step {s['resumed_step']}{source}{again}")
+    if s.get("ckpt_saves"):
+        lines.append(
+            f"  checkpoints    {s['ckpt_saves']} saved (longest blocking {s['ckpt_save_blocking_s']:.2f} s; "
+            f"last {_fmt_bytes(s['ckpt_bytes_total'])})"
+        )
+    if lines and s.get("goodput") is not None:
+        lines.append(f"  goodput        {s['goodput']:.3f} (kept step time / wall time)")
+    return lines
+
+
 def print_summary(job: JobSpec, s: dict[str, Any], tracker, run_dir: Path) -> None:
     mfu = (
         f"{100 * s['mfu']:.1f}% of {s['peak_tflops_per_device']:.4g} TFLOP/s per device ({s['peak_source']})"
@@ -692,6 +714,7 @@ def print_summary(job: JobSpec, s: dict[str, Any], tracker, run_dir: Path) -> No
         )
     lines += [
         f"  loss           {s['loss_first']:.6f} (step 0) -> {s['loss_final']:.6f} (step {len(s['losses']) - 1})",
+        *resilience_lines(s),
         *commreport.summary_lines(s),
         f"  init checksum  {s['initial_checksum']}",
         f"  data           {s['data_reader']}; rows checksum {s['data_checksum']}",

@@ -102,3 +102,30 @@ def test_without_a_cause_in_the_logs_their_last_lines_are_printed(tmp_path, caps
     _report_failure(tmp_path, "a worker failed (torchrun exit code 1)", SimpleNamespace(set_tags=lambda tags: None))
     err = capsys.readouterr().err
     assert "last lines of" in err and "something else" in err and "step 1/3" in err
+
+
+def test_the_summary_mentions_faults_restarts_resumes_and_checkpoints_only_when_there_were_any():
+    from parabench.runner import resilience_lines
+
+    plain = {"restarts": 0, "ckpt_saves": 0, "goodput": 0.9, "wall_time_s": 10.0}
+    assert resilience_lines(plain) == []
+    recovered = {
+        **plain,
+        "restarts": 1,
+        "fault": "kill on rank 1 before step 12",
+        "time_to_detect_s": 20.04,
+        "resumed_step": 10,
+        "resumed_from": "/ck/step_000010",
+        "steps_recomputed": 2,
+        "ckpt_saves": 3,
+        "ckpt_save_blocking_s": 0.654,
+        "ckpt_bytes_total": 221 * 2**20,
+        "goodput": 0.236,
+    }
+    assert resilience_lines(recovered) == [
+        "  fault          kill on rank 1 before step 12, detected after 20.0 s",
+        "  restarts       1 (torchrun restarted the workers)",
+        "  resumed        from step 10 of /ck/step_000010; 2 steps recomputed",
+        "  checkpoints    3 saved (longest blocking 0.65 s; last 221.0 MiB)",
+        "  goodput        0.236 (kept step time / wall time)",
+    ]

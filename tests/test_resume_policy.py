@@ -54,6 +54,7 @@ def test_a_finished_run_saves_its_last_step_and_is_not_resumed_again(tmp_path):
     args = ["run", *FAST, "run.steps=10", "run.checkpoint.every=5", f"run.checkpoint.dir={ck}"]
     first = bench(args, results)
     assert first.returncode == 0, first.stderr[-3000:]
+    assert "\n  checkpoints    2 saved (longest blocking " in first.stdout, first.stdout
     assert sorted(p.name for p in ck.iterdir()) == ["step_000005", "step_000010"]
     assert json.loads((ck / "step_000010" / "COMPLETE").read_text())["step"] == 10
     again = bench(args, results)
