@@ -5,7 +5,7 @@ source does not publish - micro-batch size, virtual pipeline stages - take the p
 free (every layout of the row's backend the harness accepts, with the stack's published features:
 ``estimate.Features``). Printed: predicted vs published tokens/s per device, the error, the rank of
 the published layout (its tp, cp, pp, dp) in the free search, and the mean and max |error| per
-device kind and overall. ``--fit`` refits the GEMM efficiency curve (e_max, x0) of each device kind
+device kind and overall. ``--fit`` refits the GEMM efficiency curve (e_max, x0, beta) of each device kind
 on its rows and prints a leave-one-source-out figure (on a kind with one source: leave one row out).
 
     python benchmarks/plan_published.py [--fit] [--no-free] [--rows ID,...]
@@ -107,7 +107,8 @@ def place(cfg: dict[str, Any], row: Row, options: dict[str, Any], mbs: int) -> d
 
 def forced_jobs(row: Row) -> list:
     """Jobs of the published layout: its published options; an unpublished micro-batch size and
-    virtual pipeline depth (Megatron README rows) over the values the harness accepts."""
+    virtual pipeline depth (Megatron README rows) over the values the harness accepts (vpp: every
+    divisor of the layers per stage)."""
     lay = row.raw["layout"]
     options = {k: v for k, v in lay.items() if k in OPTION_KEYS}
     if row.raw["backend"] == "megatron" and lay.get("tp", 1) > 1:
@@ -117,7 +118,9 @@ def forced_jobs(row: Row) -> list:
     mbs_values = [row.raw["micro_batch"]] if row.raw.get("micro_batch") else [1, 2, 4]
     # a launch script publishes its whole layout (no --num-layers-per-virtual-pipeline-stage: vpp 1)
     published_all = bool(row.raw.get("micro_batch"))
-    vpp_values = [lay.get("vpp", 1)] if published_all or lay.get("pp", 1) == 1 else [1, 2]
+    per_stage = _layers(row) // lay.get("pp", 1)
+    unpublished = [v for v in range(1, per_stage + 1) if per_stage % v == 0] if lay.get("pp", 1) > 1 else [1]
+    vpp_values = [lay.get("vpp", 1)] if published_all else unpublished
     base = base_config(row)
     jobs = []
     for mbs, vpp in itertools.product(mbs_values, vpp_values):
@@ -129,6 +132,12 @@ def forced_jobs(row: Row) -> list:
     if not jobs:
         raise UserError(f"{row.id}: the harness refuses the published layout: {last}")
     return jobs
+
+
+def _layers(row: Row) -> int:
+    m = row.raw["model"]
+    shape = m.get("gpt") or m.get("llama")
+    return shape["layers"] if shape else 0
 
 
 def peak_of(row: Row) -> float:
@@ -183,18 +192,23 @@ def errors(rows: list[Row], jobs: dict[str, list], cal: Calibration) -> dict[str
 
 
 def fit_curve(rows: list[Row], jobs: dict[str, list], kind: str) -> list[float]:
-    """(e_max, x0) minimising the mean |error| of ``rows`` at their published layouts: a grid, then
-    a finer grid around its best point."""
+    """(e_max, x0, beta) minimising the mean |error| of ``rows`` at their published layouts: a grid,
+    then a finer grid around its best point."""
 
-    def score(e_max: float, x0: float) -> float:
-        cal = Calibration("fit", curves={kind: [e_max, x0]})
+    def score(p: tuple[float, float, float]) -> float:
+        cal = Calibration("fit", curves={kind: list(p)})
         return statistics.mean(abs(v) for v in errors(rows, jobs, cal).values())
 
-    e_grid = [0.5 + 0.05 * i for i in range(11)]
-    x_grid = [25 * 2 ** (i / 2) for i in range(12)]
-    e_best, x_best = min(itertools.product(e_grid, x_grid), key=lambda p: score(*p))
-    fine = itertools.product([e_best + 0.01 * i for i in range(-4, 5)], [x_best * 2 ** (i / 8) for i in range(-4, 5)])
-    return list(min(fine, key=lambda p: score(*p)))
+    coarse = itertools.product(
+        [0.4 + 0.1 * i for i in range(7)], [50 * 2**i for i in range(7)], [0.0, 2e-11, 5e-11, 1e-10, 2e-10]
+    )
+    e0, x0, b0 = min(coarse, key=score)
+    fine = itertools.product(
+        [e0 + 0.02 * i for i in range(-3, 4)],
+        [x0 * 2 ** (i / 4) for i in range(-2, 3)],
+        [b0 * f for f in (0.7, 1, 1.4)],
+    )
+    return list(min(fine, key=score))
 
 
 def fit_all(rows: list[Row], jobs: dict[str, list]) -> dict[str, list[float]]:
@@ -202,7 +216,8 @@ def fit_all(rows: list[Row], jobs: dict[str, list]) -> dict[str, list[float]]:
     for kind in sorted({r.cluster.device_kind for r in rows}):
         mine = [r for r in rows if r.cluster.device_kind == kind]
         curves[kind] = fit_curve(mine, jobs, kind)
-        print(f"fitted {kind}: e_max {curves[kind][0]:.3f}, x0 {curves[kind][1]:.1f} on {len(mine)} rows "
+        print(f"fitted {kind}: e_max {curves[kind][0]:.3f}, x0 {curves[kind][1]:.1f}, beta {curves[kind][2]:.3g} s "
+              f"on {len(mine)} rows "
               f"({', '.join(sorted({r.raw['source'] for r in mine}))})")  # fmt: skip
     return curves
 
@@ -238,7 +253,8 @@ def report(rows: list[Row], jobs: dict[str, list], cal: Calibration, free: bool)
         shown = f"{rank}/{n}" if rank else ("-" if not free else f">{n}")
         print(f"{r.id:24} {r.cluster.name:14} {r.published:9.0f} {e.tokens_per_s_per_device:9.0f} "
               f"{100 * errs[r.id]:+6.1f}%  {shown:>6}  {_layout(e)}" + (f" / {_layout(top)}" if top else ""))  # fmt: skip
-        print(f"{'':24} overlap: {e.overlap.describe() or 'no communication'}")
+        fit = "fits" if e.fits else f"does NOT fit ({e.device_bytes / 2**30:.1f} of {e.memory_bytes / 2**30:.0f} GiB)"
+        print(f"{'':24} {fit}; overlap: {e.overlap.describe() or 'no communication'}")
     for kind in sorted({r.cluster.device_kind for r in rows}):
         vals = [abs(errs[r.id]) for r in rows if r.cluster.device_kind == kind]
         print(f"{kind}: mean |error| {100 * statistics.mean(vals):.1f}%, max {100 * max(vals):.1f}% ({len(vals)} rows)")
@@ -274,7 +290,7 @@ def main() -> None:
     print(f"{len(rows)} expressible rows; {len(skipped)} not expressible by the harness:")
     for raw in skipped:
         print(f"  {raw['id']}: {raw['inexpressible']}")
-    curves = {k: [c.e_max, c.x0] for k, c in CURVES.items()}
+    curves = {k: [c.e_max, c.x0, c.beta] for k, c in CURVES.items()}
     if args.fit:
         curves = fit_all(rows, jobs)
         leave_one_source_out(rows, jobs)

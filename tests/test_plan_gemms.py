@@ -85,3 +85,35 @@ def test_tp_overlap_hides_tensor_parallel_collectives_behind_the_gemms():
     assert plain.overlap.hidden["tp"] == 0 and plain.overlap.total["tp"] > 0
     assert 0 < over.overlap.hidden["tp"] <= plain.overlap.total["tp"]  # at most the GEMMs' time hides it
     assert over.step_s == pytest.approx(plain.step_s - over.overlap.hidden["tp"])
+
+
+def test_memory_bound_elements_are_tokens_times_layers_h_plus_vocab_over_tp():
+    from parabench.plan.gemms import Curve, elementwise_elements, step_compute_s
+
+    # Llama 3 8B, 2 x 8192 tokens, tp 8: 16,384 x (32 x 4,096 + 128,256) / 8
+    assert elementwise_elements(LLAMA3_8B, 8192, 2, tp=8) == 16384 * 32416 == 531_103_744
+    # beta seconds per element, per micro-batch, over the pp stages: nothing else when there is no GEMM
+    assert step_compute_s([], 4, 2, 1e15, Curve(0.5, 100.0, 1e-10), 0.0, 531_103_744) == pytest.approx(
+        1e-10 * 531_103_744 * 4 / 2
+    )
+
+
+def test_published_rows_name_their_source_and_megatron_tokens_follow_narayanan(monkeypatch):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / "plan_published.py"
+    spec = importlib.util.spec_from_file_location("plan_published", path)
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "plan_published", mod)  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    doc = yaml.safe_load(mod.DATA.read_text())
+    for raw in doc["rows"]:
+        src = doc["sources"][raw["source"]]
+        assert len(src["commit"]) == 40 and src["file"], raw["id"]
+    # Megatron-LM README, GPT 1.7B (24 layers, h 2048, V 131,072, s 4,096) at 408.8 TFLOP/s per GPU:
+    # 72 l h^2 + 12 l h s + 6 V h = 7,247,757,312 + 2,415,919,104 + 1,610,612,736 FLOPs per token
+    row = next(r for r in doc["rows"] if r["id"] == "mlm-1.7b")
+    assert mod.published_tokens(row) == pytest.approx(408.8e12 / 11_274_289_152)
+    assert 408.8 / 989 == pytest.approx(row["published"]["mfu"], abs=0.005)  # the table's 41% MFU

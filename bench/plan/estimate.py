@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from parabench.commvolume import Batch, Layout, StepComm, step_comm
 from parabench.flops import flops_per_token
 from parabench.plan.cluster import Cluster
-from parabench.plan.gemms import CURVES, Curve, forward_gemms, recompute_share, step_compute_s
+from parabench.plan.gemms import CURVES, Curve, elementwise_elements, forward_gemms, recompute_share, step_compute_s
 from parabench.plan.profiles import PROFILES, Offload, States
 from parabench.spec import JobSpec
 
@@ -291,11 +291,13 @@ def _compute_s(
         return float("nan"), "flops"
     kind, name = cluster.device_kind, job.backend.name
     if kind in CURVES and not cal.calibrated(name, kind):
-        gemms = forward_gemms(job.model, job.data.seq_len, job.data.micro_batch_size, layout.tp, layout.cp)
+        shape = (job.model, job.data.seq_len, job.data.micro_batch_size, layout.tp, layout.cp)
         share = recompute_share(job.model, recompute)
-        return step_compute_s(
-            gemms, job.grad_accum, layout.pp, peak_tflops * 1e12, cal.curve(kind), share
-        ), "gemm-shapes"
+        seconds = step_compute_s(
+            forward_gemms(*shape), job.grad_accum, layout.pp, peak_tflops * 1e12, cal.curve(kind), share,
+            elementwise_elements(*shape),
+        )  # fmt: skip
+        return seconds, "gemm-shapes"
     flops = flops_per_token(job.model, job.data.seq_len) * job.tokens_per_step / job.parallel.world_size
     if recompute == "full":
         flops *= 4 / 3

@@ -9,9 +9,11 @@ docs/sources.md#plan-gemm-shapes): the backward runs two GEMMs of the same shape
 
 Each GEMM runs at a share of the device's peak that grows with its arithmetic intensity
 x = mnk / (mk + kn + mn) (FLOPs per byte moved for 2-byte operands: the roofline model, Williams,
-Waterman and Patterson 2009): eff(x) = e_max x / (x + x0), e_max and x0 fitted once per device kind
-on published runs (benchmarks/plan_published.py --fit; the values and the rows they were fitted on
-are in ``CURVES`` and docs/plan.md).
+Waterman and Patterson 2009): eff(x) = e_max x / (x + x0). Beside the GEMMs, the memory-bound work
+(norms, activation functions, rotary embedding, the logits' softmax and cross-entropy) costs beta
+seconds per activation element, tokens x (L h + V) / tp of them. e_max, x0 and beta are fitted once
+per device kind on published runs (benchmarks/plan_published.py --fit; the values and the rows they were fitted on
+are in ``CURVES`` and docs/plan.md). The fused attention kernel runs at e_max.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ class Curve:
 
     e_max: float
     x0: float
+    # seconds per activation element of the memory-bound work beside the GEMMs (norms, activations,
+    # rotary embedding, the logits' softmax and cross-entropy): per token, L x h of the layers and V
+    # of the logits, split by tp (sequence parallelism) and pp
+    beta: float = 0.0
     fitted_on: str = ""  # which published rows (benchmarks/data/published_runs.yaml)
 
     def eff(self, m: float, n: float, k: float) -> float:
@@ -36,8 +42,8 @@ class Curve:
 
 # Fitted by `benchmarks/plan_published.py --fit` (docs/plan.md#calibration-on-published-runs).
 CURVES: dict[str, Curve] = {
-    "cuda": Curve(0.48, 141.4, "megatron-readme (9 rows) + torchtitan-h100-202412 (2 rows), H100"),
-    "npu": Curve(0.89, 1345.4, "mindspeed-llm-readme (10 expressible rows), Ascend 910B"),
+    "cuda": Curve(0.46, 141.4, 2e-11, "megatron-readme (9 rows) + torchtitan-h100-202412 (2 rows), H100"),
+    "npu": Curve(0.66, 565.7, 1e-10, "mindspeed-llm-readme (10 expressible rows), Ascend 910B"),
 }
 
 
@@ -100,10 +106,26 @@ def recompute_share(model: ModelSpec, recompute: str) -> float:
     return layers * recomputed / total
 
 
+def _eff(g: Gemm, curve: Curve) -> float:
+    """The attention runs as one fused kernel (FlashAttention, Dao 2023) whose tiles stay in on-chip
+    memory: compute-bound whatever the sequence, at the curve's ceiling e_max; every other GEMM at its
+    shape's intensity."""
+    return curve.e_max if g.what.startswith("attention") else curve.eff(g.m, g.n, g.k)
+
+
+def elementwise_elements(model: ModelSpec, seq_len: int, micro_batch: int, tp: int = 1, cp: int = 1) -> float:
+    """Activation elements of the memory-bound work of one micro-batch on one device (all layers):
+    tokens x (L h + V) / tp."""
+    tokens = micro_batch * seq_len / cp
+    return tokens * (model.num_hidden_layers * model.hidden_size + model.vocab_size) / tp
+
+
 def step_compute_s(
-    gemms: list[Gemm], micro_batches: float, pp: int, peak_flops: float, curve: Curve, recompute: float
-) -> float:
-    """Seconds of GEMM work a device does per step: forward + backward (3 x the forward GEMMs) +
-    the recomputed share of the forward, over its 1 / pp of the model, for every micro-batch."""
-    forward = sum(g.flops / (peak_flops * curve.eff(g.m, g.n, g.k)) for g in gemms)
-    return forward * (3.0 + recompute) * micro_batches / pp
+    gemms: list[Gemm], micro_batches: float, pp: int, peak_flops: float, curve: Curve, recompute: float,
+    elements: float = 0.0,
+) -> float:  # fmt: skip
+    """Seconds of work a device does per step: forward + backward (3 x the forward GEMMs) + the
+    recomputed share of the forward, plus beta x the memory-bound ``elements``, over its 1 / pp of
+    the model, for every micro-batch."""
+    forward = sum(g.flops / (peak_flops * _eff(g, curve)) for g in gemms)
+    return (forward * (3.0 + recompute) + curve.beta * elements) * micro_batches / pp
