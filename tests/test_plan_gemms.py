@@ -117,3 +117,20 @@ def test_published_rows_name_their_source_and_megatron_tokens_follow_narayanan(m
     row = next(r for r in doc["rows"] if r["id"] == "mlm-1.7b")
     assert mod.published_tokens(row) == pytest.approx(408.8e12 / 11_274_289_152)
     assert 408.8 / 989 == pytest.approx(row["published"]["mfu"], abs=0.005)  # the table's 41% MFU
+
+
+def test_plan_states_each_overlap_mechanism():
+    from test_plan import _job
+
+    from parabench.plan.cluster import load
+    from parabench.plan.estimate import Calibration, estimate
+    from parabench.plan.search import why_wins
+
+    job = _job("megatron", 4, "run.precision=bf16", "data.global_batch_size=8", device="cuda", tp=2,
+               sequence_parallel=True, overlap_grad_reduce=True)  # fmt: skip
+    e = estimate(job, load("h100-sxm"), 989.0, Calibration())
+    why = why_wins(e, e)
+    # dp 2 x tp 2: the gradient all-reduce is overlapped (overlap_grad_reduce), tp collectives are not
+    # (no harness option turns on tp_comm_overlap), and the plan says both
+    assert "hidden: dp grad reduce " in why and ", tp 0 ms of " in why
+    assert e.overlap.hidden["dp grad reduce"] == pytest.approx(e.overlap.total["dp grad reduce"])

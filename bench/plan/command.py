@@ -26,6 +26,7 @@ from parabench.errors import SpecError, UserError
 from parabench.plan import calibrate
 from parabench.plan.cluster import Cluster, available, load, peak
 from parabench.plan.estimate import DEFAULT_UNCERTAINTY, Calibration, Estimate
+from parabench.plan.gemms import CURVES
 from parabench.plan.render import render
 from parabench.plan.search import Searched, backend_defaults, describe, emit_bundle, search
 from parabench.spec import TrackingSpec, build
@@ -160,6 +161,12 @@ def _context(cluster: Cluster, world: int, first: dict[str, Any], pk: Any, cal: 
         else f"no calibration: default efficiencies and overheads, step times uncertain by about "
         f"+-{100 * DEFAULT_UNCERTAINTY:.0f}% (bench plan --calibrate EXPERIMENT)"
     )
+    if not cal.runs and cluster.device_kind in CURVES:  # compute from the GEMM shapes (docs/plan.md)
+        cal_text = (
+            f"compute from the step's GEMM shapes, {cluster.device_kind} curve fitted on published runs "
+            f"({CURVES[cluster.device_kind].fitted_on}; its error: docs/plan.md, Published runs); "
+            "memory overheads uncalibrated (bench plan --calibrate EXPERIMENT)"
+        )
     return {
         "model": first["model"].get("name"),
         "cluster": cluster.name,

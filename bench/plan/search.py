@@ -129,7 +129,13 @@ def why_wins(e: Estimate, best: Estimate) -> str:
             text = f"as fast as #1 (within 0.5%), {more:+.2f} GiB memory per device"
         else:
             text = f"{100 * slower:.0f}% slower than #1: " + _cost(e, best)
-    return text + "".join(f"; {note}" for note in (_cp_note(e), _offload_note(e)) if note)
+    return text + "".join(f"; {note}" for note in (_cp_note(e), _offload_note(e), _overlap_note(e)) if note)
+
+
+def _overlap_note(e: Estimate) -> str:
+    """Each communication mechanism of the row and how much of it compute hides (estimate._overlap)."""
+    parts = [f"{k} {_dur(e.overlap.hidden.get(k, 0.0))} of {_dur(v)}" for k, v in e.overlap.total.items() if v > 0]
+    return "hidden: " + ", ".join(parts) if parts else ""
 
 
 def _cp_note(e: Estimate) -> str:
@@ -185,7 +191,7 @@ def why_lost(e: Estimate) -> str:
             f"host memory does not fit by {-e.host_margin_bytes / GIB:.2f} GiB (offloaded states need {need:.2f} of "
             f"the {have:.2f} GiB of host memory per device)"
         )
-    return text + "".join(f"; {note}" for note in (_cp_note(e), _offload_note(e)) if note)
+    return text + "".join(f"; {note}" for note in (_cp_note(e), _offload_note(e), _overlap_note(e)) if note)
 
 
 def emit_bundle(plain: dict[str, Any], out_dir: Path) -> Path:
