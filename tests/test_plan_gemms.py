@@ -134,3 +134,15 @@ def test_plan_states_each_overlap_mechanism():
     # (no harness option turns on tp_comm_overlap), and the plan says both
     assert "hidden: dp grad reduce " in why and ", tp 0 ms of " in why
     assert e.overlap.hidden["dp grad reduce"] == pytest.approx(e.overlap.total["dp grad reduce"])
+
+
+def test_cluster_peaks_agree_with_the_mfu_table():
+    # a cluster file's peak and the table bench run's MFU uses (parabench.flops) must not drift apart
+    from parabench.flops import table_peak
+    from parabench.plan import cluster as clusters
+
+    for name in clusters.available():
+        c = clusters.load(name)
+        for precision, tflops in (c.peak_tflops or {}).items():
+            table = table_peak(c.device_name, precision)
+            assert table is None or table.tflops == tflops, (name, precision)
