@@ -60,6 +60,7 @@ SKIP_CALLS: dict[str, bool] = {
     "unittest.skipUnless": True,
     "unittest.case.skipUnless": True,
 }
+_CUDA_SETTING = re.compile(r"^[A-Z0-9_]*_CUDA(?:_[A-Z0-9_]*)?$|^CUDA_[A-Z0-9_]+$")
 _CUDA_ONLY_REASON = re.compile(
     r"cuda[- ]only|only (?:supported )?(?:on |for |with |supports? )?(?:nvidia |an? )?(?:cuda|nvidia)|cuda kernel|triton",
     re.IGNORECASE,
@@ -311,9 +312,13 @@ def _regions(ctx: PyContext, cond: cst.CSTNode, atoms: dict, names: dict) -> tup
         _eval(cond, atoms, names, regions, used, 0)
         return regions, used
     value = _eval(cond.test, atoms, names, regions, used, 0)
-    if value is UNKNOWN:
-        return regions, used
     orelse = getattr(cond, "orelse", None)
+    if value is UNKNOWN:
+        # `if triton_too_old and not torch.cuda.is_available(): HAVE_TRITON = False else: <Triton>`:
+        # the check still decides between the branches; one that holds CUDA-only code keeps it
+        if isinstance(cond, cst.If):
+            regions += [cond.body, *([orelse] if orelse is not None else [])]
+        return regions, used
     if isinstance(cond, cst.Assert):
         if not value:
             regions += _rest(ctx, cond)
@@ -450,10 +455,24 @@ def _cuda_only(ctx: PyContext) -> dict[cst.CSTNode, str]:
         for use in ctx.names.get(name, ()):
             if not isinstance(ctx.parent(use), cst.FunctionDef):
                 out.setdefault(use, f"{name} (a {module} kernel)")
+    for node, name in _cuda_setting_names(ctx):
+        out.setdefault(node, name)
     for stmt in ctx.import_nodes:
         for q in _imported_modules(stmt):
             if api_map.cuda_only_module_tip(q, ctx.options.local_packages):
                 out.setdefault(stmt, q)
+    return out
+
+
+def _cuda_setting_names(ctx: PyContext) -> list[tuple[cst.CSTNode, str]]:
+    """String literals that name a CUDA setting no rule migrated (``'MV2_USE_CUDA'`` exported to
+    MVAPICH): code that sets them asks for CUDA behaviour."""
+    out = []
+    for node in ctx.order:
+        if isinstance(node, cst.SimpleString) and node not in ctx.edits:
+            value = string_value(node) or ""
+            if _CUDA_SETTING.match(value) and value not in api_map.ENV_KEEP and value not in api_map.ENV_MAP:
+                out.append((node, value))
     return out
 
 

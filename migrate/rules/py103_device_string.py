@@ -41,6 +41,8 @@ class DeviceString(PyRule):
             return
         if not DEVICE_RE.match(value) and not FORMAT_SPEC_RE.match(value):  # "cuda:{}".format(i): _role_holder
             return
+        if _dispatch_with_generic_else(self.ctx, node):
+            return
         if string_role(self.ctx, node) in ROLES and not kept_in_python(self, node, value, value.replace("cuda", "npu")):
             self.change(
                 node,
@@ -52,3 +54,26 @@ class DeviceString(PyRule):
     def visit_FormattedString(self, node: cst.FormattedString) -> None:
         if fstring_device(node) and string_role(self.ctx, node) in ROLES:
             self.change(node, fstring_to_npu, "device f'cuda:{...}' -> f'npu:{...}'", op="f'cuda:{...}'")
+
+
+def _dispatch_with_generic_else(ctx, node: cst.SimpleString) -> bool:
+    """``if device_type == "cuda": <CUDA's own API> else: <API built from device_type>``: the else
+    side already serves any other device (``getattr(torch, f"is_autocast_{device_type}_enabled")``),
+    the NPU included; rewritten, the NPU would take CUDA's branch (issue #29)."""
+    target = ctx.parent(node)
+    comparison = ctx.parent(target) if isinstance(target, cst.ComparisonTarget) else None
+    if not isinstance(comparison, cst.Comparison) or not isinstance(comparison.comparisons[0].operator, cst.Equal):
+        return False
+    if not isinstance(comparison.left, cst.Name) or len(comparison.comparisons) != 1:
+        return False
+    stmt = ctx.parent(comparison)
+    if not isinstance(stmt, cst.If) or stmt.test is not comparison or not isinstance(stmt.orelse, cst.Else):
+        return False
+    name = comparison.left.value
+    return any(ctx.parent(use) is not None and _inside(ctx, use, stmt.orelse) for use in ctx.names.get(name, ()))
+
+
+def _inside(ctx, node: cst.CSTNode, root: cst.CSTNode) -> bool:
+    while node is not None and node is not root:
+        node = ctx.parent(node)
+    return node is root

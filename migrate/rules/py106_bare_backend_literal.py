@@ -25,6 +25,8 @@ class BareBackendLiteral(PyRule):
         if value is None:
             return
         role = string_role(self.ctx, node)
+        if value == "nccl" and _names_nccl_itself(self.ctx, node):
+            return
         if value == "nccl" and "nccl" in node.value and role in ROLES:
             if kept_in_python(self, node, value, "hccl"):
                 return
@@ -40,3 +42,19 @@ class BareBackendLiteral(PyRule):
                 f"'{value}' -> '{value.replace('cuda:nccl', 'npu:hccl')}'",
                 op=value,
             )
+
+
+def _names_nccl_itself(ctx, node: cst.SimpleString) -> bool:
+    """``NCCL_BACKEND = 'nccl'``: a constant whose own name says it is NCCL's name, against which
+    the code tells NCCL from HCCL (DeepSpeed's comm/constants.py): rewritten, HCCL would match it
+    and take NCCL's branch (issue #29)."""
+    parent = ctx.parent(node)
+    if isinstance(parent, cst.Assign) and parent.value is node:
+        names = [t.target.value for t in parent.targets if isinstance(t.target, cst.Name)]
+    elif isinstance(parent, cst.AnnAssign) and parent.value is node and isinstance(parent.target, cst.Name):
+        names = [parent.target.value]
+    else:
+        return False
+    line = ctx.parent(parent)
+    at_module_level = isinstance(line, cst.SimpleStatementLine) and isinstance(ctx.parent(line), cst.Module)
+    return at_module_level and any("NCCL" in n.upper() for n in names)
