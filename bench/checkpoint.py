@@ -237,7 +237,8 @@ def check_work_left(job: JobSpec, marker: dict[str, Any], path: Path) -> None:
 def write_resume_file(run_dir: Path, path: Path | None) -> None:
     """The planned checkpoint for the workers; a stop request of an earlier run of this directory goes."""
     (run_dir / STOP_FILE).unlink(missing_ok=True)
-    (run_dir / RESUME_FILE).write_text(json.dumps({"path": str(path.resolve()) if path else None}))
+    step = int(read_marker(path)["step"]) if path else 0  # kept here: keep= may prune that checkpoint later
+    (run_dir / RESUME_FILE).write_text(json.dumps({"path": str(path.resolve()) if path else None, "step": step}))
 
 
 def write_stop_request(run_dir: Path, step: int) -> None:
@@ -252,6 +253,15 @@ def stop_step(run_dir: Path) -> int | None:
         return int(json.loads((run_dir / STOP_FILE).read_text())["step"])
     except (OSError, ValueError, KeyError):
         return None
+
+
+def planned_step(run_dir: Path) -> int:
+    """The step this `bench run` started from: that of the checkpoint the runner planned
+    (``resume.json``), else 0. A restarted worker resumes later, from steps this run executed."""
+    try:
+        return int(json.loads((run_dir / RESUME_FILE).read_text()).get("step", 0))
+    except (OSError, ValueError, TypeError):
+        return 0
 
 
 def resume_source(job: JobSpec, run_dir: Path) -> Path | None:

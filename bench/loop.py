@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from parabench.adapters.base import Engine, WorkerContext
-from parabench.checkpoint import Checkpointer
+from parabench.checkpoint import Checkpointer, planned_step
 from parabench.data import DataLedger, TokenSource
 from parabench.faults import fire_fault
 
@@ -44,6 +44,9 @@ def train(
     # every step's slowest-rank time, warm-up included: checkpointed with the losses (goodput)
     history = {"losses": losses, "step_times": step_times, "all_step_times": []}
     start = checkpointer.resume(ledger, history) if checkpointer else 0
+    # measured figures come only from steps this `bench run` executed: a resumed run's restored
+    # history keeps the losses (the whole curve) but not another run's step times
+    own_from = planned_step(ctx.run_dir) if checkpointer else 0
     for step in range(start, total):
         fire_fault(job, ctx.run_dir, ctx.rank, step)
         micro_batches = source.rank_micro_batches(step, dp_rank, dp_size)
@@ -70,7 +73,7 @@ def train(
     peak, peak_kind = device.peak_memory()
     return {
         "rank": ctx.rank,
-        "step_times": step_times,
+        "step_times": step_times[max(0, own_from - job.run.warmup_steps) :],  # step warmup + i at index i
         "losses": losses,
         "peak_memory_bytes": peak,
         "peak_memory_kind": peak_kind,

@@ -423,7 +423,10 @@ def execute(
             raise RunFailed(f"run failed: {reason}; logs in {run_dir / 'logs'}")
         results = [json.loads(p.read_text()) for p in ranks]
         summary = build_summary(job, adapter, results)
-        summary.update(recovery_figures(run_dir, results, wall_s, int(tags.get("parabench.resumed_step") or 0)))
+        started_at = int(tags.get("parabench.resumed_step") or 0)
+        summary.update(recovery_figures(run_dir, results, wall_s, started_at))
+        # the measured figures are this run's own steps (parabench.loop): say where it started
+        summary.update(started_at_step=started_at, started_from=str(resume_from) if resume_from else None)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         _log_results(tracker, summary, results)
         status = "FINISHED"
@@ -665,6 +668,16 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
+def _measured(job: JobSpec, s: dict[str, Any]) -> str:
+    """What the figures below were measured on: a resumed run's own steps only."""
+    if s.get("started_from"):
+        return (
+            f"{s['measured_steps']} measured steps, all run here: resumed from step {s['started_at_step']} "
+            f"of {s['started_from']}"
+        )
+    return f"{s['measured_steps']} measured steps after {job.run.warmup_steps} warm-up"
+
+
 def resilience_lines(s: dict[str, Any]) -> list[str]:
     """The summary's faults, restarts, resume and checkpoints, where there were any (docs/resilience.md)."""
     lines = []
@@ -695,8 +708,7 @@ def print_summary(job: JobSpec, s: dict[str, Any], tracker, run_dir: Path) -> No
     )
     lines = [
         f"\nparabench | {s['backend']} | {s['model']} ({s['num_params'] / 1e6:.1f}M params) | {s['device']} "
-        f"({s['device_name']}) x{s['world_size']} | {s['precision']} | {s['measured_steps']} measured steps "
-        f"after {job.run.warmup_steps} warm-up",
+        f"({s['device_name']}) x{s['world_size']} | {s['precision']} | {_measured(job, s)}",
         f"  tokens/s       {s['tokens_per_s']:.1f} global, {s['tokens_per_s_per_device']:.1f} per device "
         f"({s['tokens_per_step']} tokens/step / slowest rank's step time)",
         f"  step time      {s['step_time_median_s']:.4f} s median (min {s['step_time_min_s']:.4f}, max {s['step_time_max_s']:.4f};"

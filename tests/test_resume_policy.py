@@ -64,6 +64,20 @@ def test_a_finished_run_saves_its_last_step_and_is_not_resumed_again(tmp_path):
     assert len(list(Path(results).glob("runs/*/*/*"))) == 1
     runs = mlflow_runs(results)
     assert len(runs) == 1 and set(runs["status"]) == {"FINISHED"}
+    # two more steps: the resumed run's figures come from its own 2 steps, the loss curve stays whole
+    more = bench([*args, "run.steps=12"], tmp_path / "more")
+    assert more.returncode == 0, more.stderr[-3000:]
+    (summary_path,) = (tmp_path / "more").glob("runs/*/*/*/summary.json")
+    summary = json.loads(summary_path.read_text())
+    own = [json.loads(line) for line in (summary_path.parent / "steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in own] == [10, 11]
+    assert summary["measured_steps"] == 2 and summary["step_times_max"] == [s["step_time_s"] for s in own]
+    assert summary["tokens_per_s"] == pytest.approx(2 * summary["tokens_per_step"] / sum(summary["step_times_max"]))
+    assert len(summary["losses"]) == 12 and summary["started_at_step"] == 10
+    assert summary["started_from"] == str((ck / "step_000010").resolve())
+    assert f"2 measured steps, all run here: resumed from step 10 of {ck / 'step_000010'}" in more.stdout, more.stdout
+    (run,) = (row for _, row in mlflow_runs(tmp_path / "more").iterrows())
+    assert run["metrics.measured_steps"] == 2 and run["tags.parabench.resumed_step"] == "10"
 
 
 @pytest.mark.parametrize("how", ["dir", "path"])
