@@ -257,6 +257,10 @@ class _File:
                 decided = decided or v is not UNKNOWN and bool(v) != is_and
                 dead.append(decided)
             return _Branch(("BoolOp", type(node.op).__name__, len(node.values)), node, [[v] for v in node.values], dead)
+        if t is ast.For and _is_range_call(node.iter):
+            # `for i in range(torch.cuda.device_count()):` - no iteration without a device
+            v = self.value(node.iter.args[0])
+            return _Branch(("ForRange", len(node.body)), node.iter, [node.body], [v is not UNKNOWN and v == 0])
         if t not in (ast.If, ast.While, ast.IfExp, ast.Assert):
             return None
         v = self.value(node.test)
@@ -340,6 +344,16 @@ class _File:
             if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value.split(":")[0] == "cuda":
                 return f"device '{arg.value}'"
         return None
+
+
+def _is_range_call(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "range"
+        and len(node.args) == 1
+        and not node.keywords
+    )
 
 
 def _is_device_prefix_test(node: ast.Call) -> bool:

@@ -62,7 +62,8 @@ SKIP_CALLS: dict[str, bool] = {
 }
 _CUDA_SETTING = re.compile(r"^[A-Z0-9_]*_CUDA(?:_[A-Z0-9_]*)?$|^CUDA_[A-Z0-9_]+$")
 _CUDA_ONLY_REASON = re.compile(
-    r"cuda[- ]only|only (?:supported )?(?:on |for |with |supports? )?(?:nvidia |an? )?(?:cuda|nvidia)|cuda kernel|triton",
+    r"cuda[- ]only|only (?:supported )?(?:on |for |with |supports? )?(?:nvidia |an? )?(?:cuda|nvidia)|cuda kernel|triton"
+    r"|requires? (?:the |an? )?(?:nvidia|cuda)",
     re.IGNORECASE,
 )
 _OWNER = {"supported": "PY101", "module": "PY101", "replace": "PY101", "legacy": "PY108", "nvtx": "PY113"}
@@ -90,7 +91,8 @@ def keep_unsafe_guards(ctx: PyContext) -> None:
         if cuda_only is None:
             cuda_only = _cuda_only(ctx)
         hit = _first_inside(ctx, cuda_only, regions) if regions else None
-        if hit is None and (isinstance(cond, cst.Call) and regions or _fails_without_cuda(cond, atoms, names)):
+        skip = isinstance(cond, cst.Call) and not isinstance(ctx.parent(cond), cst.For)
+        if hit is None and (skip and regions or _fails_without_cuda(cond, atoms, names)):
             hit = _cuda_only_reason(ctx, cond)
         if hit is not None:
             # the whole test stays: `x.is_cuda and y.is_cuda` with one half migrated asks for both devices
@@ -101,14 +103,22 @@ def keep_unsafe_guards(ctx: PyContext) -> None:
         _withdraw(ctx, [atoms[a] for a in unsafe], unsafe)
 
 
-def _raises(block: cst.CSTNode) -> list[cst.Raise]:
-    """The ``raise X(...)`` that a block consists of (``if not x.is_cuda: raise ...``), if it does."""
+def _raises(block: cst.CSTNode) -> list[cst.CSTNode]:
+    """The ``raise X(...)`` or ``return "<why not>"`` that a block consists of (``if not x.is_cuda:
+    raise ...``), if it does."""
     body = block.body if isinstance(block, (cst.IndentedBlock, cst.SimpleStatementSuite)) else ()
     if len(body) != 1:
         return []
     line = body[0]
     small = line.body if isinstance(line, cst.SimpleStatementLine) else [line]
-    return [s for s in small if isinstance(s, cst.Raise) and s.exc is not None]
+    return [
+        s
+        for s in small
+        if isinstance(s, cst.Raise)
+        and s.exc is not None
+        or isinstance(s, cst.Return)
+        and isinstance(s.value, (cst.SimpleString, cst.FormattedString))
+    ]
 
 
 def _fails_without_cuda(cond: cst.CSTNode, atoms: dict, names: dict) -> bool:
@@ -253,7 +263,7 @@ def _conditions(ctx: PyContext, atoms: dict, names: dict[str, cst.CSTNode]) -> l
                 or isinstance(p, (cst.IfExp, cst.If, cst.While, cst.Assert))
                 and p.test is child
             )
-            skip = _skip_call(ctx, p, child)
+            skip = _skip_call(ctx, p, child) or _range_loop(ctx, p, child)
             if (decides or skip) and p not in seen:
                 seen.add(p)
                 out.append(p)
@@ -274,6 +284,14 @@ def _skip_call(ctx: PyContext, p: cst.CSTNode, child: cst.CSTNode) -> bool:
     return isinstance(holder, cst.Decorator) or isinstance(holder, cst.Assign) and holder.value is p
 
 
+def _range_loop(ctx: PyContext, p: cst.CSTNode, child: cst.CSTNode) -> bool:
+    """``for i in range(torch.cuda.device_count()):`` - the loop body runs only with a device."""
+    if not isinstance(p, cst.Call) or len(p.args) != 1 or p.args[0] is not child:
+        return False
+    loop = ctx.parent(p)
+    return isinstance(p.func, cst.Name) and p.func.value == "range" and isinstance(loop, cst.For) and loop.iter is p
+
+
 def _skip_regions(ctx, cond: cst.Call, atoms, names, regions, used) -> None:
     """The test that a skip keeps from running on a machine without CUDA."""
     value = _eval(cond.args[0].value, atoms, names, regions, used, 0)
@@ -290,7 +308,7 @@ def _cuda_only_reason(ctx: PyContext, cond: cst.Call) -> tuple[cst.CSTNode, str]
     if isinstance(cond, cst.Call):
         reasons = [a.value for a in cond.args[1:]]
     elif isinstance(cond, cst.If):
-        reasons = [r.exc for r in _raises(cond.body)]
+        reasons = [r.exc if isinstance(r, cst.Raise) else r.value for r in _raises(cond.body)]
     else:
         reasons = [cond.msg] if cond.msg else []
     for node in reasons:
@@ -305,6 +323,10 @@ def _regions(ctx: PyContext, cond: cst.CSTNode, atoms: dict, names: dict) -> tup
     """(code unreachable before migration on a machine without CUDA, the checks that decided it)."""
     regions: list[cst.CSTNode] = []
     used: list[cst.CSTNode] = []
+    if isinstance(cond, cst.Call) and isinstance(ctx.parent(cond), cst.For):
+        if _eval(cond.args[0].value, atoms, names, regions, used, 0) == 0:
+            regions.append(ctx.parent(cond).body)
+        return regions, used
     if isinstance(cond, cst.Call):
         _skip_regions(ctx, cond, atoms, names, regions, used)
         return regions, used
@@ -457,6 +479,12 @@ def _cuda_only(ctx: PyContext) -> dict[cst.CSTNode, str]:
                 out.setdefault(use, f"{name} (a {module} kernel)")
     for node, name in _cuda_setting_names(ctx):
         out.setdefault(node, name)
+    for node in ctx.order:  # `self._create_cuda_graph()`: the author says it is CUDA's
+        if isinstance(node, cst.Call) and node.func not in ctx.edits:
+            name = node.func.attr.value if isinstance(node.func, cst.Attribute) else getattr(node.func, "value", "")
+            torch_api = any(q.startswith("torch.") for q in ctx.qnames(node.func))  # judged by cuda_refs above
+            if isinstance(name, str) and "cuda" in name.lower() and name != "cuda" and not torch_api:
+                out.setdefault(node, f"{name}()")
     for stmt in ctx.import_nodes:
         for q in _imported_modules(stmt):
             if api_map.cuda_only_module_tip(q, ctx.options.local_packages):

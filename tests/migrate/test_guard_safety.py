@@ -146,12 +146,14 @@ def test_checker_reports_every_device_gate_of_issue_29():
     """Issue #29 class 1: each gate form of the fixture renamed by spelling (as a text migrator does,
     and as bench migrate did for most of them) is reported once, at the CUDA-only code it let in:
     `.is_cuda`, `and` of two, `device.type == 'cuda'`, `device_type == 'cuda' and ...`,
-    `in ('cuda',)`, `!= 'cuda'` in a conditional expression, `str(device).startswith('cuda')`."""
+    `in ('cuda',)`, `!= 'cuda'` in a conditional expression, `str(device).startswith('cuda')`,
+    `for i in range(torch.cuda.device_count())`."""
     src = GATES.read_text()
     renamed = (
         src.replace(".is_cuda", ".is_npu")
         .replace('"cuda"', '"npu"')
         .replace("torch.cuda.is_available", "torch.npu.is_available")
+        .replace("torch.cuda.device_count", "torch.npu.device_count")
     )
     found = [(v.line, v.construct) for v in violations(src, renamed)]
     assert found == [
@@ -162,6 +164,7 @@ def test_checker_reports_every_device_gate_of_issue_29():
         (55, "deep_ep"),
         (62, "_scale_kernel (a triton kernel)"),
         (67, "torch.cuda.CUDAGraph"),
+        (103, "torch.cuda.default_generators"),  # for ... in range(torch.cuda.device_count())
     ]
 
 
