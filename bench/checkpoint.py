@@ -20,6 +20,7 @@ naming the key); every worker calls :func:`resume_source` and drives a :class:`C
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -59,7 +60,41 @@ def step_dir(root: Path, step: int) -> Path:
 
 
 def checkpoint_root(job: JobSpec, run_dir: Path) -> Path:
+    """Where the workers save and look: run.checkpoint.dir, else ``<run dir>/checkpoints`` (locally a
+    link to :func:`default_root`; in a launch bundle moved elsewhere, a folder of its own)."""
     return Path(job.run.checkpoint.dir) if job.run.checkpoint.dir else run_dir / "checkpoints"
+
+
+def checkpointing(job: JobSpec) -> bool:
+    return job.run.checkpoint.every > 0 or job.run.checkpoint.on_signal
+
+
+def default_root(job: JobSpec, repeat: int | None = None) -> Path | None:
+    """The stable checkpoint folder of this job when run.checkpoint.dir is unset and the job saves:
+    ``<results_dir>/checkpoints/<experiment>/<backend>-<model>-x<world>-<hash>``, the hash over what
+    makes it the same job (model, layout, backend options, precision, data, optimizer, seed; not the
+    step count, so a longer run continues), so the same command with run.resume=auto continues where
+    it stopped (as Megatron-LM's --save or torchtitan's dump folder). Repeats keep one each. None when
+    the job does not checkpoint: the same command twice is then two fresh measurements."""
+    if job.run.checkpoint.dir or not checkpointing(job):
+        return None
+    same = {**job_identity(job), "data": to_dict(job.data), "optim": to_dict(job.optim), "seed": job.run.seed}
+    digest = hashlib.sha256(json.dumps(same, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    name = f"{job.backend.name}-{job.model.name}-x{job.parallel.world_size}-{digest}"
+    name += f"-rep{repeat}" if repeat is not None and job.run.repeats > 1 else ""
+    return Path(job.run.results_dir) / "checkpoints" / job.tracking.experiment / name
+
+
+def link_default_root(job: JobSpec, run_dir: Path, repeat: int | None = None) -> None:
+    """``<run dir>/checkpoints`` -> the job's stable folder (:func:`default_root`), where it has one."""
+    root = default_root(job, repeat)
+    if root is None:
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    link = run_dir / "checkpoints"
+    if link.is_symlink():  # the run directory of a run started within the same second
+        link.unlink()
+    link.symlink_to(root.resolve(), target_is_directory=True)
 
 
 def job_identity(job: JobSpec) -> dict[str, Any]:
@@ -194,13 +229,14 @@ def check_support(job: JobSpec) -> None:
         )
 
 
-def plan_resume(job: JobSpec, run_dir: Path | None, warn=None) -> Path | None:
-    """Before launch: the checkpoint this job starts from (or None), checked against the job.
-    ``run_dir`` None: the run directory is not known yet (only an explicit run.checkpoint.dir is looked at).
-    ``warn``: where skipped partial or corrupt checkpoints are reported (default: stderr)."""
+def plan_resume(job: JobSpec, repeat: int | None = None, warn=None) -> Path | None:
+    """Before launch: the checkpoint this job starts from (or None), checked against the job. Looked
+    for in run.checkpoint.dir, else the job's stable folder (:func:`default_root`; ``repeat``: which
+    of run.repeats), or at the run.resume path. ``warn``: where skipped partial or corrupt
+    checkpoints are reported (default: stderr)."""
     check_support(job)
     resume = job.run.resume
-    root = checkpoint_root(job, run_dir) if (run_dir or job.run.checkpoint.dir) else None
+    root = Path(job.run.checkpoint.dir) if job.run.checkpoint.dir else default_root(job, repeat)
     if root and root.exists() and not (root.is_dir() and os.access(root, os.R_OK | os.W_OK | os.X_OK)):
         raise SpecError("run.checkpoint.dir", f"{root} is not a readable and writable directory")
     supported = get_adapter(job.backend.name).capabilities.checkpoint is not None

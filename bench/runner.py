@@ -25,7 +25,16 @@ from typing import Any, Literal
 from parabench import __version__, commreport, envreport, k8s, trackstore
 from parabench.adapters.base import check_capabilities
 from parabench.adapters.registry import get_adapter
-from parabench.checkpoint import RUN_ID_ENV, STEPS_FILE, plan_resume, write_resume_file, write_stop_request
+from parabench.checkpoint import (
+    RUN_ID_ENV,
+    STEPS_FILE,
+    checkpoint_root,
+    checkpointing,
+    link_default_root,
+    plan_resume,
+    write_resume_file,
+    write_stop_request,
+)
 from parabench.devices import AUTOLOAD_ENV, DEVICES, cpu_threads
 from parabench.errors import Interrupted, RunFailed, SpecError
 from parabench.faults import recovery_figures
@@ -53,7 +62,8 @@ def prepare(plain: dict[str, Any]) -> JobSpec:
     _check_data(job)
     # a bundle's server is reached from elsewhere; a server that does not answer: the run spools
     trackstore.check(job.tracking, probe=not job.launch.dry_run, unreachable_ok=job.tracking.on_unreachable == "spool")
-    plan_resume(job, None)  # checkpoint keys and an explicit checkpoint, before anything starts
+    # checkpoint keys, the job's checkpoint folder (the first repeat's) or run.resume, before anything starts
+    plan_resume(job, 0 if job.run.repeats > 1 else None)
     adapter = get_adapter(job.backend.name)
     check_capabilities(adapter, job)
     if job.launch.dry_run:
@@ -373,11 +383,14 @@ def execute(
 ) -> dict[str, Any] | None:
     import yaml
 
-    # refused (exit 2) before the run directory is touched. prepare() has looked at an explicit
-    # run.checkpoint.dir and run.resume path already and reported their skipped checkpoints once.
-    resume_from = plan_resume(job, run_dir, warn=lambda msg: None)
+    # refused (exit 2) before the run directory is touched. prepare() has looked at the checkpoint
+    # folder and a run.resume path already and reported their skipped checkpoints once.
+    repeat = (extra_tags or {}).get("repeat")
+    resume_from = plan_resume(job, repeat, warn=lambda msg: None)
     run_dir.mkdir(parents=True, exist_ok=True)
+    link_default_root(job, run_dir, repeat)
     write_resume_file(run_dir, resume_from)
+    _say_where_it_starts(job, run_dir, resume_from)
     (run_dir / "logs").mkdir(exist_ok=True)
     plain = _without_credentials(plain, run_dir)  # what is written or recorded never has them
     (run_dir / "config.resolved.yaml").write_text(yaml.safe_dump(plain, sort_keys=False))
@@ -439,6 +452,16 @@ def execute(
     finally:
         tracker.log_artifacts(_artifact_files(run_dir), run_dir)
         tracker.end(status)
+
+
+def _say_where_it_starts(job: JobSpec, run_dir: Path, resume_from: Path | None) -> None:
+    """One line for a job that checkpoints or resumes: which checkpoint it continues, or none."""
+    if resume_from is not None:
+        step = json.loads((resume_from / "COMPLETE").read_text()).get("step")
+        print(f"parabench: resuming from step {step} of {resume_from}", flush=True)
+    elif checkpointing(job):
+        root = checkpoint_root(job, run_dir).resolve()
+        print(f"parabench: no checkpoint found in {root}, starting at step 0", flush=True)
 
 
 def _log_partial(job: JobSpec, tracker, run_dir: Path) -> None:

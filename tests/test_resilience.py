@@ -52,7 +52,10 @@ def kill_and_resume(args: list[str], tmp_path: Path) -> tuple[dict, Path]:
     )
     assert killed.returncode == 1, killed.stderr[-3000:]
     assert sorted(p.name for p in ckpt.iterdir()) == ["step_000005", "step_000010"]
-    resumed = run_ok([*args, *CKPT, f"run.checkpoint.dir={ckpt}", "run.resume=auto"], tmp_path / "resumed")
+    # keep=0: the resumed run's saves (15 and the last, 20) must not prune step 10, which the callers read
+    resumed = run_ok(
+        [*args, *CKPT, f"run.checkpoint.dir={ckpt}", "run.checkpoint.keep=0", "run.resume=auto"], tmp_path / "resumed"
+    )
     return resumed, ckpt
 
 

@@ -4,6 +4,7 @@ saved when checkpointing is on, and a resume with nothing left to train is refus
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -47,37 +48,79 @@ def test_a_resume_with_nothing_left_to_train_is_refused(tmp_path, capsys, saved_
 
 
 @pytest.mark.e2e
-def test_a_finished_run_saves_its_last_step_and_is_not_resumed_again(tmp_path):
-    """10 steps, every 5: step_000005 and step_000010 (the last); the same command again has nothing
-    to train and is refused before launch: exit 2, one line, and the store keeps only the first run."""
-    ck, results = tmp_path / "ck", tmp_path / "results"
-    args = ["run", *FAST, "run.steps=10", "run.checkpoint.every=5", f"run.checkpoint.dir={ck}"]
+def test_the_same_command_saves_its_last_step_continues_and_measures_only_its_own_steps(tmp_path):
+    """10 steps, every 5, no run.checkpoint.dir: the job's stable folder gets step_000005 and
+    step_000010 (the last); the same command again has nothing to train and is refused before launch
+    (exit 2, one line, no second MLflow run); with run.steps=12 it continues from step 10 and its
+    figures come from its own 2 steps while the loss curve stays whole."""
+    results = tmp_path / "results"
+    args = ["run", *FAST, "run.steps=10", "run.checkpoint.every=5"]
     first = bench(args, results)
     assert first.returncode == 0, first.stderr[-3000:]
+    (run_dir,) = results.glob("runs/*/*/*")
+    ck = (run_dir / "checkpoints").resolve()
+    assert ck.parent == (results / "checkpoints" / "parabench").resolve() and ck.name.startswith("ddp-llama-x1-")
+    assert f"parabench: no checkpoint found in {ck}, starting at step 0" in first.stdout, first.stdout
     assert "\n  checkpoints    2 saved (longest blocking " in first.stdout, first.stdout
     assert sorted(p.name for p in ck.iterdir()) == ["step_000005", "step_000010"]
     assert json.loads((ck / "step_000010" / "COMPLETE").read_text())["step"] == 10
+
     again = bench(args, results)
     lines = again.stderr.strip().splitlines()
     assert again.returncode == 2 and len(lines) == 1, again.stderr[-3000:]
-    assert lines[0].startswith("bench: error: run.resume: nothing left to train"), lines
-    assert len(list(Path(results).glob("runs/*/*/*"))) == 1
+    assert lines[0].startswith(f"bench: error: run.resume: nothing left to train: checkpoint {ck}"), lines
+    assert len(list(results.glob("runs/*/*/*"))) == 1
     runs = mlflow_runs(results)
     assert len(runs) == 1 and set(runs["status"]) == {"FINISHED"}
-    # two more steps: the resumed run's figures come from its own 2 steps, the loss curve stays whole
-    more = bench([*args, "run.steps=12"], tmp_path / "more")
+
+    more = bench([*args, "run.steps=12"], results)
     assert more.returncode == 0, more.stderr[-3000:]
-    (summary_path,) = (tmp_path / "more").glob("runs/*/*/*/summary.json")
+    assert f"parabench: resuming from step 10 of {ck / 'step_000010'}" in more.stdout, more.stdout
+    (summary_path,) = (p for p in results.glob("runs/*/*/*/summary.json") if p.parent != run_dir)
     summary = json.loads(summary_path.read_text())
     own = [json.loads(line) for line in (summary_path.parent / "steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in own] == [10, 11]
     assert summary["measured_steps"] == 2 and summary["step_times_max"] == [s["step_time_s"] for s in own]
     assert summary["tokens_per_s"] == pytest.approx(2 * summary["tokens_per_step"] / sum(summary["step_times_max"]))
     assert len(summary["losses"]) == 12 and summary["started_at_step"] == 10
-    assert summary["started_from"] == str((ck / "step_000010").resolve())
+    assert summary["started_from"] == str(ck / "step_000010")
     assert f"2 measured steps, all run here: resumed from step 10 of {ck / 'step_000010'}" in more.stdout, more.stdout
-    (run,) = (row for _, row in mlflow_runs(tmp_path / "more").iterrows())
-    assert run["metrics.measured_steps"] == 2 and run["tags.parabench.resumed_step"] == "10"
+    resumed = mlflow_runs(results).set_index("run_id").drop(runs["run_id"][0])
+    assert list(resumed["metrics.measured_steps"]) == [2] and list(resumed["tags.parabench.resumed_step"]) == ["10"]
+
+
+def test_the_stable_checkpoint_folder_is_used_only_when_the_job_checkpoints(tmp_path, monkeypatch, capsys):
+    """Dry runs (nothing trains): with run.checkpoint.every the same command finds the checkpoint the
+    job's stable folder holds and says so in one line; without it (the default) it starts fresh
+    however often it runs, whatever that folder holds, and says nothing about checkpoints."""
+    from parabench.checkpoint import default_root
+    from parabench.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    results = tmp_path / "results"
+    on = ["+model=llama", "run.steps=10", "run.checkpoint.every=5", f"run.results_dir={results}"]
+    root = default_root(job_of(*on[1:]))
+    assert root is not None and default_root(job_of(on[1], on[3])) is None
+    assert default_root(job_of(*on[1:], "run.steps=20")) == root  # a longer run continues
+    assert default_root(job_of(*on[1:], "run.seed=7")) != root  # another job does not
+    fake_checkpoint(root, 5, job_of())
+
+    def dry_run(*args: str) -> tuple[str, Path]:
+        time.sleep(1.1)  # run directories are named by the second
+        before = set(results.glob("runs/*/*/*"))
+        assert main(["run", *args, "launcher.dry_run=true"]) == 0
+        (run_dir,) = set(results.glob("runs/*/*/*")) - before
+        return capsys.readouterr().out, run_dir
+
+    out, run_dir = dry_run(*on)
+    assert f"parabench: resuming from step 5 of {root / 'step_000005'}" in out, out
+    assert (run_dir / "checkpoints").resolve() == root.resolve()
+    assert json.loads((run_dir / "resume.json").read_text())["step"] == 5
+    for _ in range(2):
+        out, run_dir = dry_run(*on[:2], on[3])
+        assert "resuming" not in out and "no checkpoint found" not in out, out
+        assert not (run_dir / "checkpoints").exists()
+        assert json.loads((run_dir / "resume.json").read_text()) == {"path": None, "step": 0}
 
 
 @pytest.mark.parametrize("how", ["dir", "path"])
