@@ -6,7 +6,7 @@ free (every layout of the row's backend the harness accepts, with the stack's pu
 ``estimate.Features``). Printed: predicted vs published tokens/s per device, the error, the rank of
 the published layout (its tp, cp, pp, dp) in the free search, and the mean and max |error| per
 device kind and overall. ``--fit`` refits the GEMM efficiency curve (e_max, x0, beta) of each device kind
-on its rows and prints a leave-one-source-out figure (on a kind with one source: leave one row out).
+on its rows and prints a leave-one-source-out figure (on a kind with one source: leave one model family out).
 
     python benchmarks/plan_published.py [--fit] [--no-free] [--rows ID,...]
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
+import re
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,24 +223,30 @@ def fit_all(rows: list[Row], jobs: dict[str, list]) -> dict[str, list[float]]:
     return curves
 
 
+def family(row: Row) -> str:
+    """The model family of a row (``ms-qwen15-7b`` -> ``qwen``): llama, codellama, qwen, codeqwen, yi, ..."""
+    return re.sub(r"[0-9.]+$", "", row.id.split("-")[1])
+
+
 def leave_one_source_out(rows: list[Row], jobs: dict[str, list]) -> None:
     """Fit each kind's curve without one source's rows and predict them; a kind with one source:
-    without one row at a time."""
+    without one model family at a time."""
     for kind in sorted({r.cluster.device_kind for r in rows}):
         mine = [r for r in rows if r.cluster.device_kind == kind]
         sources = sorted({r.raw["source"] for r in mine})
-        groups = (
-            [[r for r in mine if r.raw["source"] == s] for s in sources] if len(sources) > 1 else [[r] for r in mine]
-        )
+        key = (lambda r: r.raw["source"]) if len(sources) > 1 else family
+        groups = [[r for r in mine if key(r) == g] for g in sorted({key(r) for r in mine})]
         left: dict[str, float] = {}
         for out in groups:
             rest = [r for r in mine if r not in out]
             cal = Calibration("loso", curves={kind: fit_curve(rest, jobs, kind)})
             left.update(errors(out, jobs, cal))
-        how = "leave one source out" if len(sources) > 1 else "leave one row out (one source)"
+        how = "leave one source out" if len(sources) > 1 else f"leave one model family out ({len(groups)} families)"
         vals = [abs(v) for v in left.values()]
-        print(f"{kind} {how}: mean |error| {100 * statistics.mean(vals):.1f}%, max {100 * max(vals):.1f}% "
-              f"over {len(vals)} rows")  # fmt: skip
+        print(
+            f"{kind} {how}: mean |error| {100 * statistics.mean(vals):.1f}%, max {100 * max(vals):.1f}% "
+            f"over {len(vals)} rows"
+        )
 
 
 def report(rows: list[Row], jobs: dict[str, list], cal: Calibration, free: bool) -> None:

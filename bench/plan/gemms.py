@@ -43,7 +43,7 @@ class Curve:
 # Fitted by `benchmarks/plan_published.py --fit` (docs/plan.md#calibration-on-published-runs).
 CURVES: dict[str, Curve] = {
     "cuda": Curve(0.46, 141.4, 2e-11, "megatron-readme (9 rows) + torchtitan-h100-202412 (2 rows), H100"),
-    "npu": Curve(0.66, 565.7, 1e-10, "mindspeed-llm-readme (10 expressible rows), Ascend 910B"),
+    "npu": Curve(0.50, 84.1, 1e-10, "mindspeed-llm-readme (28 expressible rows), Ascend 910B"),
 }
 
 
