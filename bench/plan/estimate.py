@@ -6,13 +6,19 @@ activations (Korthikanti et al. 2022, Table 2; docs/sources.md#activation-memory
 micro-batches a pipeline stage keeps in flight, communication buffers, and a framework overhead
 that comes from a calibration.
 
-Step time: compute = the harness's model FLOPs (``flops.flops_per_token``, PaLM) / (peak x
-calibrated efficiency), x 4/3 with full recomputation (one more forward); framework = a calibrated
+Step time: compute on a CUDA or NPU cluster = the step's GEMMs at their shapes' efficiency plus the
+memory-bound work (``gemms``: a curve per device kind fitted on published runs), unless a
+calibration from recorded runs has an efficiency of the backend; otherwise (the CPU) the harness's
+model FLOPs (``flops.flops_per_token``, PaLM) / (peak x calibrated efficiency), x 4/3 with full
+recomputation (one more forward); framework = a calibrated
 cost per micro-batch (the operators, hooks and copies each forward/backward pass dispatches whatever
 its size) x the passes of the whole model a rank makes (``model_passes``; 0 uncalibrated); communication =
 ``commvolume`` over the cluster's links (alpha-beta), data-parallel communication hidden behind
-the backward as far as the backend overlaps it (``profiles``; docs/sources.md#plan-overlap),
-context parallelism's ring hidden behind the attention compute; pipeline bubble (p - 1) / (v m) of
+the backward as far as the backend overlaps it (``profiles``; docs/sources.md#plan-overlap), the
+distributed optimizer's parameter gather behind the forward, tensor-parallel collectives behind the
+GEMMs where the stack overlaps them (``Features``), pipeline send/recv with the interleaved
+schedule, context parallelism's ring hidden behind the attention compute (each kept in
+``Estimate.overlap``); pipeline bubble (p - 1) / (v m) of
 compute + framework (docs/sources.md#pipeline-bubble); offload: the host link transfers (hidden like
 data-parallel communication, in what the backward has left) and the host optimizer step, exposed
 (docs/sources.md#zero-offload).
@@ -30,7 +36,9 @@ from parabench.plan.profiles import PROFILES, Offload, States
 from parabench.spec import JobSpec
 
 GIB = 1024**3
-DEFAULT_EFFICIENCY = {"cpu": 0.5, "cuda": 0.45, "npu": 0.4}  # uncalibrated share of peak (docs/plan.md)
+# uncalibrated share of peak of the FLOPs model (docs/plan.md); CUDA and NPU clusters use the GEMM
+# curve (gemms.CURVES) unless a calibration has an efficiency of their own
+DEFAULT_EFFICIENCY = {"cpu": 0.5, "cuda": 0.45, "npu": 0.4}
 DEFAULT_OVERHEAD = {"cpu": 0.6 * GIB, "cuda": 2.0 * GIB, "npu": 3.0 * GIB}  # runtime + framework, uncalibrated
 DEFAULT_UNCERTAINTY = 0.5  # relative width of an uncalibrated step-time prediction (docs/plan.md)
 

@@ -415,8 +415,10 @@ def _ac(job: JobSpec) -> str:
 # Overlap assumptions (docs/sources.md#plan-overlap): DDP overlaps its bucketed all-reduce with
 # the backward; FSDP2 prefetches the next all-gather and reduce-scatters while the backward runs (on a device with streams);
 # DeepSpeed overlaps only with overlap_comm (its default: on for ZeRO-3, off for 1 and 2);
-# Megatron only with overlap_grad_reduce. Tensor- and pipeline-parallel communication is on the
-# critical path in all of them.
+# Megatron only with overlap_grad_reduce (and its parameter gather with overlap_param_gather, on a
+# device with streams). Tensor-parallel communication is on the critical path unless the plan is
+# told the stack overlaps it (estimate.Features); pipeline send/recv unless the schedule is
+# interleaved (megatron, on a device with streams).
 PROFILES: dict[str, Profile] = {
     "ddp": Profile(
         _ddp_options, _dp_layout(lambda j: "none"), lambda j: True, _replicated, _ddp_buffers, lambda j: 1.0, _ac
