@@ -41,7 +41,7 @@ class DeviceString(PyRule):
             return
         if not DEVICE_RE.match(value) and not FORMAT_SPEC_RE.match(value):  # "cuda:{}".format(i): _role_holder
             return
-        if _dispatch_with_generic_else(self.ctx, node):
+        if _dispatch_with_generic_else(self.ctx, node) or _expectation_of_kept_input(self.ctx, node):
             return
         if string_role(self.ctx, node) in ROLES and not kept_in_python(self, node, value, value.replace("cuda", "npu")):
             self.change(
@@ -77,3 +77,25 @@ def _inside(ctx, node: cst.CSTNode, root: cst.CSTNode) -> bool:
     while node is not None and node is not root:
         node = ctx.parent(node)
     return node is root
+
+
+def _expectation_of_kept_input(ctx, node: cst.SimpleString) -> bool:
+    """``assert model.device.type == "cuda"`` in a test that sets the device itself with a "cuda"
+    that stays (``monkeypatch.setattr(mod, "DEVICE", "cuda")``): the expectation follows the input,
+    or the test fails on any machine (issue #29)."""
+    stmt = ctx.parent(ctx.parent(node))
+    while stmt is not None and not isinstance(stmt, (cst.Assert, cst.SimpleStatementLine)):
+        stmt = ctx.parent(stmt)
+    if not isinstance(stmt, cst.Assert):
+        return False
+    fn = stmt
+    while fn is not None and not isinstance(fn, cst.FunctionDef):
+        fn = ctx.parent(fn)
+    if fn is None or not fn.name.value.startswith("test"):
+        return False
+    for other in ctx.order:
+        if isinstance(other, cst.SimpleString) and other is not node and _inside(ctx, other, fn):
+            value = string_value(other) or ""
+            if DEVICE_RE.match(value) and "cuda" in value and string_role(ctx, other) not in ROLES:
+                return True
+    return False
