@@ -336,7 +336,9 @@ class _File:
         func = node.func
         if isinstance(func, ast.Attribute) and func.attr == "cuda" and self.qname(func.value) is None:
             return ".cuda()"
-        device_args = [kw.value for kw in node.keywords if kw.arg in ("device", "device_type", "map_location")]
+        device_args = [
+            kw.value for kw in node.keywords if kw.arg in ("device", "device_type", "map_location", "output_device")
+        ]
         q = self.qname(func)
         if q in ("torch.device", "torch.autocast") or isinstance(func, ast.Attribute) and func.attr == "to":
             device_args += node.args[:1]

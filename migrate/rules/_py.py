@@ -23,7 +23,9 @@ from parabench.migrate.rules._values import BACKEND_COMPOUND_RE, DEVICE_RE  # no
 from parabench.migrate.rules._walk import walk
 
 # Keyword arguments that name a device (docs/sources.md#transfer-to-npu: device rewriting of transfer_to_npu).
-DEVICE_KWARGS = frozenset({"device", "device_type", "map_location", "device_id", "default_device", "init_device"})
+DEVICE_KWARGS = frozenset(
+    {"device", "device_type", "map_location", "device_id", "default_device", "init_device", "output_device", "devices"}
+)
 BACKEND_KWARGS = frozenset({"backend", "dist_backend"})
 # Calls whose first positional argument is a device type / device.
 DEVICE_POS0_CALLS = frozenset(
