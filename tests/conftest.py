@@ -1,4 +1,5 @@
-"""Shared helpers: run the real `bench` CLI in a subprocess against a temporary results dir."""
+"""Shared helpers: run the real `bench` CLI in a subprocess against a temporary results dir; the two
+test tiers and the rules that keep them honest (see "Test tiers" below)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import run_matrix
+from tiers import CURRENT_ITEM, install_process_guard, promote_ci_skips, uninstall_process_guard
+
+pytest_plugins = ["pytester"]  # tests/test_tiers.py runs small test projects
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,6 +28,22 @@ def bench(args: list[str], results: Path, timeout: float = 600, env: dict | None
         cmd.append(f"run.results_dir={results}")
     full_env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or REPO)
+
+
+# The resilience tests' job: 20 steps on 2 ranks (killed, hung, restarted and resumed variants of it).
+TWENTY = [*FAST, "run.steps=20", "launcher.nproc_per_node=2"]
+
+
+def only_summary(results: Path) -> dict:
+    (path,) = results.glob("runs/*/*/*/summary.json")
+    return json.loads(path.read_text())
+
+
+def run_ok(args: list[str], results: Path, **kw) -> dict:
+    """``bench run ARGS`` (one job) must exit 0; its summary.json."""
+    proc = bench(["run", *args], results, **kw)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return only_summary(results)
 
 
 def torchrun_script(script: str, args: list[str], env: dict[str, str], nproc: int = 2) -> None:
@@ -94,3 +115,79 @@ def mlflow_runs(results: Path, experiment: str = "parabench"):
 @pytest.fixture
 def results(tmp_path: Path) -> Path:
     return tmp_path / "results"
+
+
+@pytest.fixture(scope="session")
+def matrix(request, tmp_path_factory) -> dict[str, run_matrix.MatrixRun]:
+    """The shared run matrix (tests/run_matrix.py): variant -> its run, for the variants the session's
+    selected tests name with @pytest.mark.matrix. One `bench run -m` per world size."""
+    needed = request.config.stash.get(run_matrix.NEEDED, set())
+    out: dict[str, run_matrix.MatrixRun] = {}
+    for world, variants in ((2, run_matrix.VARIANTS), (1, run_matrix.ONE_RANK)):
+        chosen = [v for v in variants if v in needed]
+        if not chosen:
+            continue
+        results = tmp_path_factory.mktemp(f"matrix_x{world}")
+        args = [*FAST, f"run.steps={run_matrix.STEPS}", f"launcher.nproc_per_node={world}", *run_matrix.CHECKPOINT]
+        proc = bench(["run", "-m", *args, "backend=" + ",".join(variants[v] for v in chosen)], results, timeout=3600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        jobs = run_matrix.sweep_jobs(results)
+        assert len(jobs) == len(chosen), [j.name for j in jobs]
+        for variant, run_dir in zip(chosen, jobs, strict=True):
+            summary = json.loads((run_dir / "summary.json").read_text())
+            out[variant] = run_matrix.MatrixRun(summary, run_dir, results)
+    return out
+
+
+@pytest.fixture
+def uninterrupted(matrix):
+    """variant -> summary of its uninterrupted matrix run (the TWENTY job), the reference of every
+    kill-and-resume, restart and hang test (the test names the variant with @pytest.mark.matrix)."""
+    return lambda variant: matrix[variant].summary
+
+
+# --------------------------------------------------------------------------------------------
+# Test tiers (tests/tiers.py holds the rules). `./dev test` runs the default tier: every test without a
+# tier marker (units, rules, the migrate suite) plus those marked `e2e` (end-to-end coverage of each
+# backend and command). `./dev test --full` adds the tests marked `full`. A test that starts worker or
+# server processes without a tier marker fails; under CI=true a skip fails unless it names hardware.
+# --------------------------------------------------------------------------------------------
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", help="run the full tier (tests marked `full` too)")
+
+
+def pytest_configure(config):
+    install_process_guard(config)
+
+
+def pytest_unconfigure(config):
+    uninstall_process_guard(config)
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--full"):
+        kept = [item for item in items if item.get_closest_marker("full") is None]
+        deselected = [item for item in items if item.get_closest_marker("full") is not None]
+        if deselected:
+            config.hook.pytest_deselected(items=deselected)
+            items[:] = kept
+    config.stash[run_matrix.NEEDED] = run_matrix.needed_variants(items)  # what the selected tests read
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    item.config.stash[CURRENT_ITEM] = item  # the process guard's test, through setup and teardown
+    yield
+    item.config.stash[CURRENT_ITEM] = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    promote_ci_skips(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    promote_ci_skips(outcome.get_result())

@@ -1,0 +1,105 @@
+"""The test tiers' rules (tests/tiers.py), checked on small test files run by a separate pytest: an
+unmarked test that starts workers fails, `full` tests run only with --full, and under CI=true a skip
+fails unless it names hardware."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from tiers import starts_processes
+
+HERE = Path(__file__).resolve().parent
+
+# A command line the guard counts as starting workers, which runs nothing heavy when it is allowed.
+FAKE_TORCHRUN = '["sh", "-c", "true torchrun --nproc-per-node 2 train.py"]'
+
+
+@pytest.mark.parametrize(
+    ("argv", "what"),
+    [
+        ([sys.executable, "-m", "parabench", "run", "+model=llama"], "bench run"),
+        (["/venv/bin/bench", "comm", "launcher.nproc_per_node=2"], "bench comm"),
+        ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "x.py"], "torch.distributed.run"),
+        (["/usr/local/bin/msrun", "--worker_num=2"], "msrun"),
+        (["runuser", "-u", "pg", "--", "/usr/lib/postgresql/15/bin/pg_ctl", "start"], "pg_ctl"),
+        (["unshare", "--mount", "sh", "-c", "mount x && { python -m parabench run +model=llama; }"], "bench run"),
+        ([sys.executable, "-m", "mlflow", "server", "--port", "5000"], "mlflow"),
+        ("chromium --headless --dump-dom file:///x", "chromium"),
+        ([sys.executable, "-m", "parabench", "run", "+model=llama", "--cfg", "job"], None),
+        ([sys.executable, "-m", "parabench", "run", "launcher.dry_run=true"], None),
+        ([sys.executable, "-m", "parabench", "plan", "+model=llama"], None),
+        ([sys.executable, "-c", "import parabench"], None),
+        (["git", "commit", "-qm", "x"], None),
+    ],
+)
+def test_what_needs_a_tier_marker(argv, what):
+    assert starts_processes(argv) == what
+
+
+def _project(pytester: pytest.Pytester, body: str) -> None:
+    """A pytest project with this suite's conftest.py, tiers.py and markers, and one test module."""
+    for name in ("conftest.py", "tiers.py"):
+        shutil.copy(HERE / name, pytester.path / name)
+    pytester.makeini("[pytest]\naddopts = --strict-markers\nmarkers =\n    e2e: x\n    full: x\n")
+    pytester.makepyfile(test_sample=body)
+
+
+SAMPLE = f"""
+import subprocess
+import pytest
+
+def test_unit():
+    assert True
+
+def test_unmarked_starts_workers():
+    subprocess.run({FAKE_TORCHRUN}, check=True)
+
+@pytest.mark.e2e
+def test_default_tier_e2e():
+    subprocess.run({FAKE_TORCHRUN}, check=True)
+
+@pytest.mark.full
+def test_full_tier_only():
+    subprocess.run({FAKE_TORCHRUN}, check=True)
+"""
+
+
+def test_unmarked_worker_test_fails_and_full_runs_only_with_the_flag(pytester: pytest.Pytester):
+    _project(pytester, SAMPLE)
+    default = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    default.assert_outcomes(passed=2, failed=1, deselected=1)
+    default.stdout.fnmatch_lines(["*test_unmarked_starts_workers starts torchrun but carries no tier marker*"])
+    full = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--full")
+    full.assert_outcomes(passed=3, failed=1)
+
+
+SKIPS = """
+import pytest
+
+def test_server_missing():
+    pytest.skip("PostgreSQL is not installed")
+
+def test_no_npu():
+    pytest.skip("hardware: no Ascend NPU on this machine")
+"""
+
+
+@pytest.mark.parametrize(("ci", "outcomes"), [("true", {"failed": 1, "skipped": 1}), ("", {"skipped": 2})])
+def test_under_ci_a_skip_fails_unless_it_names_hardware(pytester: pytest.Pytester, monkeypatch, ci, outcomes):
+    monkeypatch.setenv("CI", ci)
+    _project(pytester, SKIPS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(**outcomes)
+    if ci:
+        result.stdout.fnmatch_lines(["*CI=true: skipped tests fail CI*PostgreSQL is not installed*"])
+
+
+def test_a_module_level_skip_fails_under_ci(pytester: pytest.Pytester, monkeypatch):
+    monkeypatch.setenv("CI", "true")
+    _project(pytester, 'import pytest\npytest.importorskip("no_such_module_here")\n\ndef test_x():\n    pass\n')
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    assert result.ret != 0
+    result.stdout.fnmatch_lines(["*CI=true: skipped tests fail CI*no_such_module_here*"])
