@@ -121,7 +121,7 @@ def test_every_shipped_model_composes_into_a_spec():
     assert 6.6e9 < big < 6.8e9  # Llama-2-7B has 6.74B parameters
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_wheel_ships_the_config_tree(tmp_path):
     out = subprocess.run(
         [

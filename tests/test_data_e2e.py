@@ -11,7 +11,7 @@ from conftest import FAST, bench, mlflow_runs, summaries
 from parabench.data import TOKENS_FILE, TokenSource, global_checksum
 from parabench.spec import DataSpec
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.full
 
 STEPS = 2
 COMMON = [*FAST, "data.seq_len=32", "data.global_batch_size=4", "data.micro_batch_size=1", f"run.steps={STEPS}"]

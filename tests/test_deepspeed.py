@@ -5,6 +5,7 @@ import importlib.util
 import json
 
 import pytest
+from run_matrix import STEPS, sweep_jobs
 
 from conftest import FAST, assert_refused_before_launch, bench, mlflow_runs
 
@@ -97,7 +98,7 @@ def test_invalid_deepspeed_settings_are_refused_before_launch(name, tmp_path, ca
     assert_refused_before_launch(make(tmp_path), must_name, tmp_path, capsys)
 
 
-@pytest.mark.skipif(_cpu_fp16(), reason="this CPU runs fp16")
+@pytest.mark.skipif(_cpu_fp16(), reason="hardware: this CPU runs fp16 (the test checks the refusal on CPUs without it)")
 def test_fp16_refused_on_a_cpu_without_fp16(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert_refused_before_launch([*DS, "run.precision=fp16"], "run.precision", tmp_path, capsys)
@@ -211,35 +212,36 @@ STAGES = [0, 1, 2, 3]
 
 
 def _by_label(results) -> dict[str, dict]:
-    """'ddp' / 'zero<S>' / 'zero<S>_offload' -> summary (with the job's spec beside it)."""
+    """'zero<S>' -> summary (with the job's spec beside it) of a sweep of DeepSpeed stages."""
     out = {}
     for path in sorted(results.glob("runs/*/*/*/summary.json")):
         summary = json.loads(path.read_text())
         spec = json.loads((path.parent / "spec.json").read_text())
         summary["spec"], summary["run_dir"] = spec, path.parent
-        label = spec["backend"]["name"]
-        if label == "deepspeed":
-            o = spec["backend"]["options"]
-            label = f"zero{o['zero_stage']}" + ("_offload" if o["offload_optimizer"] != "none" else "")
-        out[label] = summary
+        out[f"zero{spec['backend']['options']['zero_stage']}"] = summary
     return out
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """ddp, ZeRO 0-3 and ZeRO-2 + optimizer offload: 11 fp32 steps (10 updates) on 2 ranks, one sweep."""
-    results = tmp_path_factory.mktemp("ds2")
-    backends = "ddp," + ",".join(f"deepspeed/zero{s}" for s in STAGES) + ",deepspeed/zero2_offload"
-    proc = bench(
-        ["run", "-m", *FAST, f"backend={backends}", "run.steps=11", "launcher.nproc_per_node=2"], results, timeout=1800
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return results, _by_label(results)
+TWO_RANK_LABELS = ["ddp", "zero0", "zero1", "zero2", "zero3", "zero2_offload"]
+TWO_RANKS = pytest.mark.matrix(*TWO_RANK_LABELS)
+
+
+@pytest.fixture
+def two_ranks(matrix):
+    """ddp, ZeRO 0-3 and ZeRO-2 + optimizer offload from the shared run matrix: 20 fp32 steps on 2 ranks,
+    one sweep (with the other variants of the session)."""
+    results = next(iter(matrix.values())).results
+    return results, {label: _with_spec(matrix[label]) for label in TWO_RANK_LABELS if label in matrix}
+
+
+def _with_spec(run) -> dict:
+    return {**run.summary, "spec": run.spec, "run_dir": run.run_dir}
 
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory):
-    """ZeRO-1 and ZeRO-3 on one rank in bf16 (fp32 masters restored to the canonical weights)."""
+    """ZeRO-1 and ZeRO-3 on one rank in bf16 (fp32 masters restored to the canonical weights). A sweep of
+    its own: the matrix is fp32 on 2 ranks."""
     results = tmp_path_factory.mktemp("ds1")
     proc = bench(
         ["run", "-m", *FAST, "backend=deepspeed/zero1,deepspeed/zero3", "run.steps=2", "run.precision=bf16"],
@@ -250,24 +252,31 @@ def one_rank(tmp_path_factory):
     return results, _by_label(results)
 
 
-@pytest.mark.slow
+@TWO_RANKS
+@pytest.mark.full
 def test_identical_initial_weights_as_ddp(two_ranks, one_rank):
     checksums = {f"{k}@2": s["initial_checksum"] for k, s in two_ranks[1].items()}
     checksums.update({f"{k}@1 bf16": s["initial_checksum"] for k, s in one_rank[1].items()})
     assert len(checksums) == 8 and len(set(checksums.values())) == 1, checksums
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize(
+    "stage",
+    [
+        pytest.param(s, marks=[pytest.mark.matrix("ddp", f"zero{s}"), pytest.mark.e2e if s == 3 else pytest.mark.full])
+        for s in STAGES
+    ],
+)
 def test_fp32_loss_parity_with_ddp(two_ranks, stage):
     ddp, ds = two_ranks[1]["ddp"]["losses"], two_ranks[1][f"zero{stage}"]["losses"]
-    assert len(ddp) == len(ds) == 11
+    assert len(ddp) == len(ds) == STEPS
     assert rel(ddp[0], ds[0]) <= 1e-6
     assert rel(ddp[10], ds[10]) <= 1e-4  # after 10 optimizer steps
     assert ds[10] < ds[0] - 0.1
 
 
-@pytest.mark.slow
+@TWO_RANKS
+@pytest.mark.full
 def test_offload_with_cpu_adam_trains_like_ddp(two_ranks):
     ddp, ds = two_ranks[1]["ddp"]["losses"], two_ranks[1]["zero2_offload"]["losses"]
     assert rel(ddp[0], ds[0]) <= 1e-6
@@ -295,8 +304,15 @@ def _check_optimizer_bytes(summary, world: int) -> None:
         assert rank["optimizer_other"] <= 8 * 64  # Adam step counters (one per tensor for torch AdamW at stage 0)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("label", ["zero0", "zero1", "zero2", "zero3", "zero2_offload"])
+@pytest.mark.parametrize(
+    "label",
+    [
+        pytest.param(
+            label, marks=[pytest.mark.matrix(label), pytest.mark.e2e if label == "zero3" else pytest.mark.full]
+        )
+        for label in ("zero0", "zero1", "zero2", "zero3", "zero2_offload")
+    ],
+)
 def test_optimizer_state_bytes_equal_the_zero_formula_on_two_ranks(two_ranks, label):
     s = two_ranks[1][label]
     _check_optimizer_bytes(s, 2)
@@ -306,7 +322,7 @@ def test_optimizer_state_bytes_equal_the_zero_formula_on_two_ranks(two_ranks, la
         assert all(r["host"] == r["optimizer"] for r in s["model_state_per_rank"])
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("label", ["zero1", "zero3"])
 def test_optimizer_state_bytes_equal_the_zero_formula_on_one_rank(one_rank, label):
     s = one_rank[1][label]
@@ -316,17 +332,20 @@ def test_optimizer_state_bytes_equal_the_zero_formula_on_one_rank(one_rank, labe
     assert rank["params"] >= 2 * psi and rank["params"] < 2 * psi + 1024**2  # bf16 working copies (+ padding)
 
 
-@pytest.mark.slow
+@TWO_RANKS
+@pytest.mark.full
 def test_sweep_is_one_parent_with_a_child_per_configuration_and_the_config_is_an_artifact(two_ranks):
     results, by = two_ranks
     runs = mlflow_runs(results)
     parents = runs[runs["tags.parabench.kind"] == "sweep"]
     children = runs[runs["tags.parabench.kind"] == "job"]
-    assert len(parents) == 1 and len(children) == 6
+    assert len(parents) == 1 and len(children) == len(sweep_jobs(results))  # a child per job of the matrix
     assert set(children["tags.mlflow.parentRunId"]) == {parents.iloc[0]["run_id"]}
     assert set(runs["status"]) == {"FINISHED"}
     ds = children[children["tags.backend"] == "deepspeed"]
     assert sorted(ds["params.backend.zero_stage"]) == ["0", "1", "2", "2", "3"]
+    offload = ds[ds["params.backend.offload_optimizer"] == "cpu"]
+    assert list(offload["params.backend.zero_stage"]) == ["2"]
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{results / 'mlflow.db'}")

@@ -9,16 +9,19 @@ import sys
 import time
 
 import pytest
+from run_matrix import STEPS, sweep_jobs
 
 from conftest import FAST, REPO, bench, mlflow_runs, summaries
 
-pytestmark = pytest.mark.slow
+TWO_RANKS = pytest.mark.matrix("ddp", "fsdp")
+ONE_RANK = pytest.mark.matrix("ddp@1", "fsdp@1")
 
 
 def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(a), abs(b))
 
 
+@pytest.mark.e2e
 def test_readme_main_command_records_a_finished_mlflow_run(results):
     proc = bench(["run", "+model=llama"], results)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -50,42 +53,53 @@ def test_readme_main_command_records_a_finished_mlflow_run(results):
     assert summary["losses"][-1] < summary["losses"][0]  # it trains
 
 
-@pytest.fixture(scope="module")
-def sweeps(tmp_path_factory):
-    """ddp and fsdp, 11 fp32 steps each (10 updates), at world sizes 1 and 2."""
-    out = {}
-    for world in (1, 2):
-        results = tmp_path_factory.mktemp(f"w{world}")
-        proc = bench(
-            ["run", "-m", *FAST, "backend=ddp,fsdp", "run.steps=11", f"launcher.nproc_per_node={world}"], results
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        out[world] = (results, {s["backend"]: s for s in summaries(results).values()})
-    return out
+@pytest.fixture
+def sweep(matrix):
+    """world size -> (results dir, backend -> summary) of ddp and fsdp in the shared run matrix (20 fp32
+    steps each; the test's matrix marker names the world sizes it reads)."""
+
+    def get(world: int):
+        at = "@1" if world == 1 else ""
+        return matrix[f"ddp{at}"].results, {b: matrix[f"{b}{at}"].summary for b in ("ddp", "fsdp")}
+
+    return get
 
 
-def test_identical_initial_weights_for_every_backend_and_world_size(sweeps):
-    checksums = {(w, b): s["initial_checksum"] for w, (_, by) in sweeps.items() for b, s in by.items()}
+@TWO_RANKS
+@ONE_RANK
+@pytest.mark.full
+def test_identical_initial_weights_for_every_backend_and_world_size(sweep):
+    checksums = {(w, b): s["initial_checksum"] for w in (1, 2) for b, s in sweep(w)[1].items()}
     assert len(checksums) == 4 and len(set(checksums.values())) == 1, checksums
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_ddp_fsdp_loss_parity(sweeps, world):
-    ddp, fsdp = sweeps[world][1]["ddp"]["losses"], sweeps[world][1]["fsdp"]["losses"]
-    assert len(ddp) == len(fsdp) == 11
+@pytest.mark.parametrize(
+    "world",
+    [pytest.param(1, marks=[ONE_RANK, pytest.mark.full]), pytest.param(2, marks=[TWO_RANKS, pytest.mark.e2e])],
+)
+def test_ddp_fsdp_loss_parity(sweep, world):
+    ddp, fsdp = sweep(world)[1]["ddp"], sweep(world)[1]["fsdp"]
+    assert ddp["initial_checksum"] == fsdp["initial_checksum"]  # identical canonical start
+    ddp, fsdp = ddp["losses"], fsdp["losses"]
+    assert len(ddp) == len(fsdp) == STEPS
     assert rel(ddp[0], fsdp[0]) <= 1e-6
     assert rel(ddp[10], fsdp[10]) <= 1e-4  # after 10 optimizer steps
     assert ddp[10] < ddp[0] - 0.1
 
 
-def test_world_size_does_not_change_the_math(sweeps):
+@TWO_RANKS
+@ONE_RANK
+@pytest.mark.full
+def test_world_size_does_not_change_the_math(sweep):
     # Same global batch, same data: DDP on 1 rank (grad accumulation 2) and on 2 ranks agree.
-    one, two = sweeps[1][1]["ddp"]["losses"], sweeps[2][1]["ddp"]["losses"]
+    one, two = sweep(1)[1]["ddp"]["losses"], sweep(2)[1]["ddp"]["losses"]
     assert rel(one[0], two[0]) <= 1e-6 and rel(one[10], two[10]) <= 1e-4
 
 
-def test_exact_model_state_accounting(sweeps):
-    by = sweeps[2][1]
+@TWO_RANKS
+@pytest.mark.e2e
+def test_exact_model_state_accounting(sweep):
+    by = sweep(2)[1]
     n = by["ddp"]["num_params"]
     for rank in by["ddp"]["model_state_per_rank"]:
         assert rank["params"] + rank["grads"] + rank["optimizer"] == 16 * n  # fp32 AdamW, replicated
@@ -94,15 +108,19 @@ def test_exact_model_state_accounting(sweeps):
     assert by["fsdp"]["model_state_expected_bytes"] == 8 * n
 
 
-def test_multirun_is_one_parent_with_a_child_per_job(sweeps):
-    runs = mlflow_runs(sweeps[2][0])
+@TWO_RANKS
+@pytest.mark.e2e
+def test_multirun_is_one_parent_with_a_child_per_job(sweep):
+    results = sweep(2)[0]
+    runs = mlflow_runs(results)
     parents = runs[runs["tags.parabench.kind"] == "sweep"]
     children = runs[runs["tags.parabench.kind"] == "job"]
-    assert len(parents) == 1 and len(children) == 2
+    assert len(parents) == 1 and len(children) == len(sweep_jobs(results))  # one child per job of the matrix
     assert set(children["tags.mlflow.parentRunId"]) == {parents.iloc[0]["run_id"]}
-    assert set(children["tags.backend"]) == {"ddp", "fsdp"} and set(runs["status"]) == {"FINISHED"}
+    assert {"ddp", "fsdp"} <= set(children["tags.backend"]) and set(runs["status"]) == {"FINISHED"}
 
 
+@pytest.mark.full
 def test_a_killed_rank_fails_the_run_quickly_and_is_recorded(results):
     cmd = [
         sys.executable,

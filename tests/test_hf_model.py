@@ -261,6 +261,7 @@ def test_tied_checkpoint_may_store_lm_head_and_inv_freq(tmp_path):
     assert "lm_head.weight" not in initial_weights(spec, 0)
 
 
+@pytest.mark.e2e
 def test_run_starts_from_the_checkpoint(tmp_path, results):
     """The acceptance test: a Llama config.json + bf16 safetensors written here run as the model, and
     the run's init_checksum is the checksum of the file's tensors."""
@@ -284,6 +285,7 @@ BACKENDS_FROM_FILE = {
 }
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("case", BACKENDS_FROM_FILE)
 def test_sharded_and_other_framework_backends_start_from_the_checkpoint(tmp_path, results, case):
     """initial_weights feeds FSDP's shards, Megatron's tensor-parallel shards, MindSpore's cells and

@@ -1,7 +1,7 @@
 """backend=megatron: refusals before launch, an in-process engine check, and end-to-end parity with
 ddp through the real CLI (torchrun workers on gloo, CUDA redirected to the host).
 
-Parity (fp32, same seed, same global batch of 8 sequences): identical canonical checksum after
+Parity (fp32, same seed, the shared run matrix's global batch of 4 sequences): identical canonical checksum after
 loading; step-0 loss within 1e-5 relative; loss after 10 optimizer steps within 1e-3 relative.
 """
 
@@ -11,6 +11,8 @@ import math
 import pytest
 
 pytest.importorskip("megatron.core")
+
+from run_matrix import STEPS
 
 from conftest import FAST, assert_refused_before_launch, bench, summaries
 
@@ -189,79 +191,85 @@ def test_expected_model_state_formulas():
 # --------------------------------------------------------------------------------------------
 # End to end: each configuration against one ddp reference (2 ranks, same global batch of 8).
 # --------------------------------------------------------------------------------------------
-COMMON = [*FAST, "run.steps=11", "data.global_batch_size=8", "data.micro_batch_size=2", "tracking.enabled=false"]
-RUNS = {
-    # name: (world, overrides, labels of the jobs in sweep order). A sweep's jobs share one CLI start-up.
-    "ddp": (2, ["backend=ddp"], ["ddp"]),
-    "tp2": (2, ["backend=megatron", "backend.tp=2", "backend.sequence_parallel=false,true"], ["tp2", "tp2-sp"]),
-    "pp2": (2, ["backend=megatron", "backend.pp=2", "backend.vpp=1,2"], ["pp2", "pp2-vpp2"]),  # 4 micro-batches
-    "dp2": (
-        2,
-        [
-            "backend=megatron",
-            "backend.distributed_optimizer=true",
-            "backend.overlap_grad_reduce=true",
-            "backend.overlap_param_gather=true",
-        ],
-        ["dp2-distopt"],
-    ),
-    "tp2pp2": (4, ["backend=megatron", "backend.tp=2", "backend.pp=2"], ["tp2pp2"]),  # 4 ranks, oversubscribed
+# The matrix variant of each configuration (backend presets: tp = pp = nproc_per_node = 2; global batch 4
+# in micro-batches of 2, so tp2 runs 2 micro-batches on dp=1 and pp2 runs 2 through its 2 stages).
+VARIANTS = {
+    "ddp": "ddp",
+    "tp2": "megatron_tp",
+    "tp2-sp": "megatron_tp_sp",
+    "pp2": "megatron_pp",
+    "pp2-vpp2": "megatron_pp_vpp",
+    "dp2-distopt": "megatron_distopt",
 }
-CONFIGS = [label for name, (_, _, labels) in RUNS.items() if name != "ddp" for label in labels]
+CONFIGS = [*(label for label in VARIANTS if label != "ddp"), "tp2pp2"]
+DEFAULT_TIER = {"tp2"}  # the rest of the layouts run in the full tier
+
+
+def _config_param(label: str):
+    reads = pytest.mark.matrix("ddp", *([VARIANTS[label]] if label in VARIANTS else []))
+    return pytest.param(label, marks=[reads, pytest.mark.e2e if label in DEFAULT_TIER else pytest.mark.full])
 
 
 @pytest.fixture(scope="module")
-def e2e(tmp_path_factory):
-    out = {}
-    for name, (world, overrides, labels) in RUNS.items():
-        results = tmp_path_factory.mktemp(name)
-        multi = len(labels) > 1
-        proc = bench(
-            ["run", *(["-m"] if multi else []), *COMMON, *overrides, f"launcher.nproc_per_node={world}"], results
-        )
-        assert proc.returncode == 0, (name, proc.stderr[-4000:])
-        jobs = summaries(results)  # run-dir name -> summary; sweep dirs are numbered in sweep order
-        assert len(jobs) == len(labels), sorted(jobs)
-        out.update(zip(labels, (jobs[k] for k in sorted(jobs)), strict=True))
-    return out
+def tp2pp2(tmp_path_factory) -> dict:
+    """tp2 x pp2 on 4 ranks (oversubscribed) at the matrix's geometry: a run of its own, the matrix has
+    2 ranks."""
+    results = tmp_path_factory.mktemp("tp2pp2")
+    args = [*FAST, f"run.steps={STEPS}", "backend=megatron", "backend.tp=2", "backend.pp=2"]
+    proc = bench(["run", *args, "launcher.nproc_per_node=4", "tracking.enabled=false"], results)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (summary,) = summaries(results).values()
+    return summary
+
+
+@pytest.fixture
+def e2e(matrix, request):
+    """label -> summary: the matrix's runs, and tp2pp2's own run when a test asks for it."""
+
+    def get(label: str) -> dict:
+        return request.getfixturevalue("tp2pp2") if label == "tp2pp2" else matrix[VARIANTS[label]].summary
+
+    return get
 
 
 def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(a), abs(b))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("config", [_config_param(label) for label in CONFIGS])
 def test_megatron_matches_ddp(e2e, config):
-    ddp, mg = e2e["ddp"], e2e[config]
-    assert mg["backend"] == "megatron" and len(mg["losses"]) == len(ddp["losses"]) == 11
+    ddp, mg = e2e("ddp"), e2e(config)
+    assert mg["backend"] == "megatron" and len(mg["losses"]) == len(ddp["losses"]) == STEPS
     assert mg["initial_checksum"] == ddp["initial_checksum"]  # identical canonical start
     assert rel(mg["losses"][0], ddp["losses"][0]) <= 1e-5, (mg["losses"][0], ddp["losses"][0])
     assert rel(mg["losses"][10], ddp["losses"][10]) <= 1e-3, (mg["losses"][10], ddp["losses"][10])
     assert mg["losses"][10] < mg["losses"][0] - 0.1  # it trains
 
 
-@pytest.mark.slow
+@pytest.mark.matrix(*VARIANTS.values())
+@pytest.mark.full
 def test_megatron_metrics(e2e):
-    n = e2e["ddp"]["num_params"]
+    n = e2e("ddp")["num_params"]
     # Distributed optimizer over dp=2, fp32: 4 + 4 + 8/2 bytes per parameter (+ buffer padding).
-    dist = e2e["dp2-distopt"]
+    dist = e2e("dp2-distopt")
     assert dist["world_size"] == 2 and dist["model_state_expected_bytes"] == 12 * n
     for rank in dist["model_state_per_rank"]:
         core = rank["params"] + rank["grads"] + rank["optimizer"]
         assert 12 * n <= core <= 12 * n + 64 * 1024, (core, 12 * n)
     # Replicated optimizer on a TP shard: exactly 16 bytes per parameter held (no padding without dp).
-    tp = e2e["tp2"]
+    tp = e2e("tp2")
     for rank in tp["model_state_per_rank"]:
         assert rank["params"] + rank["grads"] + rank["optimizer"] == tp["model_state_expected_bytes"]
-    assert tp["model_state_bytes_max"] < 0.6 * e2e["ddp"]["model_state_bytes_max"]
-    # Pipeline bubble: (p-1)/m for 1F1B, (p-1)/(v m) interleaved; measured on every rank.
-    assert e2e["pp2"]["extra.pipeline_bubble_predicted"] == 1 / 4
-    assert e2e["pp2-vpp2"]["extra.pipeline_bubble_predicted"] == 1 / 8
-    assert all(0 <= e2e["pp2"][f"extra.rank{r}.pipeline_bubble_measured"] < 1 for r in (0, 1))
-    # TP communication counted: at least the 4 decoder all-reduces per layer and micro-batch.
+    assert tp["model_state_bytes_max"] < 0.6 * e2e("ddp")["model_state_bytes_max"]
+    # Pipeline bubble: (p-1)/m for 1F1B, (p-1)/(v m) interleaved (Narayanan et al. 2021, sec. 2.2);
+    # m = global batch 4 / micro-batch 2 = 2 micro-batches at dp = 1; measured on every rank.
+    assert e2e("pp2")["extra.pipeline_bubble_predicted"] == 1 / 2
+    assert e2e("pp2-vpp2")["extra.pipeline_bubble_predicted"] == 1 / 4
+    assert all(0 <= e2e("pp2")[f"extra.rank{r}.pipeline_bubble_measured"] < 1 for r in (0, 1))
+    # TP communication counted: at least the 4 decoder all-reduces (2 forward, 2 backward) per layer and
+    # micro-batch: 4 layers x 2 micro-batches.
     for config in ("tp2", "tp2-sp"):
-        s = e2e[config]
-        assert s["extra.tp_decoder_allreduces_predicted_per_step"] == 4 * 4 * 4
+        s = e2e(config)
+        assert s["extra.tp_decoder_allreduces_predicted_per_step"] == 4 * 4 * 2
         assert s["extra.rank0.tp_collectives_per_step"] >= s["extra.tp_decoder_allreduces_predicted_per_step"]
         assert s["extra.rank0.tp_comm_bytes_per_step"] > 0

@@ -72,6 +72,7 @@ def test_launch_bundle_matches_golden(name, tmp_path):
     assert not (tmp_path / "results" / "mlflow.db").exists()  # a dry run records nothing
 
 
+@pytest.mark.e2e
 def test_run_without_npu_is_refused_with_pointer_to_dry_run(tmp_path):
     proc = subprocess.run(
         [

@@ -5,8 +5,9 @@ import math
 
 import numpy as np
 import pytest
+from run_matrix import STEPS
 
-from conftest import FAST, assert_refused_before_launch, bench, mlflow_runs, summaries
+from conftest import assert_refused_before_launch, mlflow_runs
 
 ms = pytest.importorskip("mindspore")
 
@@ -145,51 +146,63 @@ def test_msrun_command_and_coordinates(monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------
-# End to end: mindspore vs ddp, same seed and data, 11 fp32 steps (10 updates), 1 and 2 processes.
+# End to end: mindspore vs ddp, same seed and data, 20 fp32 steps (the shared run matrix), 1 and 2 processes.
 # --------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def sweeps(tmp_path_factory):
-    out = {}
-    for world in (1, 2):
-        results = tmp_path_factory.mktemp(f"ms_w{world}")
-        proc = bench(
-            ["run", "-m", *FAST, "backend=ddp,mindspore", "run.steps=11", f"launcher.nproc_per_node={world}"], results
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        out[world] = (results, {s["backend"]: s for s in summaries(results).values()})
-    return out
+@pytest.fixture
+def sweeps(matrix):
+    """world size -> (results dir, backend -> summary) of ddp and mindspore in the shared run matrix (20
+    fp32 steps each; the test's matrix marker names the world sizes it reads)."""
+
+    def get(world: int):
+        at = "@1" if world == 1 else ""
+        return matrix[f"mindspore{at}"].results, {b: matrix[f"{b}{at}"].summary for b in ("ddp", "mindspore")}
+
+    return get
 
 
-@pytest.mark.slow
+TWO_RANKS = pytest.mark.matrix("ddp", "mindspore")
+ONE_RANK = pytest.mark.matrix("ddp@1", "mindspore@1")
+
+
+@TWO_RANKS
+@ONE_RANK
+@pytest.mark.full
 def test_same_initial_weights_as_ddp(sweeps):
-    checksums = {(w, b): s["initial_checksum"] for w, (_, by) in sweeps.items() for b, s in by.items()}
+    checksums = {(w, b): s["initial_checksum"] for w in (1, 2) for b, s in sweeps(w)[1].items()}
     assert len(checksums) == 4 and len(set(checksums.values())) == 1, checksums
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize(
+    "world",
+    [pytest.param(1, marks=[ONE_RANK, pytest.mark.full]), pytest.param(2, marks=[TWO_RANKS, pytest.mark.e2e])],
+)
 def test_loss_parity_with_ddp(sweeps, world):
-    ddp, mine = sweeps[world][1]["ddp"]["losses"], sweeps[world][1]["mindspore"]["losses"]
-    assert len(ddp) == len(mine) == 11
+    ddp, mine = sweeps(world)[1]["ddp"], sweeps(world)[1]["mindspore"]
+    assert ddp["initial_checksum"] == mine["initial_checksum"]  # identical canonical start
+    ddp, mine = ddp["losses"], mine["losses"]
+    assert len(ddp) == len(mine) == STEPS
     assert rel(ddp[0], mine[0]) <= 1e-5, (ddp[0], mine[0])
     assert rel(ddp[10], mine[10]) <= 1e-3, (ddp[10], mine[10])  # after 10 optimizer steps
     assert mine[10] < mine[0] - 0.1  # it trains
 
 
-@pytest.mark.slow
+@TWO_RANKS
+@ONE_RANK
+@pytest.mark.full
 def test_world_size_does_not_change_the_math(sweeps):
-    one, two = sweeps[1][1]["mindspore"]["losses"], sweeps[2][1]["mindspore"]["losses"]
+    one, two = sweeps(1)[1]["mindspore"]["losses"], sweeps(2)[1]["mindspore"]["losses"]
     assert rel(one[0], two[0]) <= 1e-6 and rel(one[10], two[10]) <= 1e-4
 
 
-@pytest.mark.slow
+@TWO_RANKS
+@pytest.mark.full
 def test_model_states_and_metrics_are_recorded(sweeps):
-    s = sweeps[2][1]["mindspore"]
+    s = sweeps(2)[1]["mindspore"]
     n = s["num_params"]
     for rank in s["model_state_per_rank"]:
         assert rank["params"] + rank["grads"] + rank["optimizer"] == 16 * n  # fp32 AdamW, replicated
     assert s["model_state_expected_bytes"] == 16 * n and s["device"] == "cpu"
-    runs = mlflow_runs(sweeps[2][0])
+    runs = mlflow_runs(sweeps(2)[0])
     run = runs[runs["tags.backend"] == "mindspore"].iloc[0]
     assert run["status"] == "FINISHED" and run["tags.world_size"] == "2"
     assert run["tags.version.mindspore"] == ms.__version__

@@ -30,6 +30,8 @@ import pytest
 
 from conftest import FAST, bench
 
+pytestmark = pytest.mark.full  # one `mlflow server --app-name basic-auth` for the module
+
 TINY = [*FAST, "run.steps=2", "run.checksum=false", "device=cpu"]
 ADMIN_PASSWORD = "Adm1n-pw-7f3c91e2"
 USER, PASSWORD = "alice", "Al1ce-pw-4b8d06a9"  # unique strings: a grep for them finds only leaks

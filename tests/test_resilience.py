@@ -14,31 +14,21 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from conftest import FAST, REPO, assert_refused_before_launch, bench, mlflow_runs
+from conftest import FAST, REPO, TWENTY, assert_refused_before_launch, bench, mlflow_runs, only_summary, run_ok
 from parabench.checkpoint import MARKER, Checkpointer, check_compatible, job_identity, newest_complete, plan_resume
 from parabench.confutil import compose, to_plain
 from parabench.errors import SpecError
 from parabench.jobs import from_config
 
-TWENTY = [*FAST, "run.steps=20", "launcher.nproc_per_node=2"]
 CKPT = ["run.checkpoint.every=5"]
-
-
-def only_summary(results: Path) -> dict:
-    (path,) = results.glob("runs/*/*/*/summary.json")
-    return json.loads(path.read_text())
-
-
-def run_ok(args: list[str], results: Path, **kw) -> dict:
-    proc = bench(["run", *args], results, **kw)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return only_summary(results)
+# ddp's kill-and-resume and hang recovery are in the default tier, fsdp's in the full tier
+DEFAULT_TIER = [pytest.mark.matrix("ddp"), pytest.mark.e2e]
+FULL_TIER = [pytest.mark.matrix("fsdp"), pytest.mark.full]
 
 
 def kill_and_resume(args: list[str], tmp_path: Path) -> tuple[dict, Path]:
@@ -60,9 +50,12 @@ def kill_and_resume(args: list[str], tmp_path: Path) -> tuple[dict, Path]:
 
 
 def assert_bitwise_after_resume(full: dict, resumed: dict, resumed_step: int = 10) -> None:
+    """All 20 losses equal the uninterrupted run's, exact float equality: the restored history of the
+    steps before the checkpoint as well as the steps trained after the resume."""
     assert resumed["resumed_step"] == resumed_step
     assert len(resumed["losses"]) == len(full["losses"]) == 20
-    assert resumed["losses"][12:] == full["losses"][12:]  # steps 13-20, exact float equality
+    assert resumed["losses"][:resumed_step] == full["losses"][:resumed_step]  # restored from the checkpoint
+    assert resumed["losses"][resumed_step:] == full["losses"][resumed_step:]  # trained again after the resume
     assert resumed["data_checksum"] == full["data_checksum"]
 
 
@@ -187,28 +180,7 @@ def test_bad_checkpoint_and_fault_keys_are_refused_before_launch(overrides, key,
 # --------------------------------------------------------------------------------------------
 # End to end: real `bench run` processes on 2 gloo ranks.
 # --------------------------------------------------------------------------------------------
-def reference_runs(tmp_path_factory) -> Callable[..., dict]:
-    """(backend, *overrides) -> summary of the uninterrupted 20-step, 2-rank run, computed once. The
-    backends' test modules wrap it in their own module-scoped ``uninterrupted`` fixture, so their
-    kill-and-resume and restart tests share one reference run per configuration."""
-    cache: dict[tuple[str, ...], dict] = {}
-
-    def get(backend: str, *overrides: str) -> dict:
-        key = (backend, *overrides)
-        if key not in cache:
-            results = tmp_path_factory.mktemp(f"full_{backend}")
-            cache[key] = run_ok([*TWENTY, f"backend={backend}", *overrides, "tracking.enabled=false"], results)
-        return cache[key]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    return reference_runs(tmp_path_factory)
-
-
-@pytest.mark.parametrize("backend", ["ddp", "fsdp"])
+@pytest.mark.parametrize("backend", [pytest.param("ddp", marks=DEFAULT_TIER), pytest.param("fsdp", marks=FULL_TIER)])
 def test_killed_run_resumes_bitwise_and_reshards_to_one_rank(backend, tmp_path, uninterrupted):
     args = [*TWENTY, f"backend={backend}"]
     full = uninterrupted(backend)
@@ -282,13 +254,15 @@ def fault_and_recover(kind: str, args: list[str], results: Path, full: dict) -> 
     return summary
 
 
-@pytest.mark.parametrize("backend", ["ddp", "fsdp"])
+@pytest.mark.parametrize("backend", [pytest.param("ddp", marks=DEFAULT_TIER), pytest.param("fsdp", marks=FULL_TIER)])
 def test_hang_is_detected_by_the_collective_timeout_and_recovered(backend, results, uninterrupted):
     """ddp and fsdp (FSDP2 on a 1-D mesh over the world runs on the default process group, whose
     timeout is launcher.collective_timeout_s)."""
     hang_and_recover([*TWENTY, f"backend={backend}"], results, uninterrupted(backend))
 
 
+@pytest.mark.matrix("ddp")
+@pytest.mark.full
 def test_rank_killed_during_a_save_loses_only_that_save_and_recovers(results, uninterrupted):
     """fault.at=save: rank 1 dies inside the step-10 save, after its DCP files and before the harness
     state and the marker. The half-written step_000010.tmp is never loaded: the restarted workers
@@ -314,13 +288,16 @@ def test_rank_killed_during_a_save_loses_only_that_save_and_recovers(results, un
 
 # +experiment=resilience_cpu's children: (run dir suffix, variant in the stability table)
 EXPERIMENT_BACKENDS = [("ddp", "ddp"), ("fsdp", "fsdp"), ("deepspeed", "deepspeed/zero2"), ("megatron", "megatron/tp")]
+# the same configurations in the run matrix (backend=megatron/tp sets tp = nproc_per_node = 2)
+EXPERIMENT_CONFIGS = {"ddp": "ddp", "fsdp": "fsdp", "deepspeed": "zero2", "megatron": "megatron_tp"}  # matrix variants
 
 
+@pytest.mark.matrix("ddp", "fsdp", "zero2", "megatron_tp")
+@pytest.mark.full
 def test_resilience_experiment_recovers_every_backend_and_compares(results, uninterrupted, tmp_path):
     """+experiment=resilience_cpu: one kill per backend, max_restarts=1; one parent run holding the
     stability table, and `bench compare` printing it per backend with a number in every column.
-    ddp and fsdp are compared with their uninterrupted runs here; deepspeed and megatron's bitwise
-    resume is tests/test_resilience_deepspeed.py and test_resilience_megatron.py."""
+    Every child ends with the losses and data checksum of its uninterrupted run."""
     proc = bench(["run", "-m", "+experiment=resilience_cpu"], results, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = mlflow_runs(results, "resilience_cpu")
@@ -330,15 +307,7 @@ def test_resilience_experiment_recovers_every_backend_and_compares(results, unin
     assert len(children) == len(EXPERIMENT_BACKENDS) and set(children["status"]) == {"FINISHED"}
     for suffix, variant in EXPERIMENT_BACKENDS:
         (path,) = results.glob(f"runs/resilience_cpu/*/*_{suffix}/summary.json")
-    cause = "rank 0: parabench.faults.InjectedFault: fault.kind=exception on rank 0 before step 1"
-    assert f"parabench: run FAILED: a worker failed (torchrun exit code 1): {cause}\n" in proc.stderr
-    assert "ChildFailedError" not in proc.stderr and "Traceback" not in proc.stderr
-        summary = json.loads(path.read_text())
-        if suffix in ("ddp", "fsdp"):
-            assert_recovered(summary, uninterrupted(suffix))
-        else:
-            assert summary["restarts"] == 1 and summary["steps_recomputed"] == 2 and summary["resumed_step"] == 10
-            assert len(summary["losses"]) == 20
+        assert_recovered(json.loads(path.read_text()), uninterrupted(EXPERIMENT_CONFIGS[suffix]))
         assert parent[f"metrics.stability/{variant}/N2/restarts"] == 1
     uri = f"sqlite:///{results / 'mlflow.db'}"
     out = bench(
@@ -354,12 +323,16 @@ def test_resilience_experiment_recovers_every_backend_and_compares(results, unin
         assert len(numbers) == 11 and all(float(n) >= 0 for n in numbers), cells  # no '-' cell
 
 
+@pytest.mark.full
 def test_injected_exception_fails_the_run_once(results):
     """fault.kind=exception: an ordinary exception in the loop before step 1 (1 rank, no restart):
     the run exits 1 naming the failed worker, MLflow marks it FAILED, the fault is recorded once."""
     proc = bench(["run", *FAST, "run.steps=3", "fault.kind=exception", "fault.step=1"], results)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "bench: run failed: a worker failed" in proc.stderr
+    cause = "rank 0: parabench.faults.InjectedFault: fault.kind=exception on rank 0 before step 1"
+    assert f"parabench: run FAILED: a worker failed (torchrun exit code 1): {cause}\n" in proc.stderr
+    assert "ChildFailedError" not in proc.stderr and "Traceback" not in proc.stderr
     (run_dir,) = (p.parent for p in results.glob("runs/*/*/*/spec.json"))
     log = (run_dir / "logs" / "rank0.log").read_text()
     assert "InjectedFault: fault.kind=exception on rank 0 before step 1" in log
@@ -370,6 +343,7 @@ def test_injected_exception_fails_the_run_once(results):
     assert run["status"] == "FAILED"
 
 
+@pytest.mark.full
 def test_sigterm_stops_every_worker_saves_and_marks_killed(results):
     cmd = [sys.executable, "-m", "parabench", "run", *FAST, "run.steps=500", "launcher.nproc_per_node=2"]
     cmd += ["run.checkpoint.on_signal=true", f"run.results_dir={results}"]
@@ -388,19 +362,29 @@ def test_sigterm_stops_every_worker_saves_and_marks_killed(results):
     for pid in pids:  # no orphan trains on
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
     (ckpt,) = (run_dir / "checkpoints").iterdir()
-    assert (ckpt / "COMPLETE").exists()
+    finished = [json.loads(line) for line in _steps(results)]
+    assert (ckpt / "COMPLETE").exists() and ckpt.name == f"step_{len(finished):06d}"  # the last finished step
     (run,) = (row for _, row in mlflow_runs(results).iterrows())
     assert run["status"] == "KILLED"
     import mlflow
 
     history = mlflow.MlflowClient().get_metric_history(run["run_id"], "loss")
     assert len(history) >= 3
+    # the save is a real one: resumed for 2 more steps, it is the uninterrupted run of that length
+    steps = f"run.steps={len(finished) + 2}"
+    again = [*FAST, "launcher.nproc_per_node=2", steps, "tracking.enabled=false"]
+    resumed = run_ok([*again, f"run.resume={ckpt}"], results.parent / "resumed")
+    fresh = run_ok(again, results.parent / "fresh")
+    assert resumed["resumed_step"] == len(finished)
+    assert resumed["losses"][: len(finished)] == [step["loss"] for step in finished]  # restored history
+    assert resumed["losses"] == fresh["losses"]
 
 
 def _steps(results: Path) -> list[str]:
     return [line for p in results.glob("runs/*/*/*/steps.jsonl") for line in p.read_text().splitlines()]
 
 
+@pytest.mark.full
 def test_disk_full_during_save_keeps_the_last_complete_checkpoint(tmp_path):
     """A real ENOSPC: the checkpoint dir is a 300 MiB tmpfs (in a private mount namespace) that holds
     one checkpoint of the llama model (~221 MiB) but not two."""

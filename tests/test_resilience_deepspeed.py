@@ -14,7 +14,6 @@ from test_resilience import (
     fault_and_recover,
     hang_and_recover,
     kill_and_resume,
-    reference_runs,
 )
 
 if importlib.util.find_spec("deepspeed") is None:
@@ -23,37 +22,38 @@ if importlib.util.find_spec("deepspeed") is None:
 pytestmark = pytest.mark.deepspeed
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    return reference_runs(tmp_path_factory)
-
-
+@pytest.mark.matrix("zero1", "zero2", "zero3")
+@pytest.mark.full
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stage_killed_and_resumed_bitwise(stage, tmp_path, uninterrupted):
     args = [*TWENTY, "backend=deepspeed", f"backend.zero_stage={stage}"]
     resumed, ckpt = kill_and_resume(args, tmp_path)
-    assert_bitwise_after_resume(uninterrupted("deepspeed", f"backend.zero_stage={stage}"), resumed)
+    assert_bitwise_after_resume(uninterrupted(f"zero{stage}"), resumed)
     native = ckpt / "step_000010" / "native"
     assert (native / "latest").read_text() == "global_step10"  # DeepSpeed's own layout
     assert len(list((native / "global_step10").glob("*optim_states.pt"))) == 2  # one ZeRO partition per rank
     assert resumed["ckpt_load_s"] > 0 and resumed["ckpt_bytes_total"] > 0
 
 
+@pytest.mark.matrix("zero1", "zero2", "zero3")
+@pytest.mark.full
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stage_hang_is_detected_restarted_and_resumed(stage, results, uninterrupted):
     """ZeRO reduces (and at stage 3 gathers) on DeepSpeed's clone of the world group, which the adapter
     creates with launcher.collective_timeout_s: without it the hung peer held rank 0 for torch's
     30-minute default and the runner's hang watchdog ended the job FAILED."""
     args = [*TWENTY, "backend=deepspeed", f"backend.zero_stage={stage}"]
-    hang_and_recover(args, results, uninterrupted("deepspeed", f"backend.zero_stage={stage}"))
+    hang_and_recover(args, results, uninterrupted(f"zero{stage}"))
 
 
+@pytest.mark.matrix("zero1", "zero3")
+@pytest.mark.full
 @pytest.mark.parametrize("stage", [1, 3])
 def test_zero_stage_killed_restarted_and_resumed(stage, results, uninterrupted):
     """fault.kind=kill + launcher.max_restarts=1, one command (ZeRO-2's is the resilience experiment's
     deepspeed child): torchrun restarts both ranks, they resume from step 10, FINISHED, restarts=1."""
     args = [*TWENTY, "backend=deepspeed", f"backend.zero_stage={stage}"]
-    fault_and_recover("kill", args, results, uninterrupted("deepspeed", f"backend.zero_stage={stage}"))
+    fault_and_recover("kill", args, results, uninterrupted(f"zero{stage}"))
 
 
 def test_other_world_size_and_stage_are_refused_before_launch(tmp_path, capsys):

@@ -14,7 +14,6 @@ from test_resilience import (
     fault_and_recover,
     hang_and_recover,
     kill_and_resume,
-    reference_runs,
     run_ok,
 )
 
@@ -24,16 +23,15 @@ pytest.importorskip("megatron.core")
 
 pytestmark = pytest.mark.megatron
 
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    return reference_runs(tmp_path_factory)
+LAYOUT_VARIANT = {"backend.tp=2": "megatron_tp", "backend.pp=2": "megatron_pp"}  # their runs in the matrix
 
 
+@pytest.mark.matrix("megatron_tp", "megatron_pp")
+@pytest.mark.full
 @pytest.mark.parametrize("layout", ["backend.tp=2", "backend.pp=2"])
 def test_killed_and_resumed_bitwise(layout, tmp_path, uninterrupted):
     args = [*TWENTY, "backend=megatron", layout]
-    full = uninterrupted("megatron", layout)
+    full = uninterrupted(LAYOUT_VARIANT[layout])
     resumed, ckpt = kill_and_resume(args, tmp_path)
     assert_bitwise_after_resume(full, resumed)
     native = ckpt / "step_000010" / "native"
@@ -48,20 +46,22 @@ def test_killed_and_resumed_bitwise(layout, tmp_path, uninterrupted):
             assert abs(a - b) <= 1e-6 * abs(b), (a, b)
 
 
+@pytest.mark.matrix("megatron_tp", "megatron_pp")
+@pytest.mark.full
 @pytest.mark.parametrize("layout", ["backend.tp=2", "backend.pp=2"])
 def test_hang_is_detected_restarted_and_resumed(layout, results, uninterrupted):
     """The hung peer is noticed in Megatron's own tensor- or pipeline-parallel group (the tp
     all-reduce, the pp send/recv), which the adapter creates with launcher.collective_timeout_s
     (distributed_timeout_minutes) instead of Megatron's 30-minute default."""
-    hang_and_recover([*TWENTY, "backend=megatron", layout], results, uninterrupted("megatron", layout))
+    hang_and_recover([*TWENTY, "backend=megatron", layout], results, uninterrupted(LAYOUT_VARIANT[layout]))
 
 
+@pytest.mark.matrix("megatron_pp")
+@pytest.mark.full
 def test_pp2_killed_restarted_and_resumed(results, uninterrupted):
     """fault.kind=kill + launcher.max_restarts=1 at pp=2, one command (tp=2's is the resilience
     experiment's megatron child): restarted, resumed from step 10, FINISHED, restarts=1."""
-    fault_and_recover(
-        "kill", [*TWENTY, "backend=megatron", "backend.pp=2"], results, uninterrupted("megatron", "backend.pp=2")
-    )
+    fault_and_recover("kill", [*TWENTY, "backend=megatron", "backend.pp=2"], results, uninterrupted("megatron_pp"))
 
 
 def test_pipeline_size_and_optimizer_kind_are_refused_before_launch(tmp_path, capsys):

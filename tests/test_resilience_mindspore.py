@@ -16,15 +16,18 @@ from conftest import assert_refused_before_launch, bench, mlflow_runs
 pytest.importorskip("mindspore")
 
 
-def test_killed_and_resumed_bitwise(tmp_path):
+@pytest.mark.matrix("mindspore")
+@pytest.mark.full
+def test_killed_and_resumed_bitwise(tmp_path, uninterrupted):
     args = [*TWENTY, "backend=mindspore"]
-    full = run_ok([*args, "tracking.enabled=false"], tmp_path / "full")
+    full = uninterrupted("mindspore")
     resumed, ckpt = kill_and_resume(args, tmp_path)
     assert_bitwise_after_resume(full, resumed)
     native = ckpt / "step_000010" / "native"
     assert sorted(p.name for p in native.iterdir()) == ["rank0.ckpt", "rank1.ckpt"]
 
 
+@pytest.mark.full
 def test_async_save_is_complete_and_resumes_bitwise(tmp_path):
     """run.checkpoint.async=true: MindSpore's writer thread (save_checkpoint(async_save="thread"));
     the marker is written only after it has ended, and the checkpoint resumes exactly."""
@@ -40,6 +43,7 @@ def test_async_save_is_complete_and_resumes_bitwise(tmp_path):
     assert resumed["losses"] == saved["losses"]
 
 
+@pytest.mark.full
 def test_hang_is_refused_for_restart_and_ended_by_the_watchdog(results, tmp_path, capsys):
     """fault.kind=hang on mindspore. With launcher.max_restarts=1: refused before launch (exit 2)
     naming the key and msrun. Without: MindSpore's CPU AllReduce on rank 0 gives up on its own

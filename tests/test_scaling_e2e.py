@@ -8,7 +8,7 @@ import pytest
 
 from conftest import bench, mlflow_runs
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.full
 
 
 @pytest.fixture(scope="module")

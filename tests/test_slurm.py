@@ -22,8 +22,6 @@ import pytest
 
 from conftest import FAST, REPO, assert_refused_before_launch, bench, mlflow_runs
 
-pytestmark = pytest.mark.slow
-
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "sinfo", "squeue", "scontrol", "scancel")
 NODES = ("pb1", "pb2")
@@ -151,6 +149,7 @@ def _slurm_state(job_id: str, env: dict[str, str]) -> str:
     return re.search(r"JobState=(\S+)", out).group(1)
 
 
+@pytest.mark.full
 def test_sweep_of_two_jobs_runs_on_slurm_as_parent_and_children(slurm, results):
     """`bench run -m` submits one array job; each job runs its 2 ddp ranks in Slurm, FINISHED runs
     under one FINISHED sweep run."""
@@ -169,6 +168,7 @@ def test_sweep_of_two_jobs_runs_on_slurm_as_parent_and_children(slurm, results):
     assert sorted(children["params.launcher.slurm"]) == ["True", "True"]
 
 
+@pytest.mark.e2e
 def test_two_nodes_one_rank_each(slurm, results):
     """launcher.nnodes=2: one Slurm task per node; node 1 takes its rank and node 0's address
     (NodeAddr) from the allocation; one MLflow run (node 0 records) with both ranks. Submitted from
@@ -209,6 +209,7 @@ def _kill_on_node(raw_job_id: str, node: str, env: dict[str, str]) -> None:
             pass
 
 
+@pytest.mark.full
 def test_scancel_and_a_killed_job_end_failed_with_the_reason(slurm, results):
     """A sweep of two jobs; once both train, job 0 is cancelled (scancel: SIGTERM, as at the time
     limit) and every process of job 1 gets SIGKILL (as on a node that dies: no result file). Both MLflow
@@ -250,6 +251,7 @@ def test_sbatch_missing_is_refused_before_launch(tmp_path, capsys, monkeypatch):
     assert "not on PATH" in err
 
 
+@pytest.mark.e2e
 def test_unknown_partition_is_refused_before_launch(slurm, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("SLURM_CONF", slurm["SLURM_CONF"])
@@ -258,6 +260,7 @@ def test_unknown_partition_is_refused_before_launch(slurm, tmp_path, capsys, mon
     assert "no such Slurm partition (sinfo lists: debug)" in err
 
 
+@pytest.mark.e2e
 def test_submitting_without_launcher_slurm_is_refused(slurm, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("SLURM_CONF", slurm["SLURM_CONF"])

@@ -230,22 +230,26 @@ def test_experiments_are_created_as_model_training(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # Concurrent runs into one new experiment.
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.full
 def test_concurrent_job_runs_create_a_new_sqlite_store_and_experiment(tmp_path):
     """Without the store lock, all eight died here in MLflow's schema migration of the new file."""
     uri = f"sqlite:///{tmp_path / 'new' / 'mlflow.db'}"
     _assert_all_landed(_concurrent_job_runs(tmp_path, uri, "race"), uri, "race")
 
 
+@pytest.mark.full
 def test_concurrent_job_runs_on_the_server(mlflow_server, tmp_path):
     _assert_all_landed(_concurrent_job_runs(tmp_path, mlflow_server, "job-race"), mlflow_server, "job-race")
 
 
+@pytest.mark.full
 def test_concurrent_runs_into_a_new_experiment_on_sqlite(tmp_path):
     store = tmp_path / "shared" / "mlflow.db"  # new: its schema and the experiment are created by the race
     done = _concurrent_runs(tmp_path, [f"tracking.uri=sqlite:///{store}"], "race")
     _assert_all_landed(done, f"sqlite:///{store}", "race")
 
 
+@pytest.mark.e2e
 def test_run_lands_on_server_and_compare_reads_it(mlflow_server, tmp_path):
     out = bench(["run", *TINY, f"tracking.uri={mlflow_server}", "tracking.experiment=served"], tmp_path / "r")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -259,6 +263,7 @@ def test_run_lands_on_server_and_compare_reads_it(mlflow_server, tmp_path):
     assert runs[0].info.run_id in (report / "report.json").read_text()
 
 
+@pytest.mark.full
 def test_concurrent_runs_into_a_new_experiment_on_the_server(mlflow_server, tmp_path):
     done = _concurrent_runs(tmp_path, [f"tracking.uri={mlflow_server}"], "server-race")
     _assert_all_landed(done, mlflow_server, "server-race")
@@ -333,6 +338,7 @@ def _on_store(client, run_id: str, into: Path) -> dict[str, str]:
     return {**out, **_written(into)}
 
 
+@pytest.mark.full
 def test_server_killed_mid_run_then_synced_equals_an_undisturbed_run(postgres, mlflow_server, tmp_path):
     """Acceptance (issue #17): live metrics while RUNNING; the server killed mid-run; the run
     finishes and spools; the server back on the same store; `bench sync` (twice) makes its history
@@ -380,6 +386,7 @@ def test_server_killed_mid_run_then_synced_equals_an_undisturbed_run(postgres, m
     _assert_no_secret({"stdout": calm_out, "stderr": calm_err, **_written(tmp_path / "calm"), **store_view}, secrets)
 
 
+@pytest.mark.full
 def test_unreachable_at_start_spools_then_sync_uploads(mlflow_server, tmp_path):
     """The default tracking.on_unreachable=spool: a server down at the start is one line, the run
     trains and records into its spool, `bench sync --tracking-uri` uploads it. Neither the spool nor
@@ -420,6 +427,7 @@ def _psql(postgres: str, database: str, sql: str) -> None:
     subprocess.run(_as_postgres(cmd), check=True, capture_output=True, timeout=60)
 
 
+@pytest.mark.full
 def test_server_answering_an_error_mid_run_spools_then_sync_completes(postgres, tmp_path, monkeypatch, capsys):
     """A real `mlflow server` whose database loses a table mid-run answers log-batch with an error
     (MLflow maps the database's UndefinedTable to BAD_REQUEST): one line, the job records on into its

@@ -508,7 +508,7 @@ def test_megatron_gpt_tp1_forward_backward_and_train_steps(megatron_runs):
 
 
 @pytest.mark.megatron
-@pytest.mark.slow
+@pytest.mark.full
 def test_megatron_gpt_tp2_matches_tp1(megatron_runs):
     """TP=2 gives the TP=1 loss (Megatron splits the same cpu-initialised master weights)."""
     (tp1,), (a, b) = megatron_runs["1"], megatron_runs["2"]

@@ -63,7 +63,7 @@ def test_smoke_bf16_autocast_within_one_percent(capfd, monkeypatch):
     assert all(abs(s - p) <= 0.01 * abs(p) for s, p in zip(smoke, plain, strict=True))
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_smoke_torchrun_two_workers_hccl_ddp(capfd):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
