@@ -37,7 +37,7 @@ from parabench.checkpoint import (
 from parabench.confutil import compose, to_plain
 from parabench.convertworker import REQUEST, RESULT
 from parabench.errors import RunFailed, SpecError, UserError
-from parabench.hf import CONFIG, SINGLE, hf_config, spec_fields
+from parabench.hf import CONFIG, SINGLE, hf_config, load_weights, spec_fields
 from parabench.jobs import model_spec
 from parabench.launchers import get_launcher
 from parabench.runner import free_port, launch_env, prepare
@@ -396,14 +396,27 @@ def run(p: dict[str, Any]) -> dict[str, Any]:
         record["checksum_after"] = result["checksum"]
     elif p["args_to"] == "hf":
         record.update(target={"format": "hf", **write_hf(out, canon, _model_spec(p["identity"]))})
-        record["checksum_after"] = manifest["checksum"]
+        record.update(_hf_checksums(out, canon))
     else:
         record.update(target={"format": "canonical", "path": str(canon)})
-        record["checksum_after"] = manifest["checksum"]
+        record["checksum_after"] = canonical.checksum(canonical.load(canon)[0])  # read back from the files
     record["optimizer_line"] = _optimizer_line(p, manifest)
     record["seconds"] = round(time.monotonic() - t0, 2)
     (out / RECORD).write_text(json.dumps(record, indent=1))
     return record
+
+
+def _hf_checksums(out: Path, canon: Path) -> dict[str, Any]:
+    """An hf export holds the weights only: the weights' checksum in the canonical directory against
+    the one of the export read back as ``+model=hf`` reads it (config.json, then the safetensors)."""
+    state, _ = canonical.load(canon)
+    spec = model_spec(spec_fields({"path": str(out)}))
+    written = load_weights(str(out / SINGLE), spec.parameter_shapes())
+    return {
+        "checksum_scope": "weights",
+        "checksum_before": canonical.checksum(canonical.CanonicalState(state.weights, None, state.step)),
+        "checksum_after": canonical.checksum(canonical.CanonicalState(written, None, state.step)),
+    }
 
 
 def _model_spec(identity: dict[str, Any]):
@@ -416,7 +429,8 @@ def report(record: dict[str, Any]) -> None:
         f"bench convert: {record['source']['format']} {record['source']['layout']} step {record['source']['step']}",
         f"  -> {record['target']['format']} {record['target'].get('layout', '')}".rstrip(),
         f"  tensors converted: {record['tensors']} ({record['bytes'] / 2**20:.2f} MiB as fp32)",
-        f"  canonical checksum: before {record['checksum_before']}, after {record['checksum_after']} "
+        f"  {'weights' if record.get('checksum_scope') == 'weights' else 'canonical'} checksum: "
+        f"before {record['checksum_before']}, after {record['checksum_after']} "
         f"({'match' if match else 'MISMATCH'})",
         f"  {record['optimizer_line']}",
         f"  written: {record['target'].get('checkpoint') or record['target'].get('path') or ', '.join(record['target'].get('files', []))}"

@@ -15,10 +15,6 @@ import pytest
 
 from tests.conftest import FAST, bench
 
-pytest.importorskip("deepspeed")
-
-pytestmark = [pytest.mark.slow, pytest.mark.deepspeed]
-
 TINY = [
     "model.vocab_size=512",
     "model.hidden_size=64",
@@ -54,7 +50,9 @@ def _convert(args: list[str]):
 
 @pytest.fixture(scope="module")
 def ds_checkpoint(tmp_path_factory) -> tuple[Path, Path]:
-    """ZeRO-3 on 2 ranks, checkpointed after step 10 (run to 11: the last step is never saved)."""
+    """ZeRO-3 on 2 ranks, checkpointed after step 10 (run to 11). Only the tests that use it need
+    DeepSpeed (the module's other conversions run without it)."""
+    pytest.importorskip("deepspeed")
     results = tmp_path_factory.mktemp("ds")
     _run([*DS3, f"run.steps={SAVED + 1}", f"run.checkpoint.every={SAVED}"], results)
     (ckpt,) = results.glob(f"runs/*/*/deepspeed/checkpoints/step_{SAVED:06d}")
@@ -75,6 +73,8 @@ def to_fsdp(ds_checkpoint, tmp_path_factory) -> tuple[Path, str]:
     return out, _convert([str(ds_checkpoint[1]), "--to", "fsdp", "--out", str(out), *TINY[:-2]])
 
 
+@pytest.mark.full
+@pytest.mark.deepspeed
 def test_deepspeed_zero3_to_fsdp_resumes_like_ddp(ds_checkpoint, to_fsdp, ddp_losses, tmp_path):
     out, printed = to_fsdp
     record = json.loads((out / "convert.json").read_text())
@@ -107,6 +107,8 @@ def _tensors(value, prefix: str = ""):
             yield from _tensors(v, f"{prefix}/{i}")
 
 
+@pytest.mark.full
+@pytest.mark.deepspeed
 def test_deepspeed_round_trip_is_bitwise(ds_checkpoint, tmp_path):
     """ZeRO-3 -> canonical -> ZeRO-3 with the same layout: every tensor of DeepSpeed's own files
     (fp32 partitions, both moments, step) and the harness state are bit-for-bit the original's."""
@@ -149,12 +151,54 @@ def _canonical_model(canonical_dir: Path):
     return canon, spec
 
 
+def continued_by_hand(canonical_dir: Path, steps: int) -> list[float]:
+    """The losses of ``steps`` optimizer steps after a canonical checkpoint, computed here without any
+    backend: the canonical model with the checkpoint's weights, torch.optim.AdamW holding its moments
+    and step (decay on 2-D weights; conf/optim/adamw.yaml's values), global-norm clipping at 1.0, and
+    the global batches parabench's synthetic data gives for those steps (FAST + TINY geometry). The
+    reference a backend resumed from a converted checkpoint must reproduce."""
+    import torch
+
+    from parabench import canonical
+    from parabench.confutil import compose, to_plain
+    from parabench.data import TokenSource
+    from parabench.jobs import from_config
+    from parabench.model import causal_lm_loss
+
+    model, spec = _canonical_model(canonical_dir)
+    state, _ = canonical.load(canonical_dir)
+    named = dict(model.named_parameters())
+    decay = [p for p in named.values() if p.dim() == 2]
+    rest = [p for p in named.values() if p.dim() != 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=3e-4, betas=(0.9, 0.95), eps=1e-8)
+    for name, param in named.items():
+        opt.state[param] = {
+            "step": torch.tensor(float(state.step)),
+            **{key: state.moments[key][name].clone().float() for key in canonical.MOMENTS},
+        }
+    job = from_config(to_plain(compose([*FAST, *(a for a in TINY if a.startswith("model."))])))
+    source = TokenSource(job.data, spec.vocab_size)
+    losses = []
+    for step in range(state.step, state.step + steps):
+        batch = torch.from_numpy(source.global_batch(step))
+        loss = causal_lm_loss(model(batch[:, :-1]), batch[:, 1:])
+        losses.append(loss.item())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
 def _tokens(vocab_size: int):
     import torch
 
     return torch.randint(0, vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
 
 
+@pytest.mark.full
+@pytest.mark.deepspeed
 def test_hf_export_reads_back_as_the_same_model(to_fsdp, hf_export):
     """--to hf: config.json + model.safetensors that parabench's Hugging Face reader (names, shapes,
     dtypes) takes as the same model, whose logits are the canonical ones."""
@@ -167,6 +211,9 @@ def test_hf_export_reads_back_as_the_same_model(to_fsdp, hf_export):
 
     out, printed = hf_export
     assert "optimizer state: not included in the hf export" in printed, printed
+    record = json.loads((out / "convert.json").read_text())  # weights only, read back from the export
+    assert record["checksum_scope"] == "weights" and record["checksum_before"] == record["checksum_after"]
+    assert "weights checksum: before" in printed and "(match)" in printed, printed
     spec = model_spec(spec_fields({"path": str(out)}))
     check_weights(spec)  # every canonical name with its shape, nothing else
     source = json.loads((to_fsdp[0] / "canonical" / "manifest.json").read_text())["source"]["job"]["model"]
@@ -182,6 +229,8 @@ def test_hf_export_reads_back_as_the_same_model(to_fsdp, hf_export):
         assert torch.equal(hf_model(tokens), canon(tokens))
 
 
+@pytest.mark.full
+@pytest.mark.deepspeed
 def test_hf_export_loads_in_transformers_with_the_same_logits(to_fsdp, hf_export):
     """The issue's check: transformers' own LlamaForCausalLM.from_pretrained reads the --to hf export
     (config.json + model.safetensors) and gives the canonical model's logits within 1e-5."""
@@ -209,6 +258,8 @@ def _refused(argv: list[str], must_name: str, out: Path, capsys) -> None:
     assert "Traceback" not in err and not out.exists()
 
 
+@pytest.mark.full
+@pytest.mark.deepspeed
 def test_bad_input_is_refused_before_anything_is_written(ds_checkpoint, tmp_path, capsys):
     ckpt, out = ds_checkpoint[1], tmp_path / "out"
     _refused([str(ckpt), "--to", "fsdp", "--out", str(out), "model.hidden_size=128"], "model.hidden_size", out, capsys)
@@ -246,6 +297,7 @@ def _tiny_hf(directory: Path) -> Path:
     return directory
 
 
+@pytest.mark.e2e
 def test_hf_source_to_ddp_resumes_as_a_fresh_run(ddp_losses, tmp_path, capsys):
     """A Hugging Face directory as SOURCE: weights only, so the target starts fresh AdamW moments at
     step 0; resumed for 20 steps on ddp x2 it is the uninterrupted ddp run, bit for bit (same weights,
@@ -261,6 +313,8 @@ def test_hf_source_to_ddp_resumes_as_a_fresh_run(ddp_losses, tmp_path, capsys):
     resumed = _losses(tmp_path / "r_ddp", "ddp")
     print(f"ddp resumed from the converted hf directory vs ddp: {resumed == ddp_losses} bitwise")
     assert resumed == ddp_losses, (resumed, ddp_losses)
+    by_hand = continued_by_hand(out / "canonical", 3)  # the backend-free reference the native sources use
+    assert all(abs(a - b) <= 1e-5 * b for a, b in zip(resumed[:3], by_hand, strict=True)), (resumed[:3], by_hand)
 
     bad = tmp_path / "bad"
     (bad / "config.json").parent.mkdir()
@@ -279,6 +333,8 @@ def _relative(resumed: list[float], reference: list[float]) -> float:
     return max(abs(a - b) / abs(b) for a, b in zip(resumed[SAVED:], reference[SAVED:], strict=True))
 
 
+@pytest.mark.full
+@pytest.mark.deepspeed
 @pytest.mark.megatron
 def test_deepspeed_to_megatron_tp2_and_pp2_and_back_to_zero1(ds_checkpoint, ddp_losses, tmp_path):
     """ZeRO-3 -> megatron tp=2 (fused QKV and gate/up TP splits) resumed, ZeRO-3 -> megatron pp=2
@@ -309,6 +365,7 @@ def test_deepspeed_to_megatron_tp2_and_pp2_and_back_to_zero1(ds_checkpoint, ddp_
     assert "(match)" in printed and "tp=2 pp=2 world_size=4" in printed, printed
 
 
+@pytest.mark.full
 @pytest.mark.megatron
 def test_megatron_bf16_carries_the_fp32_main_params(tmp_path):
     """Under bf16 Megatron steps fp32 main copies of the bf16 weights: the conversion carries those,
@@ -330,6 +387,8 @@ def test_megatron_bf16_carries_the_fp32_main_params(tmp_path):
     assert _losses(tmp_path / "b", "megatron") == _losses(tmp_path / "a", "megatron")
 
 
+@pytest.mark.full
+@pytest.mark.deepspeed
 @pytest.mark.mindspore
 def test_to_mindspore_and_back_to_ddp(to_fsdp, ddp_losses, tmp_path):
     """The canonical state of the ZeRO-3 checkpoint -> mindspore (msrun, 2 ranks) resumed, and that
@@ -348,6 +407,7 @@ def test_to_mindspore_and_back_to_ddp(to_fsdp, ddp_losses, tmp_path):
     assert rel_ms < 1e-5 and rel_ddp < 1e-5, (rel_ms, rel_ddp)
 
 
+@pytest.mark.full
 def test_conversion_is_recorded_as_an_mlflow_run(tmp_path, capsys):
     """With $MLFLOW_TRACKING_URI (or --tracking-uri) the conversion is also an MLflow run: formats,
     layouts and step as params, tensors/bytes/seconds as metrics, both checksums as tags, convert.json
@@ -386,3 +446,34 @@ def test_conversion_is_recorded_as_an_mlflow_run(tmp_path, capsys):
     _refused(
         [str(hf), "--to", "canonical", "--out", str(bad), "--tracking-uri", "ftp://x"], "--tracking-uri", bad, capsys
     )
+
+
+def test_checksum_after_is_read_back_from_what_was_written(tmp_path):
+    """The after-checksum of --to canonical / --to hf comes from the files the conversion wrote, read
+    back, not from the source's manifest: an export whose tensor differs does not match."""
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from parabench import canonical
+    from parabench.confutil import compose, to_plain
+    from parabench.convert import _hf_checksums, write_hf
+    from parabench.hf import SINGLE
+    from parabench.jobs import from_config
+    from parabench.model import initial_weights
+
+    spec = from_config(to_plain(compose(["+model=llama", *(a for a in TINY if a.startswith("model."))]))).model
+    weights = initial_weights(spec, seed=0)
+    moments = {k: {n: np.zeros_like(w) for n, w in weights.items()} for k in canonical.MOMENTS}
+    canon, out = tmp_path / "canonical", tmp_path / "hf"
+    canonical.write(canon, canonical.CanonicalState(weights, moments, 3), [], {})
+    out.mkdir()
+    write_hf(out, canon, spec)
+    same = _hf_checksums(out, canon)
+    assert same["checksum_before"] == same["checksum_after"]
+    tensors = load_file(str(out / SINGLE))
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] + torch.finfo(torch.float32).eps
+    save_file(tensors, str(out / SINGLE))
+    changed = _hf_checksums(out, canon)
+    assert changed["checksum_before"] == same["checksum_before"] != changed["checksum_after"]
