@@ -36,6 +36,29 @@ BACKEND_DISTRIBUTIONS = {
 }
 
 
+# The newest release of each distribution whose range has no upper bound that parabench has run on
+# (benchmarks/compat_matrix.sh keep-torch: `pip install .` kept it, then 1- and 2-rank runs). A newer one
+# is admitted and `bench env` warns that it is untested; a bound goes into pyproject.toml only where a
+# release is known to break, with the reason.
+NEWEST_TESTED = {"torch": "2.15.0"}
+
+
+def newer_than_tested(found: dict[str, str | None]) -> list[str]:
+    """One warning per installed distribution newer than the newest release parabench was tested on."""
+    from packaging.version import InvalidVersion, Version
+
+    out = []
+    for dist, tested in NEWEST_TESTED.items():
+        have = found.get(dist)
+        try:
+            newer = have is not None and Version(have).release > Version(tested).release
+        except InvalidVersion:
+            newer = False
+        if newer:
+            out.append(f"{dist} {have} is newer than the newest tested ({tested}): allowed, but untested")
+    return out
+
+
 def supported_ranges() -> dict[str, str]:
     """Distribution -> version range parabench declares (dependencies and every extra), plus "python"."""
     import importlib.metadata
@@ -148,6 +171,7 @@ def report() -> dict[str, Any]:
         "versions": found,
         "supported": status,
         "outside": backends_outside(status),
+        "untested": newer_than_tested(found),
         "known_good": known_good_sets(found),
         "notes": [
             f"{AUTOLOAD_TEXT} is set by parabench: with torch_npu installed but no CANN, "
@@ -197,6 +221,8 @@ def print_versions(rep: dict[str, Any]) -> None:
     for k, v in rep["versions"].items():
         s = rep["supported"].get(k)
         print(f"  {k:<14} {v or '-':<16} {s['range'] if s else '':<18} {marks[s['inside']] if s else ''}".rstrip())
+    for warning in rep["untested"]:
+        print(f"\nwarning: {warning}")
     if rep["outside"]:
         print("\noutside the supported ranges")
         for backend, why in rep["outside"].items():

@@ -9,9 +9,10 @@
 #                                           needs torch 2.7).  ~3 GB, 15-30 min
 #   benchmarks/compat_matrix.sh known-good  the same with torch 2.7.1 (MindSpeed's known-good torch next
 #                                           to megatron-core 0.12.1): ddp/fsdp and megatron parity tests
-#   benchmarks/compat_matrix.sh keep-torch  Python 3.11 + torch 2.14.1 (newest supported, CUDA build):
-#                                           `pip install .` must leave that torch in place; then
-#                                           `bench run +model=llama` and 2-rank ddp and fsdp runs.  ~10 min
+#   benchmarks/compat_matrix.sh keep-torch  Python 3.11 + the newest torch release on PyPI (a CUDA build,
+#                                           ~5 GB; KEEP_TORCH=X.Y.Z picks another): `pip install .` must
+#                                           leave that torch in place; then `bench run +model=llama` and
+#                                           2-rank ddp and fsdp runs.  ~5 min once downloaded
 #   benchmarks/compat_matrix.sh static      Python 3.12 and 3.10: byte-compile every source file and check
 #                                           that pip accepts the package metadata (requires-python).  <1 min
 #   benchmarks/compat_matrix.sh all         the three, in that order
@@ -98,9 +99,21 @@ known_good() {
     "tests/test_megatron.py::test_megatron_matches_ddp" "tests/test_megatron.py::test_megatron_metrics"
 }
 
+newest_torch() {  # the newest torch release the package index offers
+  local v
+  v="$("$(interp 3.11)" -m pip index versions torch 2>/dev/null | sed -n 's/^torch (\(.*\))$/\1/p')"
+  [ -n "$v" ] || { echo "compat_matrix: cannot read torch's releases from the package index" >&2; return 1; }
+  echo "$v"
+}
+
 keep_torch() {
-  local venv="$ROOT/keeptorch" before out
-  venv_with_torch "$venv" "$(interp 3.11)" "torch==2.14.1"
+  local venv="$ROOT/keeptorch" before out torch
+  # A machine-wide pip constraint (some images cap torch to the wheels on their disk) must not decide
+  # which torch this job tests, nor make pip replace it while installing parabench.
+  export PIP_CONFIG_FILE=/dev/null
+  torch="${KEEP_TORCH:-$(newest_torch)}"
+  echo "[compat] keep-torch: torch $torch"
+  venv_with_torch "$venv" "$(interp 3.11)" "torch==$torch"
   before="$(fingerprint "$venv")"
   pipq "$venv" "$REPO"  # plain `pip install .`: what a user on a GPU image types
   assert_torch_kept "$venv" "$before"

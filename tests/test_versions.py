@@ -78,14 +78,14 @@ def test_dev_constraints_lie_inside_the_supported_ranges():
 def test_a_backend_outside_its_range_is_named():
     from parabench.envreport import backends_outside, range_status
 
-    ranges = {"torch": ">=2.6,<2.15", "megatron-core": ">=0.12,<0.17", "deepspeed": ">=0.16.9,<0.20"}
+    ranges = {"torch": ">=2.6", "megatron-core": ">=0.12,<0.17", "deepspeed": ">=0.16.9,<0.20"}
     found = {"torch": "2.5.1+cu121", "megatron-core": "0.12.1", "deepspeed": None}
     status = range_status(found, ranges)
     assert status["torch"]["inside"] is False and status["megatron-core"]["inside"] is True
     assert status["deepspeed"]["inside"] is None  # not installed: neither inside nor outside
     outside = backends_outside(status)
     assert set(outside) == {"ddp", "fsdp", "deepspeed", "megatron", "mindspeed"}  # all that run on torch
-    assert outside["megatron"] == ["torch 2.5.1+cu121 (supported: >=2.6,<2.15)"]
+    assert outside["megatron"] == ["torch 2.5.1+cu121 (supported: >=2.6)"]
     found["torch"] = "2.7.1"
     assert backends_outside(range_status(found, ranges)) == {}
 
@@ -98,7 +98,7 @@ def test_bench_env_prints_ranges_outside_backends_and_the_mindspeed_set(capsys):
     out = capsys.readouterr().out
     versions = out[out.index("\nversions (supported range") :]
     torch_line = next(line for line in versions.splitlines() if line.split()[:1] == ["torch"])
-    assert package_version("torch") in torch_line and ">=2.6,<2.15" in torch_line
+    assert package_version("torch") in torch_line and ">=2.6" in torch_line
     assert torch_line.split()[-1] in ("ok", "OUTSIDE")
     assert "torch 2.7.1, torch-npu 2.7.1.post4, cann 9.0.0" in out and "megatron-core 0.12.1" in out  # MindSpeed's set
     rep = report()
@@ -140,3 +140,24 @@ def test_every_package_of_the_tree_is_in_the_wheel():
     for init in (REPO / "hydra_plugins").rglob("__init__.py"):
         found.add(".".join(init.parent.relative_to(REPO).parts))
     assert found - listed == set(), f"packages missing from pyproject's [tool.setuptools] packages: {found - listed}"
+
+
+def test_a_torch_newer_than_the_newest_tested_is_admitted_with_a_warning(monkeypatch, capsys):
+    """torch has no upper bound (a bound would make pip replace a user's newer torch): a release newer
+    than the newest one parabench ran on is inside the range, and `bench env` says it is untested."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    from parabench import envreport
+
+    assert Version("99.0") in SpecifierSet(pyproject_ranges()["torch"])  # the metadata admits it
+    tested = envreport.NEWEST_TESTED["torch"]
+    assert envreport.newer_than_tested({"torch": tested}) == []
+    assert envreport.newer_than_tested({"torch": f"{tested}+cu128"}) == []  # a local build of the same release
+    newer = f"{Version(tested).major}.{Version(tested).minor + 1}.0"
+    (warning,) = envreport.newer_than_tested({"torch": newer})
+    assert warning == f"torch {newer} is newer than the newest tested ({tested}): allowed, but untested"
+    real = envreport.versions
+    monkeypatch.setattr(envreport, "versions", lambda: {**real(), "torch": newer})
+    assert envreport.main([]) == 0
+    assert f"warning: torch {newer} is newer than the newest tested ({tested})" in capsys.readouterr().out
