@@ -171,6 +171,14 @@ def test_plan_json_rows_are_runnable_overrides(capsys, tmp_path):
     assert best["overrides"].startswith("backend=") and math.isfinite(best["step_s"])
     assert "no calibration" in doc["context"]["calibration"]
     assert (tmp_path / "bundle" / "launch.sh").is_file()
+    for row in doc["ranked"]:  # each row, appended to the plan's job, composes and validates as bench run's job
+        overrides = [*doc["context"]["job_overrides"].split(), *row["overrides"].split()]
+        job = prepare(to_plain(compose([*overrides, "tracking.enabled=false"])))
+        words = dict(w.split("=", 1) for w in row["overrides"].split())
+        assert (
+            job.backend.name == words["backend"] and str(job.launch.nproc_per_node) == words["launcher.nproc_per_node"]
+        )
+        assert str(job.data.micro_batch_size) == words["data.micro_batch_size"], (row, job)
 
 
 def test_h100_70b_plan_prefers_model_parallel_and_says_why(capsys):
@@ -182,7 +190,14 @@ def test_h100_70b_plan_prefers_model_parallel_and_says_why(capsys):
     doc = json.loads(out)
     assert all(r["margin_gib"] >= 0 for r in doc["ranked"])
     assert doc["ranked"][0]["why"].startswith("fastest that fits")
-    assert any(r["why"].startswith("does not fit by") for r in doc["rejected"])
+    words = dict(w.split("=", 1) for w in doc["ranked"][0]["overrides"].split())
+    assert int(words.get("backend.tp", 1)) * int(words.get("backend.pp", 1)) > 1, words  # model parallel
+    # and why: plain data parallelism (the whole model and its AdamW state on every GPU) fits nowhere
+    code, _, err = _plan(
+        capsys, "+model=llama3-70b", "cluster=h100-sxm", "plan.devices=64", "data.global_batch_size=512",
+        "data.seq_len=4096", "run.precision=bf16", "plan.backends=[ddp]",
+    )  # fmt: skip
+    assert code == 2 and "fits nowhere" in err, err
 
 
 # A small Llama whose shapes do not split evenly over 3 ranks (FSDP2 and DeepSpeed pad), one step.
@@ -203,7 +218,7 @@ MEASURED = [  # (sweep of one bench run -m, ranks): every CPU configuration para
 ]
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize(("sweep", "ranks"), MEASURED, ids=lambda v: " ".join(v) if isinstance(v, list) else str(v))
 def test_model_state_bytes_predicted_equal_measured(sweep, ranks, tmp_path):
     from conftest import bench
@@ -314,14 +329,15 @@ def test_overlap_assumption_per_backend(backend, options, overlap):
 
 
 def test_mfu_is_the_calibrated_efficiency_without_communication_or_bubble():
-    from parabench.flops import flops_per_token
     from parabench.plan.estimate import Calibration
 
     cal = Calibration("t", efficiency={"ddp/cuda": 0.37}, runs=1)
     e = _estimate("ddp", 1, "data.global_batch_size=2", cal=cal)
     assert e.comm_s == 0 and e.bubble_s == 0 and e.mfu == pytest.approx(0.37)
-    tokens = e.job.tokens_per_step
-    assert e.step_s == pytest.approx(flops_per_token(e.job.model, e.job.data.seq_len) * tokens / (989e12 * 0.37))
+    tokens, seq = e.job.tokens_per_step, e.job.data.seq_len
+    # PaLM (Chowdhery et al. 2022, appendix B): 6 N + 12 L H Q T FLOPs per token, from the llama shapes
+    by_hand = 6 * MATMUL + 12 * 4 * 8 * 32 * seq
+    assert e.step_s == pytest.approx(by_hand * tokens / (989e12 * 0.37))
     full = _estimate("ddp", 1, "data.global_batch_size=2", cal=cal, activation_checkpointing=True)
     assert full.mfu == pytest.approx(0.37 * 3 / 4)  # one more forward: 4/3 the FLOPs, MFU counts the model's
 
@@ -465,10 +481,13 @@ def test_each_collective_runs_over_its_own_bench_comm_link():
 
 
 # --------------------------------------------------------------------------------------------
-# Context parallelism and offload, against hand-computed values (llama: h = 256, L = 4, 8 query
-# and 4 key/value heads of d = 32, 19,286,272 parameters, 11,094,272 of them in matmuls).
+# Context parallelism and offload, against hand-computed values (conf/model/llama.yaml: h = 256,
+# L = 4, FFN 688, 8 query and 4 key/value heads of d = 32, vocabulary 32,000, untied embeddings).
 # --------------------------------------------------------------------------------------------
-PSI, MATMUL = 19_286_272, 11_094_272
+_H, _FFN, _L, _KV_DIM, _V = 256, 688, 4, 4 * 32, 32_000
+_LAYER = 2 * _H * _H + 2 * _H * _KV_DIM + 3 * _H * _FFN + 2 * _H  # q, o; k, v; gate, up, down; 2 RMSNorms
+PSI = _L * _LAYER + _H + 2 * _V * _H  # + the final norm, the input embedding and lm_head: 19,286,272
+MATMUL = PSI - _V * _H  # PaLM's N: every parameter but the input embedding (a lookup, not a matmul)
 H100_LAT, H100_NVLINK, H100_PCIE, H100_HOST_MEM = 5e-6, 450e9, 64e9, 614.4e9  # conf/cluster/h100-sxm.yaml
 
 
