@@ -1,11 +1,15 @@
 """``bench compare``: read runs back from MLflow, group them, and put comparable ones side by side.
 
-Grouping. A *row* is one configuration: backend variant (backend name plus the ``backend.*``
-options that differ between runs of that backend), world size, model, device, precision, global
-batch and sequence length; repeated runs of a row are aggregated (median, with the min-max band).
-A *section* holds rows that may share a ratio: same model, device, precision and sequence length.
-Runs that differ in any of those never meet in one ratio: they go to separate sections (and an
-explicit ``--runs`` list that mixes them is refused).
+Grouping: by everything that changes the numbers. A *section* holds rows that may share a ratio:
+same model, device, precision, sequence length, data (source, path and seed, and the checksum of the
+rows trained on), measured and warm-up steps, and start (fresh, or resumed from step N: a resumed
+run measured other steps than a fresh one, so it is never a repeat of it unless ``--pool-resumed``
+asks for that). A *row* is one configuration inside it: backend variant (backend name plus the
+``backend.*`` options that differ between runs of that backend), world size, layout (dp/tp/pp/cp
+degrees and nodes), global and micro batch; repeated runs of a row are aggregated (median, with the
+min-max band). Runs that differ in any section key never meet in one ratio: they go to separate
+sections, whose note names the runs set apart and why (and an explicit ``--runs`` list that mixes
+them is refused).
 
 Ratios against ``--baseline KEY=VALUE`` compare a row with the baseline row of the same section,
 world size and global batch. Scaling efficiency (per backend variant, against its world-size-1
@@ -38,8 +42,9 @@ from parabench.plots import bar_stack_svg, line_svg
 from parabench.spec import TrackingSpec
 from parabench.tracking import default_store_uri
 
-SECTION_KEYS = ("model", "device", "precision", "seq_len")
-ROW_KEYS = ("variant", "world_size", "global_batch")
+SECTION_KEYS = ("model", "device", "precision", "seq_len", "data", "data_checksum", "steps", "warmup_steps", "start")
+ROW_KEYS = ("variant", "world_size", "layout", "global_batch", "micro_batch")
+POOLED_START = "fresh or resumed (--pool-resumed)"
 
 
 @dataclass
@@ -71,9 +76,23 @@ class RunRecord:
     comm_formula_bytes_per_step: float | None = None
     comm_share_of_step: float | None = None
     params: dict[str, str] = field(default_factory=dict)  # the run's MLflow params (plan rows match on them)
+    data: str = ""  # data source[:path], seed
+    data_checksum: str = ""  # of the rows the run trained on (parabench.data.combined_checksum)
+    steps: int = 0  # measured steps of the job (run.steps)
+    warmup_steps: int = 0
+    micro_batch: int = 0
+    layout: str = ""  # dp/tp/pp/cp degrees and nodes
+    started_at_step: int = 0  # > 0: resumed from a checkpoint of that step
+    started_from: str = ""
 
-    def section(self) -> tuple:
-        return tuple(getattr(self, k) for k in SECTION_KEYS)
+    @property
+    def start(self) -> str:
+        return f"resumed from step {self.started_at_step}" if self.started_at_step else "fresh"
+
+    def section(self, pool_resumed: bool = False) -> tuple:
+        """The section key; pooled, a resumed run meets fresh ones (its checksum covers fewer rows)."""
+        pooled = {"start": POOLED_START, "data_checksum": "not compared (--pool-resumed)"} if pool_resumed else {}
+        return tuple(pooled.get(k, getattr(self, k)) for k in SECTION_KEYS)
 
     def row(self) -> tuple:
         return tuple(getattr(self, k) for k in ROW_KEYS)
@@ -85,6 +104,8 @@ class Row:
     world_size: int
     global_batch: int
     runs: list[RunRecord]
+    layout: str = ""
+    micro_batch: int = 0
     tokens_per_s: float = 0.0
     tokens_min: float = 0.0
     tokens_max: float = 0.0
@@ -104,13 +125,21 @@ class Row:
         vals = [getattr(r, attr) for r in self.runs if getattr(r, attr) is not None]
         return statistics.median(vals) if vals else None
 
+    def final_loss(self) -> float | None:
+        """Median final loss, only over runs of one length (a 4-step loss is no repeat of a 10-step one)."""
+        if len({len(r.losses) for r in self.runs}) > 1 or len({r.warmup_steps + r.steps for r in self.runs}) > 1:
+            return None
+        return self.med("loss_final")
+
     def as_dict(self) -> dict[str, Any]:
         first = self.runs[0]
         return {
             "variant": self.variant,
             "backend": first.backend,
             "world_size": self.world_size,
+            "layout": self.layout,
             "global_batch": self.global_batch,
+            "micro_batch": self.micro_batch,
             "repeats": len(self.runs),
             "run_ids": [r.run_id for r in self.runs],
             "tokens_per_s": self.tokens_per_s,
@@ -124,7 +153,7 @@ class Row:
             "rank_spread_s": self.med("rank_spread_s"),
             "peak_memory_bytes": self.med("peak_memory_bytes"),
             "model_state_bytes": self.med("model_state_bytes"),
-            "loss_final": self.med("loss_final"),
+            "loss_final": self.final_loss(),
             "ratio": self.ratio,
             "ratio_band": list(self.ratio_band) if self.ratio_band else None,
             "ratio_note": self.ratio_note,
@@ -226,7 +255,31 @@ def _record(client, run) -> RunRecord:
         comm_formula_bytes_per_step=_f(m, "comm_formula_bus_bytes_per_step"),
         comm_share_of_step=_f(m, "comm_share_of_step"),
         params=dict(p),
+        **_conditions(m, p, t),
     )
+
+
+def _int(value: Any) -> int:
+    return int(float(value)) if value not in (None, "", "None") else 0
+
+
+def _conditions(m: dict, p: dict, t: dict) -> dict[str, Any]:
+    """What else changes a run's numbers: data, steps, micro batch, layout, fresh or resumed
+    (MLflow params of the composed config, tags of bench run; parabench.runner._run_metadata)."""
+    path = p.get("data.path")
+    data = p.get("data.source", "?") + (f":{path}" if path not in (None, "", "None") else "")
+    layout = " ".join(f"{k}{p[f'derived.{k}']}" for k in ("dp", "tp", "pp", "cp") if f"derived.{k}" in p)
+    nodes = _int(p.get("launcher.nnodes"))
+    return {
+        "data": f"{data} seed {p.get('data.seed', '?')}",
+        "data_checksum": t.get("data_checksum", "?"),
+        "steps": _int(p.get("run.steps")),
+        "warmup_steps": _int(p.get("run.warmup_steps")),
+        "micro_batch": _int(p.get("data.micro_batch_size")),
+        "layout": layout + (f" nodes{nodes}" if nodes > 1 else ""),
+        "started_at_step": _int(t.get("parabench.resumed_step") or m.get("started_at_step")),
+        "started_from": t.get("parabench.resumed_from_run") or t.get("parabench.resumed_from_checkpoint") or "",
+    }
 
 
 def load_comm_curves(client, experiment: str | None) -> dict[str, dict[str, list[list[float]]]]:
@@ -269,33 +322,53 @@ def _label_variants(records: list[RunRecord], runs) -> list[RunRecord]:
 # --------------------------------------------------------------------------------------------
 # Grouping, ratios, efficiencies.
 # --------------------------------------------------------------------------------------------
-def build_sections(records: list[RunRecord], baseline: tuple[str, str] | None, strict: bool) -> list[Section]:
+def build_sections(
+    records: list[RunRecord], baseline: tuple[str, str] | None, strict: bool, pool_resumed: bool = False
+) -> list[Section]:
     if not records:
         raise UserError("no finished parabench runs matched (check --experiment/--filter/--runs and --tracking-uri)")
     by_section: dict[tuple, list[RunRecord]] = {}
     for rec in records:
-        by_section.setdefault(rec.section(), []).append(rec)
+        by_section.setdefault(rec.section(pool_resumed), []).append(rec)
     if strict and len(by_section) > 1:
         a, b = list(by_section)[:2]
         diffs = [f"{k} differs ({x} vs {y})" for k, x, y in zip(SECTION_KEYS, a, b) if x != y]
-        raise UserError(f"runs are not comparable: {'; '.join(diffs)}; compare them separately")
-    sections = []
-    for key, recs in by_section.items():
-        rows_by: dict[tuple, list[RunRecord]] = {}
-        for rec in recs:
-            rows_by.setdefault(rec.row(), []).append(rec)
-        rows = [Row(variant=k[0], world_size=k[1], global_batch=k[2], runs=v) for k, v in rows_by.items()]
-        rows.sort(key=lambda r: (r.variant, r.world_size, r.global_batch))
-        _ratios(rows, baseline)
-        _efficiencies(rows)
-        sections.append(Section(dict(zip(SECTION_KEYS, key)), rows))
-    if len(sections) > 1:
-        for s in sections[1:]:
-            first = sections[0].key
-            s.note = "not comparable with the first section: " + "; ".join(
-                f"{k} differs ({first[k]} vs {s.key[k]})" for k in SECTION_KEYS if first[k] != s.key[k]
-            )
+        hint = "; --pool-resumed counts resumed runs as repeats" if "start" in " ".join(diffs) else ""
+        raise UserError(f"runs are not comparable: {'; '.join(diffs)}; compare them separately{hint}")
+    # the section with the most runs comes first: the others are the runs set apart from it
+    ordered = sorted(by_section.items(), key=lambda kv: -len(kv[1]))
+    sections = [Section(dict(zip(SECTION_KEYS, key)), _rows(recs, baseline)) for key, recs in ordered]
+    first = sections[0].key
+    for sec in sections[1:]:
+        ids = ", ".join(r.run_id for row in sec.rows for r in row.runs)
+        why = "; ".join(f"{k} differs ({first[k]} vs {sec.key[k]})" for k in SECTION_KEYS if first[k] != sec.key[k])
+        sec.note = f"set apart from the first section (runs {ids}): {why}"
     return sections
+
+
+def _rows(recs: list[RunRecord], baseline: tuple[str, str] | None) -> list[Row]:
+    rows_by: dict[tuple, list[RunRecord]] = {}
+    for rec in recs:
+        rows_by.setdefault(rec.row(), []).append(rec)
+    rows = [Row(variant=k[0], world_size=k[1], layout=k[2], global_batch=k[3], micro_batch=k[4], runs=v)
+            for k, v in rows_by.items()]  # fmt: skip
+    rows.sort(key=lambda r: (r.variant, r.world_size, r.layout, r.global_batch, r.micro_batch))
+    _ratios(rows, baseline)
+    _efficiencies(rows)
+    return rows
+
+
+def grouping_note(pool_resumed: bool) -> str:
+    """How bench compare grouped (printed with every report)."""
+    resumed = (
+        "resumed runs pooled with fresh ones as repeats (--pool-resumed)"
+        if pool_resumed
+        else "a resumed run is never a repeat of a fresh one (--pool-resumed to pool them)"
+    )
+    return (
+        f"grouping: sections by {', '.join(SECTION_KEYS)}; rows by {', '.join(ROW_KEYS)}; {resumed}; "
+        "final loss: median only over runs of one length"
+    )
 
 
 def _matches(row: Row, baseline: tuple[str, str]) -> bool:
@@ -402,7 +475,9 @@ def scaling_metrics(sections: list[Section]) -> tuple[dict[str, float], list[str
 COLUMNS = [
     ("variant", "backend"),
     ("world_size", "N"),
+    ("layout", "layout"),
     ("global_batch", "batch"),
+    ("micro_batch", "micro"),
     ("repeats", "reps"),
     ("tokens_per_s", "tokens/s"),
     ("tokens_per_s_per_device", "tok/s/dev"),
@@ -460,8 +535,25 @@ def report_dict(sections: list[Section], meta: dict[str, Any]) -> dict[str, Any]
     }
 
 
+def _row_notes(sec: dict[str, Any]) -> list[str]:
+    """The ratio and efficiency notes of a section's rows, and rows whose runs' lengths differ."""
+    notes = [
+        f"{r['variant']} x{r['world_size']}: {n}"
+        for r in sec["rows"]
+        for n in (r["ratio_note"], r["efficiency_note"])
+        if n
+    ]
+    notes += [
+        f"{r['variant']} x{r['world_size']}: no final loss (its runs' loss histories differ in length)"
+        for r in sec["rows"]
+        if r["loss_final"] is None
+    ]
+    return notes
+
+
 def _legend(meta: dict[str, Any]) -> list[str]:
     return [
+        meta.get("grouping") or grouping_note(False),
         "tokens/s: median over repeats [min-max]; MFU against each run's recorded peak ("
         + meta.get("peak_sources", "")
         + ")",
@@ -492,13 +584,7 @@ def render_text(report: dict[str, Any], markdown: bool = False) -> str:
             out.write("  ".join(h.ljust(w) for h, w in zip(heads, widths)) + "\n")
             for c in cells:
                 out.write("  ".join(v.ljust(w) for v, w in zip(c, widths)) + "\n")
-        notes = [
-            f"{r['variant']} x{r['world_size']}: {n}"
-            for r in sec["rows"]
-            for n in (r["ratio_note"], r["efficiency_note"])
-            if n
-        ]
-        for n in notes:
+        for n in _row_notes(sec):
             out.write(("- " if markdown else "  note: ") + n + "\n")
         out.write(stability.table(sec["rows"], markdown))
         out.write("\n")
@@ -542,8 +628,12 @@ def render_html(report: dict[str, Any]) -> str:
                 f"<td data-key='{k}'>{html.escape(_fmt(k, r.get(k) if k != 'repeats' else r['repeats'], r))}</td>"
                 for k, _ in COLUMNS
             )
+            ids = html.escape(" ".join(r["run_ids"]))
+            tds += f"<td data-key='run_ids' class='ids'>{ids}</td>"
             body += f"<tr data-variant='{html.escape(r['variant'])}' data-world='{r['world_size']}'>{tds}</tr>"
-        parts.append(f"<table id='table-{i}'><tr>{heads}</tr>{body}</table>")
+        parts.append(f"<table id='table-{i}'><tr>{heads}<th>run ids</th></tr>{body}</table>")
+        parts += [f"<p class='note'>{html.escape(n)}</p>" for n in _row_notes(sec)]
+        parts += _stability_table(sec["rows"], i)
         series_tp: dict[str, list[tuple[float, float]]] = {}
         series_eff: dict[str, list[tuple[float, float]]] = {}
         for r in sec["rows"]:
@@ -580,13 +670,25 @@ def render_html(report: dict[str, Any]) -> str:
     style = (
         "body{font-family:sans-serif;margin:24px;color:#222}table{border-collapse:collapse;margin:8px 0 16px}"
         "td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px;text-align:right}th{background:#f3f3f3}"
-        ".plots{display:flex;flex-wrap:wrap;gap:12px}.note{color:#a40}.meta{color:#666}"
+        ".plots{display:flex;flex-wrap:wrap;gap:12px}.note{color:#a40}.meta{color:#666}.ids{font-size:11px;text-align:left}"
     )
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>parabench comparison</title><style>{style}</style>"
         f"</head><body>{''.join(parts)}<ul>{legend}</ul>"
         f"<script type='application/json' id='report-data'>{data}</script></body></html>"
     )
+
+
+def _stability_table(rows: list[dict[str, Any]], index: int) -> list[str]:
+    """The stability table of a section, as the text report has it."""
+    heads, body = stability.cells(rows)
+    if not body:
+        return []
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in heads)
+    cells = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in body)
+    return [
+        f"<h3>stability (checkpoints and recovery)</h3><table id='stability-{index}'><tr>{head}</tr>{cells}</table>"
+    ]
 
 
 def _versus_table(entries: list[dict[str, Any]]) -> list[str]:
@@ -638,6 +740,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--filter", default="", help="an MLflow search filter, e.g. \"tags.backend = 'fsdp'\"")
     p.add_argument("--tracking-uri", default=None, help="default: sqlite:///results/mlflow.db")
     p.add_argument("--baseline", help="ratios against this row, e.g. backend=ddp")
+    p.add_argument(
+        "--pool-resumed",
+        action="store_true",
+        help="count a resumed run as a repeat of the fresh runs of its configuration (default: a section of its own)",
+    )
     p.add_argument("--format", choices=["table", "md", "csv", "json", "html"], default="table")
     p.add_argument("--out", help="report directory (default results/reports/compare-<timestamp>)")
     p.add_argument("--no-log", action="store_true", help="do not log the report as an MLflow comparison run")
@@ -661,7 +768,10 @@ def _run(args) -> int:
     baseline = _parse_baseline(args.baseline)
     records = load_runs(client, args.runs, args.experiment, args.filter)
     comm = {} if args.runs else load_comm_curves(client, args.experiment)  # bench comm runs: bandwidth plots
-    sections = build_sections(records, baseline, strict=bool(args.runs)) if records or not comm else []
+    pool = args.pool_resumed
+    sections = (
+        build_sections(records, baseline, strict=bool(args.runs), pool_resumed=pool) if records or not comm else []
+    )
     created = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     meta = {
         "created": created,
@@ -670,6 +780,7 @@ def _run(args) -> int:
         "filter": args.filter,
         "baseline": args.baseline,
         "run_ids": [r.run_id for r in records],
+        "grouping": grouping_note(pool),
         "peak_sources": "; ".join(sorted({r.peak_source for r in records if r.peak_source})),
     }
     report = report_dict(sections, meta)

@@ -55,24 +55,33 @@ def _fmt(unit: str, value: float | None) -> str:
     return f"{value:g}"
 
 
-def table(rows: list[Mapping[str, Any]], markdown: bool = False) -> str:
-    """The stability table of one comparison section ('' when no row has a stability metric)."""
+def cells(rows: list[Mapping[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """Heads and formatted cells of the stability table (no cells when no row has a stability metric);
+    the text, markdown and HTML reports all render these."""
     if not any(r.get("stability") for r in rows):
-        return ""
+        return [], []
     heads = ["backend", "N", *(h for _, h, _ in STABILITY_METRICS)]
-    cells = [
+    body = [
         [str(r["variant"]), str(r["world_size"]), *(_fmt(u, r["stability"].get(k)) for k, _, u in STABILITY_METRICS)]
         for r in rows
     ]
+    return heads, body
+
+
+def table(rows: list[Mapping[str, Any]], markdown: bool = False) -> str:
+    """The stability table of one comparison section ('' when no row has a stability metric)."""
+    heads, body = cells(rows)
+    if not body:
+        return ""
     out = io.StringIO()
     if markdown:
         out.write(
             "\nstability (checkpoints and recovery)\n\n| " + " | ".join(heads) + " |\n|" + "---|" * len(heads) + "\n"
         )
-        out.writelines("| " + " | ".join(c) + " |\n" for c in cells)
+        out.writelines("| " + " | ".join(c) + " |\n" for c in body)
         return out.getvalue()
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(heads)]
+    widths = [max(len(h), *(len(c[i]) for c in body)) for i, h in enumerate(heads)]
     out.write("  stability (checkpoints and recovery)\n")
     out.write("  " + "  ".join(h.ljust(w) for h, w in zip(heads, widths, strict=True)) + "\n")
-    out.writelines("  " + "  ".join(v.ljust(w) for v, w in zip(c, widths, strict=True)) + "\n" for c in cells)
+    out.writelines("  " + "  ".join(v.ljust(w) for v, w in zip(c, widths, strict=True)) + "\n" for c in body)
     return out.getvalue()

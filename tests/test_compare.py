@@ -1,5 +1,6 @@
 """bench compare: grouping, ratios, efficiencies and refusals on synthetic records; renderers."""
 
+import html
 import json
 from pathlib import Path
 
@@ -8,6 +9,7 @@ import pytest
 from parabench.compare import (
     RunRecord,
     build_sections,
+    grouping_note,
     render_csv,
     render_html,
     render_text,
@@ -231,3 +233,113 @@ def _calibrate_on(results, store, run, tiny, plan_args):
     proc = bench(["plan", *tiny, *plan_args, "plan.calibration=parabench", "tracking.enabled=false"], results, cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "calibration parabench (1 runs; fit error: step time 0%, memory 0%)" in proc.stdout, proc.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# Grouping by everything that changes the numbers (issue 26, case 6).
+# --------------------------------------------------------------------------------------------
+def test_runs_that_differ_in_what_changes_the_numbers_are_set_apart_with_the_reason():
+    """Synthetic vs text data, another rows checksum, 4 vs 10 steps, another warm-up, a resumed run:
+    none is a repeat of the fresh 10-step synthetic runs; each section names its runs and why."""
+    same = dict(data="synthetic seed 1234", data_checksum="aa", steps=10, warmup_steps=2)
+    records = [
+        rec("a", "ddp", 1, 100, **same),
+        rec("b", "ddp", 1, 102, **same),
+        rec("text", "ddp", 1, 300, **{**same, "data": "text:corpus.txt seed 1234"}),
+        rec("edited", "ddp", 1, 300, **{**same, "data_checksum": "bb"}),
+        rec("short", "ddp", 1, 300, **{**same, "steps": 4}),
+        rec("warm", "ddp", 1, 300, **{**same, "warmup_steps": 0}),
+        rec("resumed", "ddp", 1, 300, **same, started_at_step=5, started_from="run-a"),
+    ]
+    first, *apart = build_sections(records, None, strict=False)
+    (row,) = first.rows
+    assert [r.run_id for r in row.runs] == ["a", "b"] and row.tokens_per_s == 101
+    why = {s.rows[0].runs[0].run_id: s.note for s in apart}
+    assert "data differs (synthetic seed 1234 vs text:corpus.txt seed 1234)" in why["text"]
+    assert "data_checksum differs (aa vs bb)" in why["edited"]
+    assert "steps differs (10 vs 4)" in why["short"]
+    assert "warmup_steps differs (2 vs 0)" in why["warm"]
+    assert "start differs (fresh vs resumed from step 5)" in why["resumed"]
+    assert all(note.startswith(f"set apart from the first section (runs {rid})") for rid, note in why.items())
+    with pytest.raises(UserError, match="start differs.*--pool-resumed"):
+        build_sections([records[0], records[-1]], None, strict=True)
+
+
+def test_a_resumed_run_is_a_repeat_only_when_asked():
+    fresh = rec("a", "ddp", 1, 100, steps=10, data_checksum="full")
+    resumed = rec("r", "ddp", 1, 120, steps=10, data_checksum="tail", started_at_step=5)
+    assert len(build_sections([fresh, resumed], None, strict=False)) == 2
+    (sec,) = build_sections([fresh, resumed], None, strict=False, pool_resumed=True)
+    (row,) = sec.rows
+    assert len(row.runs) == 2 and row.tokens_per_s == 110
+    report = report_dict([sec], {"created": "now", "tracking_uri": "x", "run_ids": ["a", "r"],
+                                 "grouping": grouping_note(True)})  # fmt: skip
+    assert "resumed runs pooled with fresh ones as repeats (--pool-resumed)" in render_text(report)
+    assert "never a repeat of a fresh one" in grouping_note(False)
+
+
+def test_layout_and_micro_batch_are_rows_of_their_own():
+    records = [
+        rec("a", "megatron", 2, 100, layout="dp2 tp1 pp1 cp1", micro_batch=2),
+        rec("b", "megatron", 2, 80, layout="dp1 tp2 pp1 cp1", micro_batch=2),
+        rec("c", "megatron", 2, 90, layout="dp2 tp1 pp1 cp1", micro_batch=1),
+    ]
+    (sec,) = build_sections(records, None, strict=False)
+    assert sorted((r.layout, r.micro_batch, len(r.runs)) for r in sec.rows) == [
+        ("dp1 tp2 pp1 cp1", 2, 1),
+        ("dp2 tp1 pp1 cp1", 1, 1),
+        ("dp2 tp1 pp1 cp1", 2, 1),
+    ]
+    text = render_text(report_dict([sec], {"created": "now", "tracking_uri": "x", "run_ids": list("abc")}))
+    assert "dp1 tp2 pp1 cp1" in text and "micro" in text
+
+
+def test_the_final_loss_is_never_a_median_over_runs_of_different_lengths():
+    four = rec("a", "ddp", 1, 100, losses=[10.0, 9.0, 8.0, 7.0], loss_final=7.0)
+    ten = rec("b", "ddp", 1, 100, losses=[10.0 - i / 2 for i in range(10)], loss_final=5.5)
+    (sec,) = build_sections([four, ten], None, strict=False)  # no steps recorded: the histories tell
+    assert sec.rows[0].as_dict()["loss_final"] is None
+    report = report_dict([sec], {"created": "now", "tracking_uri": "x", "run_ids": ["a", "b"]})
+    assert "no final loss (its runs' loss histories differ in length)" in render_text(report)
+    (same,) = build_sections([four, rec("c", "ddp", 1, 90, losses=[9.0] * 4, loss_final=9.0)], None, strict=False)
+    assert same.rows[0].as_dict()["loss_final"] == 8.0
+
+
+def test_the_html_report_has_every_section_of_the_text_report_and_the_run_ids():
+    records = [
+        rec("run-a", "ddp", 1, 100, stability={"ckpt_save_blocking_s": 0.25, "goodput": 0.9}),
+        rec("run-b", "ddp", 1, 130, stability={"ckpt_save_blocking_s": 0.35, "goodput": 0.8}),
+        rec("run-c", "fsdp", 2, 150),
+        rec("run-d", "ddp", 1, 100, steps=4),
+    ]
+    meta = {"created": "now", "tracking_uri": "x", "run_ids": ["run-a", "run-b", "run-c", "run-d"],
+            "baseline": "backend=ddp", "grouping": grouping_note(False)}  # fmt: skip
+    report = report_dict(build_sections(records, ("backend", "ddp"), strict=False), meta)
+    text, page = render_text(report), html.unescape(render_html(report))
+    notes = [line.split("note: ", 1)[1] for line in text.splitlines() if "note: " in line]
+    assert "fsdp x2: no backend=ddp run at world size 2, global batch 4" in notes
+    assert "stability (checkpoints and recovery)" in text and "0.300" in text and "85.0%" in text  # medians
+    for piece in [*notes, "stability (checkpoints and recovery)", "0.300", "85.0%"]:
+        assert piece in page, piece
+    for sec in report["sections"]:
+        assert sec["note"] in page
+    for line in text.splitlines():
+        if line.startswith(("grouping:", "tokens/s:", "eff.:", "ratio:", "comm/step:")):
+            assert line in page, line
+    assert "run-a run-b" in page and "run-c" in page and "run-d" in page
+    assert "id='stability-0'" in page
+
+
+def test_the_grouping_keys_are_read_from_the_params_and_tags_bench_run_logs():
+    from parabench.compare import _conditions
+
+    params = {"data.source": "text", "data.path": "corpus.txt", "data.seed": "7", "run.steps": "10",
+              "run.warmup_steps": "2", "data.micro_batch_size": "2", "derived.dp": "1", "derived.tp": "2",
+              "derived.pp": "1", "derived.cp": "1", "launcher.nnodes": "2"}  # fmt: skip
+    tags = {"data_checksum": "00ff", "parabench.resumed_step": "5", "parabench.resumed_from_run": "abc"}
+    got = _conditions({"started_at_step": 5.0}, params, tags)
+    assert got == {"data": "text:corpus.txt seed 7", "data_checksum": "00ff", "steps": 10, "warmup_steps": 2,
+                   "micro_batch": 2, "layout": "dp1 tp2 pp1 cp1 nodes2", "started_at_step": 5,
+                   "started_from": "abc"}  # fmt: skip
+    fresh = _conditions({"started_at_step": 0.0}, {**params, "data.source": "synthetic", "data.path": "None"}, {})
+    assert fresh["started_at_step"] == 0 and fresh["data"] == "synthetic seed 7"
