@@ -39,6 +39,7 @@ from parabench import stability, trackstore
 from parabench.errors import UserError
 from parabench.plan import versus
 from parabench.plots import bar_stack_svg, line_svg
+from parabench.runnames import comparison_experiment, stamp
 from parabench.spec import TrackingSpec
 from parabench.tracking import default_store_uri
 
@@ -89,10 +90,11 @@ class RunRecord:
     def start(self) -> str:
         return f"resumed from step {self.started_at_step}" if self.started_at_step else "fresh"
 
-    def section(self, pool_resumed: bool = False) -> tuple:
-        """The section key; pooled, a resumed run meets fresh ones (its checksum covers fewer rows)."""
-        pooled = {"start": POOLED_START, "data_checksum": "not compared (--pool-resumed)"} if pool_resumed else {}
-        return tuple(pooled.get(k, getattr(self, k)) for k in SECTION_KEYS)
+    def section(self, rows_label: str, pool_resumed: bool = False) -> tuple:
+        """The section key, with the rows checksum as ``rows_label`` (see _rows_labels); pooled, a
+        resumed run meets fresh ones."""
+        pooled = {"start": POOLED_START} if pool_resumed else {}
+        return tuple(pooled.get(k, rows_label if k == "data_checksum" else getattr(self, k)) for k in SECTION_KEYS)
 
     def row(self) -> tuple:
         return tuple(getattr(self, k) for k in ROW_KEYS)
@@ -327,9 +329,10 @@ def build_sections(
 ) -> list[Section]:
     if not records:
         raise UserError("no finished parabench runs matched (check --experiment/--filter/--runs and --tracking-uri)")
+    labels = _rows_labels(records, pool_resumed)
     by_section: dict[tuple, list[RunRecord]] = {}
     for rec in records:
-        by_section.setdefault(rec.section(pool_resumed), []).append(rec)
+        by_section.setdefault(rec.section(labels[rec.run_id], pool_resumed), []).append(rec)
     if strict and len(by_section) > 1:
         a, b = list(by_section)[:2]
         diffs = [f"{k} differs ({x} vs {y})" for k, x, y in zip(SECTION_KEYS, a, b) if x != y]
@@ -344,6 +347,25 @@ def build_sections(
         why = "; ".join(f"{k} differs ({first[k]} vs {sec.key[k]})" for k in SECTION_KEYS if first[k] != sec.key[k])
         sec.note = f"set apart from the first section (runs {ids}): {why}"
     return sections
+
+
+def _rows_labels(records: list[RunRecord], pool_resumed: bool) -> dict[str, str]:
+    """The rows checksum covers every row of every step, so it differs with the global batch (a
+    weak-scaling series) and the start: it is compared among the runs that must agree, those with
+    the same other keys and global batch. The most common checksum there reads "agrees"; another
+    one is data that changed under the same name (an edited text file) and is set apart."""
+    groups: dict[tuple, list[RunRecord]] = {}
+    for rec in records:
+        groups.setdefault((rec.section("", pool_resumed), rec.global_batch), []).append(rec)
+    labels = {}
+    for recs in groups.values():
+        sums = [r.data_checksum for r in recs]
+        common = max(sums, key=sums.count)
+        for r in recs:
+            labels[r.run_id] = (
+                "agrees" if r.data_checksum == common or pool_resumed else f"{r.data_checksum} (other rows)"
+            )
+    return labels
 
 
 def _rows(recs: list[RunRecord], baseline: tuple[str, str] | None) -> list[Row]:
@@ -361,12 +383,15 @@ def _rows(recs: list[RunRecord], baseline: tuple[str, str] | None) -> list[Row]:
 def grouping_note(pool_resumed: bool) -> str:
     """How bench compare grouped (printed with every report)."""
     resumed = (
-        "resumed runs pooled with fresh ones as repeats (--pool-resumed)"
+        "resumed runs pooled with fresh ones as repeats (--pool-resumed; rows checksums not compared)"
         if pool_resumed
         else "a resumed run is never a repeat of a fresh one (--pool-resumed to pool them)"
     )
+    keys = ", ".join(
+        k if k != "data_checksum" else "data_checksum (among runs of one global batch)" for k in SECTION_KEYS
+    )
     return (
-        f"grouping: sections by {', '.join(SECTION_KEYS)}; rows by {', '.join(ROW_KEYS)}; {resumed}; "
+        f"grouping: sections by {keys}; rows by {', '.join(ROW_KEYS)}; {resumed}; "
         "final loss: median only over runs of one length"
     )
 
@@ -808,12 +833,13 @@ def _run(args) -> int:
 
 
 def _log_comparison(client, args, records: list[RunRecord], out: Path) -> None:
-    exp_name = args.experiment or "parabench"
+    # in an experiment of its own beside the compared one: the training experiment lists training runs
+    compared = args.experiment or "parabench"
+    exp_name = comparison_experiment(compared)
     exp = client.get_experiment_by_name(exp_name)
     exp_id = exp.experiment_id if exp else client.create_experiment(exp_name)
-    run = client.create_run(
-        exp_id, run_name=f"compare {exp_name}", tags={"parabench.kind": "compare", "baseline": args.baseline or ""}
-    )
+    tags = {"parabench.kind": "compare", "baseline": args.baseline or "", "experiment": compared}
+    run = client.create_run(exp_id, run_name=f"compare-{compared}-{stamp()}", tags=tags)
     client.log_param(run.info.run_id, "compared_runs", ",".join(r.run_id for r in records)[:6000])
     for f in sorted(out.glob("report.*")):
         client.log_artifact(run.info.run_id, str(f))

@@ -256,13 +256,25 @@ def test_runs_that_differ_in_what_changes_the_numbers_are_set_apart_with_the_rea
     assert [r.run_id for r in row.runs] == ["a", "b"] and row.tokens_per_s == 101
     why = {s.rows[0].runs[0].run_id: s.note for s in apart}
     assert "data differs (synthetic seed 1234 vs text:corpus.txt seed 1234)" in why["text"]
-    assert "data_checksum differs (aa vs bb)" in why["edited"]
+    assert "data_checksum differs (agrees vs bb (other rows))" in why["edited"]
     assert "steps differs (10 vs 4)" in why["short"]
     assert "warmup_steps differs (2 vs 0)" in why["warm"]
     assert "start differs (fresh vs resumed from step 5)" in why["resumed"]
     assert all(note.startswith(f"set apart from the first section (runs {rid})") for rid, note in why.items())
     with pytest.raises(UserError, match="start differs.*--pool-resumed"):
         build_sections([records[0], records[-1]], None, strict=True)
+
+
+def test_a_weak_scaling_series_stays_one_section_though_its_rows_checksums_differ():
+    """The rows checksum sums every trained row: twice the global batch, another checksum. It is
+    compared among runs of one global batch, so the series keeps its efficiency."""
+    records = [rec("a", "ddp", 1, 100, gbs=2, data_checksum="one"), rec("b", "ddp", 2, 180, gbs=4, data_checksum="two"),
+               rec("c", "ddp", 2, 180, gbs=4, data_checksum="edited"),
+               rec("d", "ddp", 2, 180, gbs=4, data_checksum="two")]  # fmt: skip
+    main, edited = build_sections(records, None, strict=False)
+    assert [r.run_id for row in main.rows for r in row.runs] == ["a", "b", "d"]
+    assert main.rows[1].efficiency == pytest.approx(0.9) and main.rows[1].efficiency_kind == "weak"
+    assert edited.note.startswith("set apart from the first section (runs c): data_checksum differs")
 
 
 def test_a_resumed_run_is_a_repeat_only_when_asked():
@@ -274,7 +286,7 @@ def test_a_resumed_run_is_a_repeat_only_when_asked():
     assert len(row.runs) == 2 and row.tokens_per_s == 110
     report = report_dict([sec], {"created": "now", "tracking_uri": "x", "run_ids": ["a", "r"],
                                  "grouping": grouping_note(True)})  # fmt: skip
-    assert "resumed runs pooled with fresh ones as repeats (--pool-resumed)" in render_text(report)
+    assert "resumed runs pooled with fresh ones as repeats (--pool-resumed" in render_text(report)
     assert "never a repeat of a fresh one" in grouping_note(False)
 
 
