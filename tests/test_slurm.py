@@ -266,3 +266,23 @@ def test_submitting_without_launcher_slurm_is_refused(slurm, tmp_path, capsys, m
     monkeypatch.setenv("SLURM_CONF", slurm["SLURM_CONF"])
     args = [a for a in SLURM_JOB if a != "launcher.slurm=true"]
     assert_refused_before_launch(args, "launcher.slurm=true", tmp_path, capsys)
+
+
+def test_without_the_slurm_extra_hydra_is_quiet_and_the_launcher_names_the_extra():
+    """A plain install (no hydra-submitit-launcher): Hydra's plugin scan imports hydra_plugins.parabench_slurm
+    at every start; it must import cleanly (no "Error importing" warning on every bench run) and the
+    launcher must refuse with the extra to install."""
+    code = """
+import sys, warnings
+sys.modules["hydra_plugins.hydra_submitit_launcher"] = None  # as if the slurm extra were not installed
+warnings.simplefilter("error")
+from hydra_plugins.parabench_slurm import NEEDS_EXTRA, SlurmLauncher
+from parabench.errors import UserError
+try:
+    SlurmLauncher()
+except UserError as exc:
+    print(exc)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "pip install 'parabench[slurm]'" in out.stdout and "Error importing" not in out.stderr
