@@ -7,8 +7,7 @@ all), so a configuration trains once per session however many modules compare wi
 needs a run of its own (another geometry, a fault, 4 ranks) starts it itself and says why.
 
 The geometry is the resilience tests' job (``TWENTY``: the llama model, 64-token sequences, global
-batch 4 in micro-batches of 2, 20 fp32 steps, no warm-up, 2 ranks), checkpointed every 10 steps (both kept),
-recorded in MLflow.
+batch 4 in micro-batches of 2, 20 fp32 steps, no warm-up, 2 ranks), recorded in MLflow.
 """
 
 from __future__ import annotations
@@ -38,7 +37,11 @@ VARIANTS = {
 # variants at 1 rank (grad accumulation 2): world-size invariance
 ONE_RANK = {"ddp@1": "ddp", "fsdp@1": "fsdp", "mindspore@1": "mindspore"}
 STEPS = 20
-CHECKPOINT = ["run.checkpoint.every=10", "run.checkpoint.keep=2"]
+# No checkpoints: megatron-core 0.16's distributed optimizer cannot save through dist_checkpointing yet
+# (CheckpointingException: ShardedTensor.flattened_range is not supported; issue #30), and a sweep
+# fails whole. Every consumer of the matrix reads its summaries; the resilience tests checkpoint their
+# own killed and resumed runs.
+CHECKPOINT: list[str] = []
 
 NEEDED = pytest.StashKey[set]()
 
