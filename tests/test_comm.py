@@ -201,6 +201,8 @@ def _assert_measured_equals_formula(summary: dict) -> dict:
 
 @pytest.mark.full
 def test_measured_bytes_per_step_equal_the_formula(results):
+    """A sweep of its own: one warm-up and one measured step is all a per-step byte count needs
+    (the run matrix trains 20), and megatron pp=2 beside it."""
     from conftest import summaries
 
     backends = "ddp,fsdp,deepspeed/zero1,deepspeed/zero2,deepspeed/zero3,megatron/tp"
@@ -271,7 +273,8 @@ def test_comm_columns_and_bus_bandwidth_plots_render(tmp_path):
 @pytest.mark.full
 def test_compare_over_a_real_sweep_shows_the_comm_columns(results):
     """A ddp/fsdp sweep on 2 ranks, then bench compare: per backend the measured bus bytes per step,
-    the formula's and the communication share, the numbers of the runs' own summaries."""
+    the formula's and the communication share, the numbers of the runs' own summaries. A sweep of its
+    own: compare reads a whole experiment, and the matrix's holds every variant."""
     from conftest import summaries
 
     proc = bench(["run", "-m", *TINY, "backend=ddp,fsdp", "launcher.nproc_per_node=2"], results)

@@ -164,7 +164,8 @@ def test_plan_rows_meet_only_the_runs_that_carry_all_their_params():
 @pytest.mark.full
 def test_compare_puts_a_plan_beside_the_run_of_its_row(results):
     """bench plan with tracking on, bench run of the plan's row 1 (its printed overrides), then
-    bench compare: the predicted and measured step time, tokens/s and peak memory with the error."""
+    bench compare: the predicted and measured step time, tokens/s and peak memory with the error. A run
+    of its own: the one the plan names, in the plan's experiment."""
     from mlflow.tracking import MlflowClient
 
     from conftest import bench, mlflow_runs

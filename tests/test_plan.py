@@ -221,6 +221,8 @@ MEASURED = [  # (sweep of one bench run -m, ranks): every CPU configuration para
 @pytest.mark.full
 @pytest.mark.parametrize(("sweep", "ranks"), MEASURED, ids=lambda v: " ".join(v) if isinstance(v, list) else str(v))
 def test_model_state_bytes_predicted_equal_measured(sweep, ranks, tmp_path):
+    """Sweeps of their own: a small model whose shapes do not split evenly over 3 ranks (the padding
+    FSDP2 and DeepSpeed add is the point), one step each."""
     from conftest import bench
     from parabench.jobs import job_from_json
 
