@@ -290,6 +290,11 @@ class Adapter(ABC):
         return []
 
     @classmethod
+    def layout_words(cls, options: Any) -> list[str]:
+        """Words naming this backend's layout beyond the parallel degrees (e.g. ``zero3``), for run names."""
+        return []
+
+    @classmethod
     def expected_model_state(cls, job: JobSpec) -> StateFormula | None:
         """The per-rank model-state bytes a published formula predicts for this job, if any."""
         return None

@@ -349,6 +349,10 @@ class DeepSpeedAdapter(Adapter):
         return {"DS_ACCELERATOR": device, "TORCH_EXTENSIONS_DIR": extensions_dir(job)}
 
     @classmethod
+    def layout_words(cls, options: DeepSpeedOptions) -> list[str]:
+        return [f"zero{options.zero_stage}"]
+
+    @classmethod
     def expected_model_state(cls, job: JobSpec) -> StateFormula:
         return zero_formula(job)
 

@@ -87,6 +87,11 @@ class FSDPAdapter(Adapter):
             )
 
     @classmethod
+    def layout_words(cls, options: FSDPOptions) -> list[str]:
+        # reshard_after_forward=false keeps the gathered params until backward: ZeRO-2-like
+        return [] if options.reshard_after_forward else ["noreshard"]
+
+    @classmethod
     def expected_model_state(cls, job: JobSpec) -> StateFormula:
         psi, n = job.model.num_params(), job.parallel.world_size
         return StateFormula(

@@ -271,6 +271,11 @@ class MegatronAdapter(Adapter):
         return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 
     @classmethod
+    def layout_words(cls, options: MegatronOptions) -> list[str]:
+        flags = (("sp", options.sequence_parallel), ("distopt", options.distributed_optimizer))
+        return ([f"vpp{options.vpp}"] if options.vpp > 1 else []) + [word for word, on in flags if on]
+
+    @classmethod
     def expected_model_state(cls, job: JobSpec) -> StateFormula:
         o, dp = job.backend.options, job.parallel.dp
         psi = max(rank_param_counts(job).values())  # the largest TP/PP shard (first/last stage hold the vocab)

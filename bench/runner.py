@@ -40,8 +40,9 @@ from parabench.errors import Interrupted, RunFailed, SpecError
 from parabench.faults import recovery_figures
 from parabench.flops import FORMULA, Peak, flops_per_token
 from parabench.jobs import from_config
-from parabench.launchers import get_launcher, slurm_placement
+from parabench.launchers import die_with_parent, get_launcher, slurm_placement
 from parabench.metrics import summarize
+from parabench.runnames import job_run_name
 from parabench.spec import JobSpec, LaunchSpec, resolve_device, to_dict
 from parabench.tracking import JobRun, StepTail, flatten, git_sha, is_secret, store_uri
 
@@ -422,7 +423,7 @@ def execute(
     tracking = job.tracking if job.launch.node_rank == 0 else dataclasses.replace(job.tracking, enabled=False)
     tracker = JobRun(tracking, job.run.results_dir, run_dir)
     tags.update(resume_tags(resume_from))
-    tracker.start(f"{job.backend.name}-{job.model.name}-x{job.parallel.world_size}", params, tags)
+    tracker.start(job_run_name(job, repeat), params, tags)
     env[RUN_ID_ENV] = tracker.run_id or ""
     status = "FAILED"
     try:

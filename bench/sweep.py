@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 
 from parabench import stability
 from parabench.compare import build_sections, load_runs, metric_key, report_dict, scaling_metrics
+from parabench.runnames import stamp
 from parabench.spec import tracking_from_config
 from parabench.tracking import PARENT_ENV, JobRun, git_sha
 
@@ -37,7 +38,7 @@ class MultirunCallback(Callback):
         self._parent = JobRun(tracking, results_dir, Path(sweep))  # spooled in the sweep directory
         experiment = raw.get("experiment") if isinstance(raw.get("experiment"), str) else None
         run_id = self._parent.start(
-            run_name=f"sweep {experiment or ' '.join(overrides)}"[:250],
+            run_name=f"sweep {(experiment or ' '.join(overrides))[:220]} {stamp()}",
             params={"sweep.overrides": " ".join(overrides), "sweep.dir": str(sweep)},
             tags={
                 "parabench.kind": "sweep",

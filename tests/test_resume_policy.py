@@ -4,6 +4,7 @@ saved when checkpointing is on, and a resume with nothing left to train is refus
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -87,6 +88,9 @@ def test_the_same_command_saves_its_last_step_continues_and_measures_only_its_ow
     assert f"2 measured steps, all run here: resumed from step 10 of {ck / 'step_000010'}" in more.stdout, more.stdout
     resumed = mlflow_runs(results).set_index("run_id").drop(runs["run_id"][0])
     assert list(resumed["metrics.measured_steps"]) == [2] and list(resumed["tags.parabench.resumed_step"]) == ["10"]
+    # two runs of one job, told apart in MLflow's run list by their UTC start (issue 26 case 7)
+    names = list(mlflow_runs(results)["tags.mlflow.runName"])
+    assert len(set(names)) == 2 and all(re.fullmatch(r"ddp-llama-x1-\d{8}-\d{6}", n) for n in names), names
 
 
 def test_the_stable_checkpoint_folder_is_used_only_when_the_job_checkpoints(tmp_path, monkeypatch, capsys):

@@ -80,7 +80,8 @@ def test_compare_report_matches_mlflow_and_renders(scaling, tmp_path):
         assert row["tokens_per_s"] == pytest.approx(mine["metrics.tokens_per_s"].median())
         assert row["tokens_per_s_min"] == pytest.approx(mine["metrics.tokens_per_s"].min())
         assert row["mfu"] == pytest.approx(mine["metrics.mfu"].median())
-    compare_runs = runs[runs["tags.parabench.kind"] == "compare"]
+    assert not (runs["tags.parabench.kind"] == "compare").any()  # comparisons have their own experiment
+    compare_runs = mlflow_runs(scaling, "scaling_cpu-comparisons")
     assert len(compare_runs) == 1  # the report is logged as an artifact of a comparison run
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:

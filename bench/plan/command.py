@@ -18,7 +18,6 @@ import dataclasses
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from parabench.plan.estimate import DEFAULT_UNCERTAINTY, Calibration, Estimate
 from parabench.plan.gemms import CURVES
 from parabench.plan.render import render
 from parabench.plan.search import Searched, backend_defaults, describe, emit_bundle, search
+from parabench.runnames import plan_experiment, stamp
 from parabench.spec import TrackingSpec, build
 from parabench.tracking import JobRun
 
@@ -183,18 +183,21 @@ def _context(cluster: Cluster, world: int, first: dict[str, Any], pk: Any, cal: 
 
 
 def _track(first: dict[str, Any], found: Searched, top: int, context: dict[str, Any]) -> None:
-    """The plan as an MLflow run (experiment ``plan``): context as params, the table as artifacts."""
+    """The plan as an MLflow run in ``<experiment>-plan``, named with the model, cluster, devices and
+    UTC time (two plans differ): context as params, the table as artifacts."""
     tracking = build(TrackingSpec, first.get("tracking"), "tracking")
     if not tracking.enabled:
         return
-    name = f"plan-{context['model']}-{context['cluster']}x{context['devices']}"
+    name = f"plan-{context['model']}-{context['cluster']}x{context['devices']}-{stamp()}"
     results_dir = first["run"]["results_dir"]
     # the plan's files (and the tracking spool, for bench sync if the store fails) stay under results/plans/
-    root = Path(results_dir) / "plans" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{name}"
+    root = Path(results_dir) / "plans" / f"{name}-{os.getpid()}"
     root.mkdir(parents=True, exist_ok=True)
     (root / "plan.md").write_text(render(found, top, context, "md"))
     (root / "plan.json").write_text(render(found, top, context, "json"))
-    run = JobRun(dataclasses.replace(tracking, experiment=f"{tracking.experiment}-plan"), results_dir, run_dir=root)
+    run = JobRun(
+        dataclasses.replace(tracking, experiment=plan_experiment(tracking.experiment)), results_dir, run_dir=root
+    )
     tags = {"parabench.kind": "plan", "model": context["model"], "cluster": context["cluster"]}
     run.start(name, _params(context), tags)
     run.log_artifacts([root / "plan.md", root / "plan.json"], root)

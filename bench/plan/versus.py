@@ -18,6 +18,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
+from parabench.runnames import plan_experiment
+
 # (key of the prediction in plan.json, attribute of the measured record, label)
 QUANTITIES = (
     ("step_s", "step_time_median_s", "step s"),
@@ -38,7 +40,7 @@ class Measured(Protocol):
 def load_plans(client, experiment: str | None) -> list[dict[str, Any]]:
     """The finished plan runs (of ``<experiment>-plan`` and ``experiment``, or of every experiment),
     newest first, each with its plan.json document."""
-    names = [f"{experiment}-plan", experiment] if experiment else None
+    names = [plan_experiment(experiment), experiment] if experiment else None
     exps = [client.get_experiment_by_name(n) for n in names] if names else client.search_experiments()
     ids = [e.experiment_id for e in exps if e is not None]
     flt = "tags.`parabench.kind` = 'plan' and attributes.status = 'FINISHED'"
