@@ -29,7 +29,7 @@ from parabench.commworker import comm_job
 from parabench.confutil import compose, expand_sweep, to_plain
 from parabench.devices import DEVICES
 from parabench.errors import SpecError, UserError
-from parabench.launchers import get_launcher
+from parabench.launchers import die_with_parent, get_launcher
 from parabench.runner import _kill, _tail, free_port, launch_env, usable_device
 from parabench.tracking import JobRun, flatten, git_sha, store_uri
 
@@ -111,7 +111,12 @@ def launch(p: Prepared, run_dir: Path) -> tuple[int, str]:
     env = launch_env(job)  # type: ignore[arg-type]
     with open(run_dir / "logs" / "launcher.log", "w") as log:
         proc = subprocess.Popen(
-            cmd, env=launcher.process_env(env, os.environ), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            cmd,
+            env=launcher.process_env(env, os.environ),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with_parent(),  # the launcher and its workers never outlive bench comm
         )
     try:
         return proc.wait(timeout=job.launch.setup_timeout_s), ""

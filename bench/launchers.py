@@ -7,13 +7,15 @@ environment variables). The dry-run bundle (``launch.sh``) uses the same command
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar
 
 from parabench.adapters.registry import get_adapter
@@ -30,6 +32,31 @@ def _worker_args(job: JobSpec) -> list[str]:
 def _bundle_args(job: JobSpec) -> str:
     args = _worker_args(job)
     return " " + shlex.join(args) if args else ""
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>; prctl(2): the signal a child gets when its parent dies
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A ``preexec_fn`` for a launcher that bench starts locally (torchrun, msrun): between fork and
+    exec the child asks Linux for ``sig`` when this process dies, however it dies (SIGKILL, the OOM
+    killer, a lost login shell), so the launcher never trains on as an orphan. SIGTERM lets torchrun
+    stop its workers as it does on scancel (its agent turns SIGTERM into a shutdown of the group).
+    The death signal follows the thread that forked: call Popen from the main thread. If this
+    process died before the child armed it, the child's parent is no longer us: it sends ``sig`` to
+    itself. None off Linux (no prctl). docs/sources.md#pdeathsig."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded before fork: the child only calls into it
+    parent = os.getpid()
+
+    def arm() -> None:
+        if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != parent:
+            os.kill(os.getpid(), sig)
+
+    return arm
 
 
 class Launcher:

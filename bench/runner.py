@@ -279,6 +279,7 @@ def launch(job: JobSpec, run_dir: Path, env: dict[str, str], port: int, tracker=
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            preexec_fn=die_with_parent(),  # the launcher and its workers never outlive bench run
         )
     last_change, last_step, reason = time.monotonic(), -1, ""
     live = _Live(job, run_dir, tracker)

@@ -343,6 +343,46 @@ def test_injected_exception_fails_the_run_once(results):
     assert run["status"] == "FAILED"
 
 
+def _alive_with(text: str) -> list[int]:
+    """Pids of the live (not zombie) processes whose command line holds ``text``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (proc / "status").read_text()
+        except OSError:  # not a process, or gone meanwhile
+            continue
+        if text in cmdline and "zombie" not in state:
+            found.append(int(proc.name))
+    return found
+
+
+@pytest.mark.full
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's prctl")
+def test_sigkill_of_bench_run_ends_the_launcher_and_its_workers(results):
+    """kill -9 of `bench run` (an OOM killer, a lost login shell): torchrun and its workers stop
+    within the agent's shutdown grace instead of training on to the last step (issue 26 case 5)."""
+    cmd = [sys.executable, "-m", "parabench", "run", *FAST, "run.steps=100000", f"run.results_dir={results}"]
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not list(results.glob("runs/*/*/*/steps.jsonl")) or len(_steps(results)) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    (run_dir,) = {p.parent for p in results.glob("runs/*/*/*/steps.jsonl")}
+    started = _alive_with(str(run_dir))
+    assert len(started) >= 2, started  # torchrun and rank 0
+    proc.kill()
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 60  # torchrun's agent gives its workers 30 s to stop, then kills them
+    while _alive_with(str(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    orphans = _alive_with(str(run_dir))
+    for pid in orphans:  # a failing test leaves nothing training on this machine
+        os.kill(pid, signal.SIGKILL)
+    assert orphans == [], f"orphans train on after kill -9 of bench run: {orphans} (started: {started})"
+
+
 @pytest.mark.full
 def test_sigterm_stops_every_worker_saves_and_marks_killed(results):
     cmd = [sys.executable, "-m", "parabench", "run", *FAST, "run.steps=500", "launcher.nproc_per_node=2"]
