@@ -10,13 +10,14 @@ import json
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from parabench import __version__, trackstore
 from parabench.confutil import compose, expand_sweep, register_resolvers, to_plain
 from parabench.devices import AUTOLOAD_ENV
 from parabench.errors import RunFailed, UserError
-from parabench.tracking import sync_main
+from parabench.tracking import close_abandoned, store_uri, sync_main
 
 USAGE = """usage: bench <command> [args]
 
@@ -63,6 +64,17 @@ class _PreparedJobs:
         self.pid = os.getpid()
         self.jobs: dict[str, Any] = {}
         self.failed: list[str] = []  # "<job number>: <reason>" of the sweep's jobs that failed
+
+    def close_abandoned(self) -> None:
+        """Close the runs a killed bench left RUNNING in the stores these jobs write to (once each)."""
+        stores = {
+            (job.run.results_dir, store_uri(job.tracking, job.run.results_dir))
+            for job in self.jobs.values()
+            if job.tracking.enabled and not job.launch.dry_run
+        }
+        for results_dir, store in sorted(stores):
+            for line in close_abandoned(Path(results_dir), store):
+                print(line, file=sys.stderr)
 
     @staticmethod
     def _key(plain: dict[str, Any]) -> str:
@@ -120,8 +132,6 @@ def _preflight(args) -> _PreparedJobs | None:
 
 def _job(cfg, prepared: _PreparedJobs):
     """The Hydra task: one job (called once, or once per sweep combination)."""
-    from pathlib import Path
-
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -170,6 +180,8 @@ def cmd_run(argv: list[str]) -> int:
         print(f"bench: error: {exc}", file=sys.stderr)
         return exc.exit_code
 
+    if prepared is not None:
+        prepared.close_abandoned()
     register_resolvers()
 
     def task(cfg):

@@ -386,10 +386,14 @@ def sync(run_dir: Path, uri: str | None = None) -> str:
     ended = bool(records) and records[-1]["op"] == "end"
     if state["sent"] >= len(records) and ended:
         return f"{run_dir}: up to date (run {state['run_id']}, {len(records)} records)"
-    if not ended:  # killed before it could record its status (SIGKILL, a lost node)
+    if not ended:  # killed before it could record its status (SIGKILL, the OOM killer, a lost node)
+        why = (
+            f"bench (pid {state.get('pid')} on {state.get('host')}) ended without recording a status "
+            "(killed: SIGKILL, the OOM killer or a lost node); closed later by bench"
+        )
         for extra in (
-            {"op": "tags", "tags": {"failure_reason": "bench run ended without recording a status (killed)"}},
-            {"op": "end", "status": "FAILED", "time": _now_ms()},
+            {"op": "tags", "tags": {"failure_reason": why}},
+            {"op": "end", "status": "KILLED", "time": _now_ms()},
         ):
             spool.append(extra)
             records.append(extra)
@@ -417,6 +421,33 @@ def spools_under(results_dir: Path) -> list[Path]:
         if spool.state()["sent"] < len(records) or not records or records[-1]["op"] != "end":
             out.append(spool.run_dir)
     return out
+
+
+def close_abandoned(results_dir: Path, store: str) -> list[str]:
+    """Close the runs of ``store`` that a killed ``bench`` on this host left RUNNING (its spool under
+    ``results_dir`` has no end and its process is gone): each is synced, which records it KILLED
+    with the reason. Every bench command that writes to a store calls this first, so a killed run
+    does not stay RUNNING until someone runs ``bench sync``. One line per run closed or not closed;
+    a store that fails leaves the run for later. Another host's runs are never touched (it may be
+    a node of a running multi-node job on a shared file system)."""
+    lines = []
+    wanted = trackstore.without_credentials(store)
+    for run_dir in spools_under(results_dir):
+        spool = Spool(run_dir)
+        state, records = spool.state(), spool.records()
+        mine = state.get("pid") == os.getpid()  # this process's own runs (bench called in-process)
+        if state.get("store") != wanted or state.get("host") != socket.gethostname() or mine or _writer_alive(state):
+            continue
+        if records and records[-1]["op"] == "end":  # ended, only not uploaded: bench sync's business
+            continue
+        try:
+            lines.append("parabench: closed a run left RUNNING by a killed bench: " + sync(run_dir))
+        except SpecError as exc:
+            lines.append(f"parabench: {run_dir}: left RUNNING by a killed bench, not closed: {exc}")
+        except _store_errors() as exc:
+            why = trackstore.redact(str(exc).splitlines()[0][:300])
+            lines.append(f"parabench: {run_dir}: left RUNNING by a killed bench, not closed: {why}")
+    return lines
 
 
 def sync_main(argv: list[str]) -> int:

@@ -361,7 +361,9 @@ def _alive_with(text: str) -> list[int]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's prctl")
 def test_sigkill_of_bench_run_ends_the_launcher_and_its_workers(results):
     """kill -9 of `bench run` (an OOM killer, a lost login shell): torchrun and its workers stop
-    within the agent's shutdown grace instead of training on to the last step (issue 26 case 5)."""
+    within the agent's shutdown grace instead of training on to the last step, and the next
+    `bench run` on that store closes the run left RUNNING as KILLED, with the reason (issue 26
+    case 5)."""
     cmd = [sys.executable, "-m", "parabench", "run", *FAST, "run.steps=100000", f"run.results_dir={results}"]
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -381,6 +383,16 @@ def test_sigkill_of_bench_run_ends_the_launcher_and_its_workers(results):
     for pid in orphans:  # a failing test leaves nothing training on this machine
         os.kill(pid, signal.SIGKILL)
     assert orphans == [], f"orphans train on after kill -9 of bench run: {orphans} (started: {started})"
+    (killed,) = (row for _, row in mlflow_runs(results).iterrows())
+    assert killed["status"] == "RUNNING"  # nothing could record its end
+    # the next bench run on this store closes it, KILLED with the reason, before its own job starts
+    again = bench(["run", *FAST, "run.steps=1"], results)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "parabench: closed a run left RUNNING by a killed bench" in again.stderr, again.stderr[-3000:]
+    runs = mlflow_runs(results).set_index("run_id")
+    assert runs.loc[killed["run_id"], "status"] == "KILLED"
+    assert "ended without recording a status (killed" in runs.loc[killed["run_id"], "tags.failure_reason"]
+    assert sorted(runs["status"]) == ["FINISHED", "KILLED"]
 
 
 @pytest.mark.full

@@ -85,7 +85,7 @@ def _free_port() -> int:
 
 def test_a_killed_spooled_run_syncs_once_and_ends_failed(tmp_path, capsys):
     """A job whose server never answered and that was killed before recording its status (SIGKILL):
-    `bench sync` into a real SQLite store creates the run with every spooled step and FAILED; a
+    `bench sync` into a real SQLite store creates the run with every spooled step and KILLED; a
     second sync sends nothing; the run is never left RUNNING."""
     from mlflow.tracking import MlflowClient
 
@@ -102,11 +102,11 @@ def test_a_killed_spooled_run_syncs_once_and_ends_failed(tmp_path, capsys):
     tracker.log_artifacts([run_dir / "logs" / "rank0.log"], run_dir)
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     first, second = sync(run_dir, store), sync(run_dir, store)
-    # start, params, 2 metrics, artifacts; then the tag and the FAILED status a killed run lacks
+    # start, params, 2 metrics, artifacts; then the tag and the KILLED status a killed run lacks
     assert "uploaded 7 records" in first and "up to date" in second
     client = MlflowClient(tracking_uri=store)
     (run,) = client.search_runs([client.get_experiment_by_name("spool").experiment_id])
-    assert run.info.status == "FAILED" and "killed" in run.data.tags["failure_reason"]
+    assert run.info.status == "KILLED" and "killed" in run.data.tags["failure_reason"]
     history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss"))
     assert history == [(0, 2.0), (1, 1.5), (2, 1.25)] and run.data.params == {"a": "1"}
     assert [a.path for a in client.list_artifacts(run.info.run_id, "logs")] == ["logs/rank0.log"]
