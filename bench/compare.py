@@ -41,7 +41,7 @@ from parabench.plan import versus
 from parabench.plots import bar_stack_svg, line_svg
 from parabench.runnames import comparison_experiment, stamp
 from parabench.spec import TrackingSpec
-from parabench.tracking import default_store_uri
+from parabench.tracking import close_abandoned, default_store_uri, results_dir_of
 
 SECTION_KEYS = ("model", "device", "precision", "seq_len", "data", "data_checksum", "steps", "warmup_steps", "start")
 ROW_KEYS = ("variant", "world_size", "layout", "global_batch", "micro_batch")
@@ -789,6 +789,8 @@ def _run(args) -> int:
         raise UserError(f"--tracking-uri: no MLflow store at {uri} (run `bench run` first or pass --tracking-uri)")
     # an unknown scheme, or a server that does not answer or refuses us: one line, not minutes of retries
     trackstore.check(TrackingSpec(uri=uri, experiment=args.experiment or "Default"), key="--tracking-uri")
+    for line in close_abandoned(results_dir_of(uri), uri):  # a killed bench's run is not compared as RUNNING
+        print(line, file=sys.stderr)
     client = MlflowClient(tracking_uri=uri)
     baseline = _parse_baseline(args.baseline)
     records = load_runs(client, args.runs, args.experiment, args.filter)

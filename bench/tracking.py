@@ -423,6 +423,12 @@ def spools_under(results_dir: Path) -> list[Path]:
     return out
 
 
+def results_dir_of(store: str) -> Path:
+    """Where the spools of ``store``'s runs live: beside a local SQLite store, else ``results``."""
+    prefix = "sqlite:///"
+    return Path(store[len(prefix) :]).parent if store.startswith(prefix) else Path("results")
+
+
 def close_abandoned(results_dir: Path, store: str) -> list[str]:
     """Close the runs of ``store`` that a killed ``bench`` on this host left RUNNING (its spool under
     ``results_dir`` has no end and its process is gone): each is synced, which records it KILLED

@@ -1,4 +1,7 @@
+import json
 import os
+import subprocess
+from pathlib import Path
 
 from parabench.spec import TrackingSpec
 from parabench.tracking import flatten, is_secret, store_uri
@@ -132,3 +135,38 @@ def test_credentials_are_left_out_of_what_is_written():
     assert without_credentials(uri) == "http://host:5000/x" and shown(uri) == "http://***@host:5000/x"
     assert redact(f"tracking.uri={uri} and https://t0k3n@h") == "tracking.uri=http://***@host:5000/x and https://***@h"
     assert without_credentials("sqlite:////a/b.db") == "sqlite:////a/b.db"
+
+
+def _killed_run(results: Path, store: str) -> str:
+    """A run that a bench killed by SIGKILL left RUNNING: started, one step logged, no end, and its
+    pid a process that has exited."""
+    from parabench.tracking import SPOOL_DIR, STATE_FILE, JobRun
+
+    run_dir = results / "runs" / "parabench" / "20261205-120000" / "0_job"
+    run_dir.mkdir(parents=True)
+    tracker = JobRun(TrackingSpec(uri=store), str(results), run_dir)
+    run_id = tracker.start("killed", {"a": "1"}, {"parabench.kind": "job"})
+    tracker.log_metrics([("loss", 2.0, 0)])
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    state_path = run_dir / SPOOL_DIR / STATE_FILE
+    state_path.write_text(json.dumps({**json.loads(state_path.read_text()), "pid": gone.pid}))
+    return run_id
+
+
+def test_bench_compare_closes_a_run_a_killed_bench_left_running(tmp_path, capsys):
+    """Issue 26 case 5: the next bench command that touches the store (here bench compare) records
+    the killed run KILLED with the reason, not only bench sync."""
+    from mlflow.tracking import MlflowClient
+
+    from parabench.compare import main
+
+    results = tmp_path / "results"
+    store = f"sqlite:///{results / 'mlflow.db'}"
+    run_id = _killed_run(results, store)
+    client = MlflowClient(tracking_uri=store)
+    assert client.get_run(run_id).info.status == "RUNNING"
+    main(["--tracking-uri", store, "--no-log", "--out", str(tmp_path / "rep")])
+    assert "closed a run left RUNNING by a killed bench" in capsys.readouterr().err
+    run = client.get_run(run_id)
+    assert run.info.status == "KILLED" and "ended without recording a status" in run.data.tags["failure_reason"]
