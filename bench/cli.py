@@ -17,7 +17,7 @@ from parabench import __version__, trackstore
 from parabench.confutil import compose, expand_sweep, register_resolvers, to_plain
 from parabench.devices import AUTOLOAD_ENV
 from parabench.errors import RunFailed, UserError
-from parabench.tracking import close_abandoned, store_uri, sync_main
+from parabench.tracking import close_abandoned, end_own_runs, store_uri, sync_main
 
 USAGE = """usage: bench <command> [args]
 
@@ -65,16 +65,25 @@ class _PreparedJobs:
         self.jobs: dict[str, Any] = {}
         self.failed: list[str] = []  # "<job number>: <reason>" of the sweep's jobs that failed
 
-    def close_abandoned(self) -> None:
-        """Close the runs a killed bench left RUNNING in the stores these jobs write to (once each)."""
+    def _stores(self) -> list[tuple[str, str]]:
+        """(results_dir, store) of the jobs that record runs."""
         stores = {
             (job.run.results_dir, store_uri(job.tracking, job.run.results_dir))
             for job in self.jobs.values()
             if job.tracking.enabled and not job.launch.dry_run
         }
-        for results_dir, store in sorted(stores):
+        return sorted(stores)
+
+    def close_abandoned(self) -> None:
+        """Close the runs a killed bench left RUNNING in the stores these jobs write to (once each)."""
+        for results_dir, store in self._stores():
             for line in close_abandoned(Path(results_dir), store):
                 print(line, file=sys.stderr)
+
+    def end_own_runs(self, status: str, why: str) -> None:
+        """End the runs this process left open in the jobs' stores (a sweep's parent)."""
+        for results_dir, store in self._stores():
+            end_own_runs(Path(results_dir), store, status, why)
 
     @staticmethod
     def _key(plain: dict[str, Any]) -> str:
@@ -205,6 +214,8 @@ def cmd_run(argv: list[str]) -> int:
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (parabench.errors.Interrupted)
         signum = getattr(exc, "signum", signal.SIGINT)
         name = signal.Signals(signum).name
+        if prepared is not None:  # a sweep's parent run: Hydra's end callback does not run on a signal
+            prepared.end_own_runs("KILLED", f"bench interrupted by {name}")
         print(f"bench: interrupted by {name}: workers stopped, run recorded as KILLED", file=sys.stderr)
         return 128 + signum
     if prepared is not None and prepared.failed:

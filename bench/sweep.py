@@ -31,7 +31,7 @@ class MultirunCallback(Callback):
         raw = {k: OmegaConf.to_container(config[k], resolve=True) for k in ("tracking", "run") if k in config}
         raw["experiment"] = config.get("experiment")
         tracking, results_dir = tracking_from_config(raw)
-        if not tracking.enabled:
+        if not tracking.enabled or config.get("launcher", {}).get("dry_run"):  # a dry run records no runs
             return
         sweep = config.hydra.sweep.dir
         overrides = list(config.hydra.overrides.task)

@@ -381,7 +381,7 @@ def sync(run_dir: Path, uri: str | None = None) -> str:
     if not spool.exists():
         raise SpecError("RUN_DIR", f"{run_dir}: no tracking spool ({SPOOL_DIR}/{STATE_FILE}): not a run directory")
     state, records = spool.state(), spool.records()
-    if _writer_alive(state):
+    if state.get("pid") != os.getpid() and _writer_alive(state):
         return f"{run_dir}: still being written by bench run (pid {state['pid']}): left for later"
     ended = bool(records) and records[-1]["op"] == "end"
     if state["sent"] >= len(records) and ended:
@@ -453,6 +453,25 @@ def close_abandoned(results_dir: Path, store: str) -> list[str]:
         except _store_errors() as exc:
             why = trackstore.redact(str(exc).splitlines()[0][:300])
             lines.append(f"parabench: {run_dir}: left RUNNING by a killed bench, not closed: {why}")
+    return lines
+
+
+def end_own_runs(results_dir: Path, store: str, status: str, why: str) -> list[str]:
+    """End the runs of ``store`` that this process opened and has not ended (a sweep's parent when
+    SIGTERM or Ctrl-C stops the sweep: Hydra calls no end callback then) with ``status`` and ``why``."""
+    lines = []
+    wanted = trackstore.without_credentials(store)
+    for run_dir in spools_under(results_dir):
+        spool = Spool(run_dir)
+        state, records = spool.state(), spool.records()
+        if state.get("store") != wanted or state.get("pid") != os.getpid() or (records and records[-1]["op"] == "end"):
+            continue
+        spool.append({"op": "tags", "tags": {"failure_reason": why}})
+        spool.append({"op": "end", "status": status, "time": _now_ms()})
+        try:
+            lines.append(sync(run_dir))
+        except (SpecError, *_store_errors()) as exc:
+            lines.append(f"parabench: {run_dir}: {status} not recorded yet ({exc}); bench sync {run_dir} uploads it")
     return lines
 
 

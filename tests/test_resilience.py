@@ -396,6 +396,38 @@ def test_sigkill_of_bench_run_ends_the_launcher_and_its_workers(results):
 
 
 @pytest.mark.full
+def test_sigterm_to_a_sweep_ends_its_parent_run_killed(results):
+    """SIGTERM to `bench run -m` while its first job trains: that job and the sweep's parent run are
+    KILLED, with the signal as the reason (the parent stayed RUNNING; issue 26 case 5)."""
+    cmd = [sys.executable, "-m", "parabench", "run", "-m", *FAST, "run.steps=100000", "run.seed=1,2"]
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
+    cmd.append(f"run.results_dir={results}")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while len([line for p in results.glob("runs/*/*/*/steps.jsonl") for line in p.read_text().splitlines()]) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    runs = mlflow_runs(results)
+    (parent,) = (row for _, row in runs[runs["tags.parabench.kind"] == "sweep"].iterrows())
+    (child,) = (row for _, row in runs[runs["tags.parabench.kind"] == "job"].iterrows())
+    assert parent["status"] == "KILLED" and parent["tags.failure_reason"] == "bench interrupted by SIGTERM"
+    assert child["status"] == "KILLED"
+
+
+@pytest.mark.full
+def test_a_dry_run_sweep_records_no_runs(results):
+    """A dry-run sweep writes its launch bundles and nothing to MLflow (it made a FAILED parent run
+    with no children; issue 26 case 5)."""
+    proc = bench(["run", "-m", "+model=llama", "launcher.dry_run=true", "run.seed=1,2"], results)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(list(results.glob("runs/*/*/*/launch.sh"))) == 2
+    assert not (results / "mlflow.db").exists() or mlflow_runs(results).empty
+
+
+@pytest.mark.full
 def test_sigterm_stops_every_worker_saves_and_marks_killed(results):
     cmd = [sys.executable, "-m", "parabench", "run", *FAST, "run.steps=500", "launcher.nproc_per_node=2"]
     cmd += ["run.checkpoint.on_signal=true", f"run.results_dir={results}"]
