@@ -116,12 +116,12 @@ def launch(p: Prepared, run_dir: Path) -> tuple[int, str]:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=die_with_parent(),  # the launcher and its workers never outlive bench comm
+            preexec_fn=die_with_parent(launcher.stop_signal),  # the launcher and its workers never outlive bench comm
         )
     try:
         return proc.wait(timeout=job.launch.setup_timeout_s), ""
     except subprocess.TimeoutExpired:
-        _kill(proc)
+        _kill(proc, launcher.stop_signal)
         return 1, f"not finished after {job.launch.setup_timeout_s:.0f} s (launcher.setup_timeout_s): killed"
 
 

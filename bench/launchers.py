@@ -61,6 +61,9 @@ def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
 
 class Launcher:
     name: ClassVar[str]
+    # what makes this launcher stop its workers: it gets this when bench dies (die_with_parent) and
+    # first when bench stops it (then SIGKILL to its process group)
+    stop_signal: ClassVar[int] = signal.SIGTERM
 
     @classmethod
     def command(
@@ -159,6 +162,10 @@ class Msrun(Launcher):
     """
 
     name = "msrun"
+    # msrun kills its workers (each in a session of its own, so a signal to msrun's group misses them)
+    # on SIGINT only; SIGTERM ends msrun alone (mindspore/parallel/cluster/process_entity/_api.py,
+    # join_processes: signal.signal(SIGINT, ...) -> kill_all_processes)
+    stop_signal = signal.SIGINT
 
     @staticmethod
     def _args(job: JobSpec, port: int) -> list[str]:

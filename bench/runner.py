@@ -220,8 +220,9 @@ class _Progress:
         self.bar.close()
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+def _kill(proc: subprocess.Popen, first: int = signal.SIGTERM) -> None:
+    """``first`` (the launcher's stop_signal) to the launcher's process group, SIGKILL 10 s later."""
+    for sig, wait in ((first, 10), (signal.SIGKILL, 5)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
@@ -250,7 +251,7 @@ def _stop(job: JobSpec, proc: subprocess.Popen, run_dir: Path, last_step: int) -
             proc.wait(timeout=STOP_GRACE_S)
         except subprocess.TimeoutExpired:
             pass
-    _kill(proc)
+    _kill(proc, get_launcher(get_adapter(job.backend.name).capabilities.launcher).stop_signal)
 
 
 def _tail(path: Path, n: int = TAIL_LINES) -> str:
@@ -279,7 +280,7 @@ def launch(job: JobSpec, run_dir: Path, env: dict[str, str], port: int, tracker=
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=die_with_parent(),  # the launcher and its workers never outlive bench run
+            preexec_fn=die_with_parent(launcher.stop_signal),  # the launcher and its workers never outlive bench run
         )
     last_change, last_step, reason = time.monotonic(), -1, ""
     live = _Live(job, run_dir, tracker)
@@ -303,7 +304,7 @@ def launch(job: JobSpec, run_dir: Path, env: dict[str, str], port: int, tracker=
             )
             if time.monotonic() - last_change > limit:
                 reason = f"no step finished for {limit:.0f} s (launcher.{key}): killed"
-                _kill(proc)
+                _kill(proc, launcher.stop_signal)
                 break
     except KeyboardInterrupt:
         bar.close()

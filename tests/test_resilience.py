@@ -359,13 +359,15 @@ def _alive_with(text: str) -> list[int]:
 
 @pytest.mark.full
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's prctl")
-def test_sigkill_of_bench_run_ends_the_launcher_and_its_workers(results):
+@pytest.mark.parametrize("backend", ["ddp", "mindspore"])  # torchrun, msrun
+def test_sigkill_of_bench_run_ends_the_launcher_and_its_workers(results, backend):
     """kill -9 of `bench run` (an OOM killer, a lost login shell): torchrun and its workers stop
     within the agent's shutdown grace instead of training on to the last step, and the next
     `bench run` on that store closes the run left RUNNING as KILLED, with the reason (issue 26
     case 5)."""
-    cmd = [sys.executable, "-m", "parabench", "run", *FAST, "run.steps=100000", f"run.results_dir={results}"]
+    cmd = [sys.executable, "-m", "parabench", "run", *FAST, f"backend={backend}", "run.steps=100000"]
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
+    cmd.append(f"run.results_dir={results}")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while not list(results.glob("runs/*/*/*/steps.jsonl")) or len(_steps(results)) < 2:
@@ -373,7 +375,7 @@ def test_sigkill_of_bench_run_ends_the_launcher_and_its_workers(results):
         time.sleep(0.2)
     (run_dir,) = {p.parent for p in results.glob("runs/*/*/*/steps.jsonl")}
     started = _alive_with(str(run_dir))
-    assert len(started) >= 2, started  # torchrun and rank 0
+    assert len(started) >= 2, started  # the launcher and rank 0
     proc.kill()
     proc.wait(timeout=30)
     deadline = time.monotonic() + 60  # torchrun's agent gives its workers 30 s to stop, then kills them
