@@ -398,6 +398,31 @@ def test_sigkill_of_bench_run_ends_the_launcher_and_its_workers(results, backend
 
 
 @pytest.mark.full
+def test_sigterm_to_a_mindspore_run_stops_msrun_and_its_workers(results):
+    """SIGTERM to `bench run` of an msrun job: msrun gets SIGINT, the signal it stops its workers on
+    (they sit in sessions of their own, out of reach of a signal to msrun's group); before, msrun
+    died of SIGTERM alone and its workers trained on."""
+    cmd = [sys.executable, "-m", "parabench", "run", *FAST, "backend=mindspore", "run.steps=100000"]
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
+    cmd.append(f"run.results_dir={results}")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not list(results.glob("runs/*/*/*/steps.jsonl")) or len(_steps(results)) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    (run_dir,) = {p.parent for p in results.glob("runs/*/*/*/steps.jsonl")}
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=90)
+    orphans = _alive_with(str(run_dir))
+    for pid in orphans:  # a failing test leaves nothing training on this machine
+        os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert orphans == [], f"msrun's workers train on after SIGTERM to bench run: {orphans}"
+    (run,) = (row for _, row in mlflow_runs(results).iterrows())
+    assert run["status"] == "KILLED"
+
+
+@pytest.mark.full
 def test_sigterm_to_a_sweep_ends_its_parent_run_killed(results):
     """SIGTERM to `bench run -m` while its first job trains: that job and the sweep's parent run are
     KILLED, with the signal as the reason (the parent stayed RUNNING; issue 26 case 5)."""
