@@ -60,6 +60,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "parabench.convertworker",
             "parabench.dsnative",
             "parabench.mcnative",
+            "parabench.runnames",
         ),
     ),
     ("backends", ("parabench.adapters",)),
