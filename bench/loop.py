@@ -47,6 +47,10 @@ def train(
     # measured figures come only from steps this `bench run` executed: a resumed run's restored
     # history keeps the losses (the whole curve) but not another run's step times
     own_from = planned_step(ctx.run_dir) if checkpointer else 0
+    # the restored step times are those of steps [start - restored, start): drop the ones before
+    # own_from (none when the checkpoint carried no history, as a converted foreign checkpoint does)
+    restored = len(step_times)
+    inherited = min(restored, max(0, own_from - (start - restored)))
     for step in range(start, total):
         fire_fault(job, ctx.run_dir, ctx.rank, step)
         micro_batches = source.rank_micro_batches(step, dp_rank, dp_size)
@@ -73,7 +77,7 @@ def train(
     peak, peak_kind = device.peak_memory()
     return {
         "rank": ctx.rank,
-        "step_times": step_times[max(0, own_from - job.run.warmup_steps) :],  # step warmup + i at index i
+        "step_times": step_times[inherited:],  # the steps this `bench run` executed
         "losses": losses,
         "peak_memory_bytes": peak,
         "peak_memory_kind": peak_kind,
