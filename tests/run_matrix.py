@@ -74,6 +74,12 @@ def needed_variants(items: list[pytest.Item]) -> set[str]:
     return names
 
 
+def pair(matrix: dict[str, MatrixRun], backends: tuple[str, ...], world: int) -> tuple[Path, dict[str, dict]]:
+    """(the sweep's results dir, backend -> summary) of these backends' runs at world size 1 or 2."""
+    at = "@1" if world == 1 else ""
+    return matrix[f"{backends[0]}{at}"].results, {b: matrix[f"{b}{at}"].summary for b in backends}
+
+
 def sweep_jobs(results: Path) -> list[Path]:
     """The sweep's run directories in sweep order (Hydra numbers the jobs: 0_ddp, 1_fsdp, ...)."""
     dirs = [p.parent for p in results.glob("runs/*/*/*/summary.json")]

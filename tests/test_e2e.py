@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from run_matrix import STEPS, sweep_jobs
+from run_matrix import STEPS, pair, sweep_jobs
 
 from conftest import FAST, REPO, bench, mlflow_runs, summaries
 
@@ -58,11 +58,7 @@ def sweep(matrix):
     """world size -> (results dir, backend -> summary) of ddp and fsdp in the shared run matrix (20 fp32
     steps each; the test's matrix marker names the world sizes it reads)."""
 
-    def get(world: int):
-        at = "@1" if world == 1 else ""
-        return matrix[f"ddp{at}"].results, {b: matrix[f"{b}{at}"].summary for b in ("ddp", "fsdp")}
-
-    return get
+    return lambda world: pair(matrix, ("ddp", "fsdp"), world)
 
 
 @TWO_RANKS

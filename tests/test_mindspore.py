@@ -5,7 +5,7 @@ import math
 
 import numpy as np
 import pytest
-from run_matrix import STEPS
+from run_matrix import STEPS, pair
 
 from conftest import assert_refused_before_launch, mlflow_runs
 
@@ -153,11 +153,7 @@ def sweeps(matrix):
     """world size -> (results dir, backend -> summary) of ddp and mindspore in the shared run matrix (20
     fp32 steps each; the test's matrix marker names the world sizes it reads)."""
 
-    def get(world: int):
-        at = "@1" if world == 1 else ""
-        return matrix[f"mindspore{at}"].results, {b: matrix[f"{b}{at}"].summary for b in ("ddp", "mindspore")}
-
-    return get
+    return lambda world: pair(matrix, ("mindspore", "ddp"), world)
 
 
 TWO_RANKS = pytest.mark.matrix("ddp", "mindspore")

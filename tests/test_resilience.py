@@ -365,15 +365,7 @@ def test_sigkill_of_bench_run_ends_the_launcher_and_its_workers(results, backend
     within the agent's shutdown grace instead of training on to the last step, and the next
     `bench run` on that store closes the run left RUNNING as KILLED, with the reason (issue 26
     case 5)."""
-    cmd = [sys.executable, "-m", "parabench", "run", *FAST, f"backend={backend}", "run.steps=100000"]
-    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
-    cmd.append(f"run.results_dir={results}")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while not list(results.glob("runs/*/*/*/steps.jsonl")) or len(_steps(results)) < 2:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-        time.sleep(0.2)
-    (run_dir,) = {p.parent for p in results.glob("runs/*/*/*/steps.jsonl")}
+    proc, run_dir = _start_until_step(results, [*FAST, f"backend={backend}", "run.steps=100000"], 2)
     started = _alive_with(str(run_dir))
     assert len(started) >= 2, started  # the launcher and rank 0
     proc.kill()
@@ -402,15 +394,7 @@ def test_sigterm_to_a_mindspore_run_stops_msrun_and_its_workers(results):
     """SIGTERM to `bench run` of an msrun job: msrun gets SIGINT, the signal it stops its workers on
     (they sit in sessions of their own, out of reach of a signal to msrun's group); before, msrun
     died of SIGTERM alone and its workers trained on."""
-    cmd = [sys.executable, "-m", "parabench", "run", *FAST, "backend=mindspore", "run.steps=100000"]
-    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
-    cmd.append(f"run.results_dir={results}")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while not list(results.glob("runs/*/*/*/steps.jsonl")) or len(_steps(results)) < 2:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-        time.sleep(0.2)
-    (run_dir,) = {p.parent for p in results.glob("runs/*/*/*/steps.jsonl")}
+    proc, run_dir = _start_until_step(results, [*FAST, "backend=mindspore", "run.steps=100000"], 2)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=90)
     orphans = _alive_with(str(run_dir))
@@ -489,6 +473,19 @@ def test_sigterm_stops_every_worker_saves_and_marks_killed(results):
     assert resumed["resumed_step"] == len(finished)
     assert resumed["losses"][: len(finished)] == [step["loss"] for step in finished]  # restored history
     assert resumed["losses"] == fresh["losses"]
+
+
+def _start_until_step(results: Path, args: list[str], steps: int) -> tuple[subprocess.Popen, Path]:
+    """`bench run ARGS` in the background until rank 0 has finished ``steps`` steps: it and its run dir."""
+    cmd = [sys.executable, "-m", "parabench", "run", *args, f"run.results_dir={results}"]
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not list(results.glob("runs/*/*/*/steps.jsonl")) or len(_steps(results)) < steps:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    (run_dir,) = {p.parent for p in results.glob("runs/*/*/*/steps.jsonl")}
+    return proc, run_dir
 
 
 def _steps(results: Path) -> list[str]:
