@@ -40,8 +40,8 @@ def test_what_needs_a_tier_marker(argv, what):
 
 
 def _project(pytester: pytest.Pytester, body: str) -> None:
-    """A pytest project with this suite's conftest.py, tiers.py and markers, and one test module."""
-    for name in ("conftest.py", "tiers.py"):
+    """A pytest project with this suite's conftest.py (and the modules it imports), its markers and one test module."""
+    for name in ("conftest.py", "tiers.py", "run_matrix.py"):
         shutil.copy(HERE / name, pytester.path / name)
     pytester.makeini("[pytest]\naddopts = --strict-markers\nmarkers =\n    e2e: x\n    full: x\n")
     pytester.makepyfile(test_sample=body)
