@@ -143,14 +143,18 @@ def keep_highest(cache: Path, key: str, tflops: float, now: str) -> dict[str, An
         known = json.loads(cache.read_text())
     except (OSError, ValueError):
         known = {}
-    stored = known.get(key)
-    if isinstance(stored, (int, float)):
-        stored = {"tflops": float(stored), "measured_at": None}
+    found: object = known.get(key)
+    stored: dict[str, Any] | None
+    if isinstance(found, (int, float)):  # the older format: a bare number, no time
+        stored = {"tflops": float(found), "measured_at": None}
+    else:
+        stored = found if isinstance(found, dict) else None
     if stored is not None and stored["tflops"] >= tflops:
         return stored
-    known[key] = {"tflops": tflops, "measured_at": now}
+    entry: dict[str, Any] = {"tflops": tflops, "measured_at": now}
+    known[key] = entry
     cache.parent.mkdir(parents=True, exist_ok=True)
     part = cache.with_name(f"{cache.name}.{os.getpid()}.part")
     part.write_text(json.dumps(known, indent=2, sort_keys=True))
     os.replace(part, cache)
-    return known[key]
+    return entry
