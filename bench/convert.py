@@ -396,7 +396,7 @@ def run(p: dict[str, Any]) -> dict[str, Any]:
         record["checksum_after"] = result["checksum"]
     elif p["args_to"] == "hf":
         record.update(target={"format": "hf", **write_hf(out, canon, _model_spec(p["identity"]))})
-        record.update(_hf_checksums(out, canon))
+        record.update(_hf_checksums(out, canon, manifest["step"]))
     else:
         record.update(target={"format": "canonical", "path": str(canon)})
         record["checksum_after"] = canonical.checksum(canonical.load(canon)[0])  # read back from the files
@@ -406,16 +406,19 @@ def run(p: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
-def _hf_checksums(out: Path, canon: Path) -> dict[str, Any]:
+def _hf_checksums(out: Path, canon: Path, step: int) -> dict[str, Any]:
     """An hf export holds the weights only: the weights' checksum in the canonical directory against
-    the one of the export read back as ``+model=hf`` reads it (config.json, then the safetensors)."""
-    state, _ = canonical.load(canon)
+    the one of the export read back as ``+model=hf`` reads it (config.json, then the safetensors). The
+    canonical moments are not read: they are not exported."""
+    from safetensors.torch import load_file
+
+    source = load_file(str(canon / canonical.WEIGHTS))
     spec = model_spec(spec_fields({"path": str(out)}))
     written = load_weights(str(out / SINGLE), spec.parameter_shapes())
     return {
         "checksum_scope": "weights",
-        "checksum_before": canonical.checksum(canonical.CanonicalState(state.weights, None, state.step)),
-        "checksum_after": canonical.checksum(canonical.CanonicalState(written, None, state.step)),
+        "checksum_before": canonical.checksum(canonical.CanonicalState(source, None, step)),
+        "checksum_after": canonical.checksum(canonical.CanonicalState(written, None, step)),
     }
 
 

@@ -469,11 +469,11 @@ def test_checksum_after_is_read_back_from_what_was_written(tmp_path):
     canonical.write(canon, canonical.CanonicalState(weights, moments, 3), [], {})
     out.mkdir()
     write_hf(out, canon, spec)
-    same = _hf_checksums(out, canon)
+    same = _hf_checksums(out, canon, 3)
     assert same["checksum_before"] == same["checksum_after"]
     tensors = load_file(str(out / SINGLE))
     name = sorted(tensors)[0]
     tensors[name] = tensors[name] + torch.finfo(torch.float32).eps
     save_file(tensors, str(out / SINGLE))
-    changed = _hf_checksums(out, canon)
+    changed = _hf_checksums(out, canon, 3)
     assert changed["checksum_before"] == same["checksum_before"] != changed["checksum_after"]
