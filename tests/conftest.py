@@ -128,7 +128,7 @@ def matrix(request, tmp_path_factory) -> dict[str, run_matrix.MatrixRun]:
         if not chosen:
             continue
         results = tmp_path_factory.mktemp(f"matrix_x{world}")
-        args = [*FAST, f"run.steps={run_matrix.STEPS}", f"launcher.nproc_per_node={world}", *run_matrix.CHECKPOINT]
+        args = [*FAST, f"run.steps={run_matrix.STEPS}", f"launcher.nproc_per_node={world}"]
         proc = bench(["run", "-m", *args, "backend=" + ",".join(variants[v] for v in chosen)], results, timeout=3600)
         assert proc.returncode == 0, proc.stderr[-4000:]
         jobs = run_matrix.sweep_jobs(results)

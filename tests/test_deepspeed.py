@@ -5,7 +5,7 @@ import importlib.util
 import json
 
 import pytest
-from run_matrix import STEPS, sweep_jobs
+from run_matrix import assert_parity, sweep_jobs
 
 from conftest import FAST, assert_refused_before_launch, bench, mlflow_runs
 
@@ -268,11 +268,7 @@ def test_identical_initial_weights_as_ddp(two_ranks, one_rank):
     ],
 )
 def test_fp32_loss_parity_with_ddp(two_ranks, stage):
-    ddp, ds = two_ranks[1]["ddp"]["losses"], two_ranks[1][f"zero{stage}"]["losses"]
-    assert len(ddp) == len(ds) == STEPS
-    assert rel(ddp[0], ds[0]) <= 1e-6
-    assert rel(ddp[10], ds[10]) <= 1e-4  # after 10 optimizer steps
-    assert ds[10] < ds[0] - 0.1
+    assert_parity(two_ranks[1]["ddp"], two_ranks[1][f"zero{stage}"], first=1e-6, after_ten=1e-4)
 
 
 @TWO_RANKS

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from run_matrix import STEPS, pair, sweep_jobs
+from run_matrix import assert_parity, pair, sweep_jobs
 
 from conftest import FAST, REPO, bench, mlflow_runs, summaries
 
@@ -74,13 +74,8 @@ def test_identical_initial_weights_for_every_backend_and_world_size(sweep):
     [pytest.param(1, marks=[ONE_RANK, pytest.mark.full]), pytest.param(2, marks=[TWO_RANKS, pytest.mark.e2e])],
 )
 def test_ddp_fsdp_loss_parity(sweep, world):
-    ddp, fsdp = sweep(world)[1]["ddp"], sweep(world)[1]["fsdp"]
-    assert ddp["initial_checksum"] == fsdp["initial_checksum"]  # identical canonical start
-    ddp, fsdp = ddp["losses"], fsdp["losses"]
-    assert len(ddp) == len(fsdp) == STEPS
-    assert rel(ddp[0], fsdp[0]) <= 1e-6
-    assert rel(ddp[10], fsdp[10]) <= 1e-4  # after 10 optimizer steps
-    assert ddp[10] < ddp[0] - 0.1
+    by = sweep(world)[1]
+    assert_parity(by["ddp"], by["fsdp"], first=1e-6, after_ten=1e-4)
 
 
 @TWO_RANKS
