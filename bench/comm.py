@@ -30,7 +30,7 @@ from parabench.confutil import compose, expand_sweep, to_plain
 from parabench.devices import DEVICES
 from parabench.errors import SpecError, UserError
 from parabench.launchers import die_with_parent, get_launcher
-from parabench.runner import _kill, _tail, free_port, launch_env, usable_device
+from parabench.runner import _kill, _tail, launch_env, usable_device
 from parabench.tracking import JobRun, flatten, git_sha, store_uri
 
 USAGE = """usage: bench comm [-m] [key=value ...]
@@ -103,7 +103,7 @@ def launch(p: Prepared, run_dir: Path) -> tuple[int, str]:
     launcher = get_launcher(adapter.capabilities.launcher)
     cmd = launcher.command(
         job,  # type: ignore[arg-type]  # the launch/backend fields of a JobSpec
-        job.launch.master_port or free_port(),
+        job.launch.master_port,  # 0: the launcher takes one as it starts
         str(run_dir),
         entry=["-m", "parabench.commworker"],
     )

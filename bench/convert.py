@@ -40,7 +40,7 @@ from parabench.errors import RunFailed, SpecError, UserError
 from parabench.hf import CONFIG, SINGLE, hf_config, load_weights, spec_fields
 from parabench.jobs import model_spec
 from parabench.launchers import get_launcher
-from parabench.runner import free_port, launch_env, prepare
+from parabench.runner import launch_env, prepare
 from parabench.spec import JobSpec, TrackingSpec, to_dict
 from parabench.tracking import JobRun
 
@@ -254,7 +254,7 @@ def launch(job: JobSpec, run_dir: Path, request: dict[str, Any]) -> dict[str, An
     for name, text in get_adapter(job.backend.name).bundle_files(job).items():
         (run_dir / name).write_text(text)
     launcher = get_launcher(get_adapter(job.backend.name).capabilities.launcher)
-    cmd = launcher.command(job, job.launch.master_port or free_port(), str(run_dir), entry=ENTRY)
+    cmd = launcher.command(job, job.launch.master_port, str(run_dir), entry=ENTRY)
     with open(run_dir / "logs" / "launcher.log", "w") as log:
         try:
             rc = subprocess.run(

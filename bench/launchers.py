@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import ClassVar
 
 from parabench.adapters.registry import get_adapter
@@ -69,7 +72,8 @@ class Launcher:
     def command(
         cls, job: JobSpec, port: int, run_dir: str, python: str = sys.executable, entry: Sequence[str] = WORKER
     ) -> list[str]:
-        """The command line; ``entry`` is the per-rank module (``bench comm`` starts its own)."""
+        """The command line; ``entry`` is the per-rank module (``bench comm`` starts its own); ``port``
+        0 lets the launcher choose one at start, with no window in which another process takes it."""
         raise NotImplementedError
 
     @classmethod
@@ -92,11 +96,38 @@ class Launcher:
         return {**here, **env}
 
 
-def _c10d(job: JobSpec) -> bool:
-    """c10d rendezvous: asked for, or needed by launcher.max_restarts (the static one keeps one store
+def _c10d(job: JobSpec, port: int) -> bool:
+    """c10d rendezvous: asked for, needed by launcher.max_restarts (the static one keeps one store
     across restarts, and restarted ranks read the dead ranks' gloo addresses from it;
-    docs/sources.md#torchrun-restarts)."""
-    return job.launch.rdzv_backend == "c10d" or job.launch.max_restarts > 0
+    docs/sources.md#torchrun-restarts), or a local start with no port named (``port`` 0): the agent
+    then binds port 0 itself (torchrun --standalone does the same), so no other process can take
+    the port between its choice and its use, as one could with a port picked beforehand."""
+    return job.launch.rdzv_backend == "c10d" or job.launch.max_restarts > 0 or port == 0
+
+
+def unclaimed_port(host: str = "127.0.0.1", tries: int = 64) -> int:
+    """A port for a launcher that cannot bind port 0 itself (msrun's scheduler): random, free now,
+    and below this host's ephemeral range (/proc/sys/net/ipv4/ip_local_port_range, ip(7)), where the
+    kernel never hands it to an outgoing connection (an MLflow client's, another run's) before the
+    launcher binds it. Concurrent runs draw independently, so two rarely pick the same one."""
+    low = _ephemeral_low()
+    draw = random.SystemRandom()
+    for _ in range(tries):
+        port = draw.randrange(10000, low) if low > 10001 else 0
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return probe.getsockname()[1]
+    raise OSError(f"no free TCP port below {low} on {host} after {tries} tries")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default range starts here (ip(7))
 
 
 class Torchrun(Launcher):
@@ -106,7 +137,7 @@ class Torchrun(Launcher):
     def _args(job: JobSpec, port: int) -> list[str]:
         la = job.launch
         args = [f"--nnodes={la.nnodes}", f"--nproc-per-node={la.nproc_per_node}", f"--max-restarts={la.max_restarts}"]
-        if _c10d(job):  # elastic rendezvous: every node names the same endpoint and id
+        if _c10d(job, port):  # elastic rendezvous: every node names the same endpoint and id
             return args + ["--rdzv-backend=c10d", f"--rdzv-id={la.rdzv_id}"]
         return args + [f"--master-port={port}"]
 
@@ -117,7 +148,7 @@ class Torchrun(Launcher):
         la = job.launch
         where = (
             [f"--rdzv-endpoint={la.master_addr}:{port}"]
-            if _c10d(job)
+            if _c10d(job, port)
             else [f"--node-rank={la.node_rank}", f"--master-addr={la.master_addr}"]
         )
         return [
@@ -134,7 +165,7 @@ class Torchrun(Launcher):
     @classmethod
     def bundle_command(cls, job: JobSpec, port: int) -> str:
         la = job.launch
-        if _c10d(job):
+        if _c10d(job, port):
             where = f' --rdzv-endpoint="${{MASTER_ADDR:-{la.master_addr}}}:{port}"'
         else:
             where = f' --node-rank="${{NODE_RANK:-{la.node_rank}}}" --master-addr="${{MASTER_ADDR:-{la.master_addr}}}"'
@@ -182,6 +213,7 @@ class Msrun(Launcher):
         cls, job: JobSpec, port: int, run_dir: str, python: str = sys.executable, entry: Sequence[str] = WORKER
     ) -> list[str]:
         la = job.launch
+        port = port or unclaimed_port(la.master_addr)  # msrun's scheduler cannot bind port 0 itself
         msrun = os.path.join(os.path.dirname(python), "msrun")
         if not os.access(msrun, os.X_OK):
             msrun = which("msrun") or "msrun"

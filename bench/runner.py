@@ -135,12 +135,6 @@ def _interrupted_status(exc: KeyboardInterrupt, tracker) -> str:
 # --------------------------------------------------------------------------------------------
 # Launch.
 # --------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_env(job: JobSpec) -> dict[str, str]:
     """Environment the workers get on top of the caller's (logged, secrets excluded)."""
     adapter = get_adapter(job.backend.name)
@@ -403,7 +397,7 @@ def execute(
     (run_dir / "spec.json").write_text(dataclasses.replace(job, tracking=public).to_json())
     _stage_data(job, run_dir)
     env = launch_env(job)
-    port = job.launch.master_port or free_port()
+    port = job.launch.master_port  # 0: the launcher takes one as it starts (launchers._c10d)
     bundle = write_bundle(job, run_dir, env, job.launch.master_port or 29500)
     if job.launch.dry_run:
         print(f"dry run: launch bundle written to {bundle} (with spec.json and config.resolved.yaml beside it)")

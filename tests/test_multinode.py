@@ -59,6 +59,30 @@ def test_c10d_rendezvous():
     assert not any(a.startswith("--node-rank") for a in cmd)
 
 
+def test_a_local_start_with_no_port_lets_the_launcher_bind_one():
+    """Concurrent runs once failed with EADDRINUSE: a port picked by bench (bind 0, close) was taken
+    by another run or an outgoing connection before torchrun bound it. With no port named, torchrun's
+    agent binds port 0 itself (c10d, as --standalone does); msrun, which cannot, gets a free port below
+    the ephemeral range; a named port is used as it is."""
+    from parabench import launchers
+
+    local = job("launcher.nproc_per_node=2")
+    cmd = Torchrun.command(local, 0, "/r", python="python")
+    assert "--rdzv-backend=c10d" in cmd and "--rdzv-endpoint=127.0.0.1:0" in cmd
+    assert not any(a.startswith(("--master-port", "--node-rank")) for a in cmd)
+    named = Torchrun.command(local, 29511, "/r", python="python")
+    assert "--master-port=29511" in named and not any(a.startswith("--rdzv") for a in named)
+    assert "--master-port=29500" in Torchrun.bundle_command(local, 29500)  # the bundle names its port
+
+    low = launchers._ephemeral_low()
+    ports = {launchers.unclaimed_port() for _ in range(20)}
+    assert all(10000 <= p < low for p in ports) and len(ports) > 1, (ports, low)
+    ms = job("backend=mindspore", "launcher.nproc_per_node=2")
+    port = int(next(a for a in launchers.Msrun.command(ms, 0, "/r") if a.startswith("--master_port=")).split("=")[1])
+    assert 10000 <= port < low
+    assert "--master_port=29511" in launchers.Msrun.command(ms, 29511, "/r")
+
+
 def test_slurm_nodelist_expansion():
     assert expand_nodelist("gpu[01-03,07],cpu5") == ["gpu01", "gpu02", "gpu03", "gpu07", "cpu5"]
     assert expand_nodelist("node7") == ["node7"]
