@@ -7,7 +7,7 @@ file tokenized by a local tokenizer.json reaches the workers through the run dir
 import numpy as np
 import pytest
 
-from conftest import FAST, bench, mlflow_runs, summaries
+from conftest import FAST, VOCAB, bench, mlflow_runs, summaries
 from parabench.data import TOKENS_FILE, TokenSource, global_checksum
 from parabench.spec import DataSpec
 
@@ -31,7 +31,7 @@ def corpus(tmp_path_factory):
     rng = np.random.default_rng(0)
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
     for _ in range(20):
-        builder.add_item(torch.from_numpy(rng.integers(0, 32000, int(rng.integers(5, 40)))))
+        builder.add_item(torch.from_numpy(rng.integers(0, VOCAB, int(rng.integers(5, 40)))))
         builder.end_document()
     builder.finalize(prefix + ".idx")
     return prefix

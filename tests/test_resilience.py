@@ -494,13 +494,13 @@ def _steps(results: Path) -> list[str]:
 
 @pytest.mark.full
 def test_disk_full_during_save_keeps_the_last_complete_checkpoint(tmp_path):
-    """A real ENOSPC: the checkpoint dir is a 300 MiB tmpfs (in a private mount namespace) that holds
-    one checkpoint of the llama model (~221 MiB) but not two."""
+    """A real ENOSPC: the checkpoint dir is a 70 MiB tmpfs (in a private mount namespace) that holds
+    one checkpoint of the FAST llama model (~46 MiB) but not two."""
     ckpt, results = tmp_path / "small", tmp_path / "results"
     ckpt.mkdir()
     run = [sys.executable, "-m", "parabench", "run", *FAST, "run.steps=12", "run.checkpoint.every=5"]
     run += ["run.checkpoint.keep=1", f"run.checkpoint.dir={ckpt}", f"run.results_dir={results}"]
-    script = f"mount -t tmpfs -o size=300m tmpfs {ckpt} && {{ {' '.join(run)}; echo rc=$?; ls {ckpt}; ls {ckpt}/step_000005; }}"
+    script = f"mount -t tmpfs -o size=70m tmpfs {ckpt} && {{ {' '.join(run)}; echo rc=$?; ls {ckpt}; ls {ckpt}/step_000005; }}"
     proc = subprocess.run(
         ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
         capture_output=True,
