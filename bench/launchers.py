@@ -119,7 +119,7 @@ def unclaimed_port(host: str = "127.0.0.1", tries: int = 64) -> int:
                 probe.bind((host, port))
             except OSError:
                 continue
-            return probe.getsockname()[1]
+            return int(probe.getsockname()[1])
     raise OSError(f"no free TCP port below {low} on {host} after {tries} tries")
 
 
