@@ -131,10 +131,15 @@ def read_marker(path: Path) -> dict[str, Any]:
     return marker
 
 
-def newest_complete(root: Path, warn=None) -> tuple[Path, dict[str, Any]] | None:
+def _stderr(msg: str) -> None:
+    print(f"parabench: warning: {msg}", file=sys.stderr, flush=True)
+
+
+def newest_complete(root: Path, warn=None, saved_since: float = 0.0) -> tuple[Path, dict[str, Any]] | None:
     """The newest complete checkpoint under ``root`` and its marker; partial or corrupt ones are
-    reported through ``warn`` (default: stderr) and skipped."""
-    warn = warn or (lambda msg: print(f"parabench: warning: {msg}", file=sys.stderr, flush=True))
+    reported through ``warn`` (default: stderr) and skipped, and so (silently) are those whose
+    marker was written before ``saved_since`` (a time.time())."""
+    warn = warn or _stderr
     if not root.is_dir():
         return None
     names = {p.name for p in root.iterdir()}
@@ -147,9 +152,12 @@ def newest_complete(root: Path, warn=None) -> tuple[Path, dict[str, Any]] | None
         if path.name.endswith(OLD) and path.name.removesuffix(OLD) in names:
             continue  # superseded: the new step_N is visible (pruned at the next save)
         try:
-            return path, read_marker(path)
+            marker = read_marker(path)
         except CheckpointError as exc:
             warn(f"{exc}; skipped")
+            continue
+        if float(marker.get("time", 0)) >= saved_since:
+            return path, marker
     return None
 
 
@@ -252,6 +260,11 @@ def plan_resume(job: JobSpec, repeat: int | None = None, warn=None) -> Path | No
     found = own if resume == "auto" else _resolve_path(resume, warn)
     if found is None:
         return None
+    if own and own[0].resolve() != found[0].resolve():
+        (warn or _stderr)(
+            f"run.resume={resume}: starting from {found[0]} as asked, although the job's folder {root} holds "
+            f"{own[0].name} of an earlier run; this run saves beside it (another run.checkpoint.dir keeps them apart)"
+        )
     check_compatible(job, found[1], found[0])
     check_work_left(job, found[1], found[0])
     return found[0]
@@ -271,10 +284,12 @@ def check_work_left(job: JobSpec, marker: dict[str, Any], path: Path) -> None:
 
 
 def write_resume_file(run_dir: Path, path: Path | None) -> None:
-    """The planned checkpoint for the workers; a stop request of an earlier run of this directory goes."""
+    """The planned checkpoint for the workers, and when this launch began (what the job saves from
+    then on is its own: :func:`resume_source`); a stop request of an earlier run of this directory goes."""
     (run_dir / STOP_FILE).unlink(missing_ok=True)
     step = int(read_marker(path)["step"]) if path else 0  # kept here: keep= may prune that checkpoint later
-    (run_dir / RESUME_FILE).write_text(json.dumps({"path": str(path.resolve()) if path else None, "step": step}))
+    plan = {"path": str(path.resolve()) if path else None, "step": step, "launched": time.time()}
+    (run_dir / RESUME_FILE).write_text(json.dumps(plan))
 
 
 def write_stop_request(run_dir: Path, step: int) -> None:
@@ -301,15 +316,19 @@ def planned_step(run_dir: Path) -> int:
 
 
 def resume_source(job: JobSpec, run_dir: Path) -> Path | None:
-    """Worker side: the newest complete checkpoint of this job's own directory (a restarted worker
-    continues from what the job saved), else what the runner planned (``resume.json``)."""
-    own = newest_complete(checkpoint_root(job, run_dir), warn=lambda msg: print(f"[parabench] warning: {msg}"))
+    """Worker side: a restarted worker continues from the newest checkpoint this launch saved in the
+    job's folder; otherwise (the first start, or a restart before any save) from what the runner
+    planned (``resume.json``). A checkpoint an earlier run left in that (stable) folder is not this
+    launch's: it never overrides the run.resume path the runner planned."""
+    try:
+        plan = json.loads((run_dir / RESUME_FILE).read_text())
+    except (OSError, ValueError):
+        plan = {}
+    root, launched = checkpoint_root(job, run_dir), float(plan.get("launched", 0))
+    own = newest_complete(root, warn=lambda msg: print(f"[parabench] warning: {msg}"), saved_since=launched)
     if own:
         return own[0]
-    try:
-        planned = json.loads((run_dir / RESUME_FILE).read_text()).get("path")
-    except (OSError, ValueError):
-        return None
+    planned = plan.get("path")
     return Path(planned) if planned else None
 
 

@@ -124,7 +124,8 @@ def test_the_stable_checkpoint_folder_is_used_only_when_the_job_checkpoints(tmp_
         out, run_dir = dry_run(*on[:2], on[3])
         assert "resuming" not in out and "no checkpoint found" not in out, out
         assert not (run_dir / "checkpoints").exists()
-        assert json.loads((run_dir / "resume.json").read_text()) == {"path": None, "step": 0}
+        plan = json.loads((run_dir / "resume.json").read_text())
+        assert plan["path"] is None and plan["step"] == 0 and plan["launched"] <= time.time()
 
 
 @pytest.mark.parametrize("how", ["dir", "path"])
@@ -144,3 +145,29 @@ def test_a_skipped_checkpoint_is_reported_once(tmp_path, monkeypatch, capsys, ho
     assert err.count("step_000010.tmp: an unfinished save (skipped)") == 1, err
     (resume,) = (tmp_path / "results").glob("runs/*/*/*/resume.json")
     assert json.loads(resume.read_text())["path"] == str((ck / "step_000005").resolve())
+
+
+def test_an_explicit_resume_path_wins_over_an_earlier_runs_checkpoints_in_the_job_folder(tmp_path):
+    """run.resume=<path> while the job's stable folder holds a newer checkpoint of an earlier run: the
+    workers start from the path asked for (they took the folder's newest one; issue 26), the runner
+    says once that the folder holds another run's checkpoint, and a restarted worker continues from
+    the newest checkpoint this launch saved, even below the earlier run's step."""
+    from parabench.checkpoint import MARKER, plan_resume, resume_source, write_resume_file
+
+    folder, run_dir = tmp_path / "ck", tmp_path / "run"
+    run_dir.mkdir()
+    asked = fake_checkpoint(tmp_path / "elsewhere", 5, job_of())
+    fake_checkpoint(folder, 15, job_of())  # an earlier run's: its marker predates this launch
+    job = job_of(f"run.checkpoint.dir={folder}", f"run.resume={asked}", "run.steps=20")
+    warned: list[str] = []
+    assert plan_resume(job, warn=warned.append) == asked
+    assert len(warned) == 1 and f"starting from {asked} as asked" in warned[0] and "step_000015" in warned[0]
+    write_resume_file(run_dir, asked)
+    assert resume_source(job, run_dir) == asked.resolve()  # a restart before any save of this launch
+    mine = fake_checkpoint(folder, 10, job_of())  # this launch's first save, written after its start
+    marker = json.loads((mine / MARKER).read_text())
+    (mine / MARKER).write_text(json.dumps({**marker, "time": time.time()}))
+    assert resume_source(job, run_dir) == mine
+    auto = job_of(f"run.checkpoint.dir={folder}", "run.resume=auto", "run.steps=20")
+    assert plan_resume(auto, warn=warned.append) == folder / "step_000015" and len(warned) == 1
+
