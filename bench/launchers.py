@@ -62,6 +62,24 @@ def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
     return arm
 
 
+def stop_with_launcher(sig: int = signal.SIGKILL) -> None:
+    """Worker side, first thing: ask Linux for ``sig`` when the launcher that started this process
+    (torchrun's agent, msrun) dies, however it dies (the OOM killer, ``kill -9``, a node agent), so no
+    worker trains on as an orphan writing checkpoints into a job that has ended. SIGKILL: an orphan
+    has no one to report to, and its collectives could only hang. A launcher that stops in order ends
+    its workers before it exits, so this fires only when it could not. Both launchers start their
+    workers from their main thread, the thread whose end the signal follows (prctl(2)). If the
+    launcher died before this call (the worker was re-parented), the worker ends now."""
+    if not sys.platform.startswith("linux"):
+        return
+    launcher = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if launcher == 1 or os.getppid() != launcher:
+        os.kill(os.getpid(), sig)
+
+
 class Launcher:
     name: ClassVar[str]
     # what makes this launcher stop its workers: it gets this when bench dies (die_with_parent) and

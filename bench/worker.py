@@ -24,7 +24,7 @@ from parabench.commlog import CommLog
 from parabench.devices import DEVICES, drain_comm_threads
 from parabench.faults import record_detection, restart_count
 from parabench.jobs import load_job
-from parabench.launchers import get_launcher
+from parabench.launchers import get_launcher, stop_with_launcher
 
 
 def _redirect_output(run_dir: Path, rank: int) -> None:
@@ -54,6 +54,7 @@ def _serve_msrun_scheduler() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     started_wall = time.time()
+    stop_with_launcher()  # a SIGKILLed torchrun or msrun takes its workers with it
     if os.environ.get("MS_ROLE") == "MS_SCHED":
         return _serve_msrun_scheduler()
     argv = sys.argv[1:] if argv is None else argv

@@ -390,6 +390,36 @@ def test_sigkill_of_bench_run_ends_the_launcher_and_its_workers(results, backend
 
 
 @pytest.mark.full
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's prctl")
+def test_sigkill_of_torchrun_ends_its_workers_and_fails_the_run(results):
+    """kill -9 of the launcher itself (the OOM killer picks the agent, a node agent): its workers end
+    with it instead of training on as orphans, and `bench run` fails with the launcher's exit."""
+    proc, run_dir = _start_until_step(results, [*FAST, "run.steps=100000", "launcher.nproc_per_node=2"], 2)
+    ranks = [int(p.read_text()) for p in sorted((run_dir / "pids").glob("rank*"))]
+    (launcher,) = {int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) for pid in ranks}
+    assert "torch.distributed.run" in Path(f"/proc/{launcher}/cmdline").read_text()
+    os.kill(launcher, signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    deadline = time.monotonic() + 10
+    while [pid for pid in ranks if _alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    orphans = [pid for pid in ranks if _alive(pid)]
+    for pid in orphans:  # a failing test leaves nothing training on this machine
+        os.kill(pid, signal.SIGKILL)
+    assert orphans == [], f"workers train on after kill -9 of torchrun: {orphans}"
+    assert proc.returncode == 1 and "run failed" in err, err[-3000:]
+    (run,) = (row for _, row in mlflow_runs(results).iterrows())
+    assert run["status"] == "FAILED"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.full
 def test_sigterm_to_a_mindspore_run_stops_msrun_and_its_workers(results):
     """SIGTERM to `bench run` of an msrun job: msrun gets SIGINT, the signal it stops its workers on
     (they sit in sessions of their own, out of reach of a signal to msrun's group); before, msrun
