@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from parabench import __version__, trackstore
-from parabench.confutil import compose, expand_sweep, register_resolvers, to_plain
+from parabench.confutil import compose, expand_sweep, register_resolvers, register_spec_defaults, to_plain
 from parabench.devices import AUTOLOAD_ENV
 from parabench.errors import RunFailed, UserError
 from parabench.tracking import close_abandoned, end_own_runs, store_uri, sync_main
@@ -192,6 +192,7 @@ def cmd_run(argv: list[str]) -> int:
     if prepared is not None:
         prepared.close_abandoned()
     register_resolvers()
+    register_spec_defaults()
 
     def task(cfg):
         return _job(cfg, prepared)

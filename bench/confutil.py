@@ -12,8 +12,10 @@ from importlib import resources
 from typing import Any
 
 from parabench.errors import UserError
+from parabench.spec import FaultSpec, RunSpec, to_dict
 
 CONFIG_MODULE = "parabench.conf"
+SPEC_DEFAULTS = "spec_defaults"  # the config node of register_spec_defaults, named in conf/config.yaml's defaults
 
 
 def available_options(group: str) -> list[str]:
@@ -49,6 +51,16 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("slurm_gpus", lambda device, n: None if device in ("cpu", "npu") else int(n))
 
 
+def register_spec_defaults() -> None:
+    """Store the ``run.*`` and ``fault.*`` defaults, RunSpec's and FaultSpec's, as the config node
+    conf/config.yaml's defaults list takes in: written once, in parabench.spec, yet every key is in the
+    composed config (``run.steps=5`` needs no ``+``; ``--cfg job`` and the MLflow params list them)."""
+    from hydra.core.config_store import ConfigStore
+
+    node = {"run": to_dict(RunSpec()), "fault": to_dict(FaultSpec())}
+    ConfigStore.instance().store(name=SPEC_DEFAULTS, node=node)
+
+
 def compose(overrides: list[str], return_hydra_config: bool = False, config_name: str = "config"):
     """Compose the config (``config``: bench run, ``comm``: bench comm) with ``overrides``;
     Hydra/OmegaConf errors become one-line UserErrors."""
@@ -59,6 +71,7 @@ def compose(overrides: list[str], return_hydra_config: bool = False, config_name
     from omegaconf.errors import OmegaConfBaseException
 
     register_resolvers()
+    register_spec_defaults()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
