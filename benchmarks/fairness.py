@@ -4,8 +4,8 @@ For every backend (ddp, fsdp, deepspeed, megatron, mindspore) and world size, bo
 same job: the model, batch, AdamW hyper-parameters, steps and threads per rank that parabench's
 composed config gives for the same overrides, on the same synthetic batches (parabench.data.TokenSource).
 (a) `bench run` (tracking off), its summary.json tokens_per_s; (b) the loop in benchmarks/native/
-<backend>_native.py, written as the framework's documentation writes it (docs/fairness.md gives each
-recipe and its source), launched with torchrun or msrun. Every run is a fresh process tree, and the
+<backend>_native.py, written as the framework's documentation writes it (docs/fairness.md; the
+sources: docs/sources.md#documented-training-loops), launched with torchrun or msrun. Every run is a fresh process tree, and the
 rounds alternate (native, harness, native, harness, ...) so that drift in machine load hits both.
 Both sides time a step from a ready batch to a finished update and count tokens/s = tokens per step
 x measured steps / sum over steps of the slowest rank's step time (parabench.metrics.summarize).
@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -204,6 +205,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    started = time.monotonic()
     pairs, failed = [], []
     with tempfile.TemporaryDirectory(prefix="fairness-") as tmp:
         for backend in args.backends:
@@ -213,7 +215,10 @@ def main(argv: list[str] | None = None) -> int:
                 except RuntimeError as exc:  # one backend's failure is reported; the others still run
                     failed.append(f"{backend} x{world}: {exc}")
                     print(f"FAILED {failed[-1]}", file=sys.stderr, flush=True)
-    print(f"\n{args.rounds} alternating rounds, {args.steps} measured steps after {args.warmup} warm-up, fp32, CPU")
+    print(
+        f"\n{args.rounds} alternating rounds, {args.steps} measured steps after {args.warmup} warm-up, fp32, CPU; "
+        f"{os.cpu_count()} cores, {(time.monotonic() - started) / 60:.1f} min"
+    )
     print(TABLE_HEAD)
     for pair in pairs:
         print(pair.line())

@@ -1,9 +1,9 @@
 """DDP as PyTorch documents it: ``DistributedDataParallel(model)`` with its defaults and a plain loop
 (forward, ``loss.backward()``, ``clip_grad_norm_``, ``optimizer.step()``, ``optimizer.zero_grad()``).
 
-Recipe: PyTorch "Getting Started with Distributed Data Parallel"
-(https://pytorch.org/tutorials/intermediate/ddp_tutorial.html) and "Distributed Data Parallel" notes
-(https://pytorch.org/docs/stable/notes/ddp.html); clipping as in torch.nn.utils.clip_grad_norm_'s docs.
+Recipe (docs/sources.md#documented-training-loops): PyTorch "Getting Started with Distributed Data Parallel"
+(https://docs.pytorch.org/tutorials/intermediate/ddp_tutorial.html) and "Distributed Data Parallel" notes
+(https://docs.pytorch.org/docs/stable/notes/ddp.html); clipping as in torch.nn.utils.clip_grad_norm_'s docs.
 
     python -m torch.distributed.run --standalone --nproc-per-node N ddp_native.py OUT OVERRIDES_JSON
 """

@@ -2,7 +2,7 @@
 optimizer=..., config=...)``, then per step ``loss = engine(batch)``, ``engine.backward(loss)``,
 ``engine.step()`` (clipping and the ZeRO stage from the config).
 
-Recipe: DeepSpeed "Getting Started", sections "Writing DeepSpeed Models" and "Training"
+Recipe (docs/sources.md#documented-training-loops): DeepSpeed "Getting Started", sections "Writing DeepSpeed Models" and "Training"
 (https://www.deepspeed.ai/getting-started/); a client optimizer (torch AdamW) with
 ``zero_allow_untested_optimizer`` as in the config docs (https://www.deepspeed.ai/docs/config-json/).
 On a CPU: ``DS_ACCELERATOR=cpu`` and gloo, as DeepSpeed's CPU accelerator runs (the caller sets the env).

@@ -2,9 +2,9 @@
 1-D device mesh, with its defaults, and a plain loop (forward, ``loss.backward()``, ``clip_grad_norm_``,
 ``optimizer.step()``, ``optimizer.zero_grad()``).
 
-Recipe: torch.distributed.fsdp.fully_shard docs (https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html)
+Recipe (docs/sources.md#documented-training-loops): torch.distributed.fsdp.fully_shard docs (https://docs.pytorch.org/docs/stable/distributed.fsdp.fully_shard.html)
 and the FSDP2 tutorial "Getting Started with Fully Sharded Data Parallel (FSDP2)"
-(https://pytorch.org/tutorials/intermediate/FSDP_tutorial.html): shard each layer, then the model.
+(https://docs.pytorch.org/tutorials/intermediate/FSDP_tutorial.html): shard each layer, then the model.
 
     python -m torch.distributed.run --standalone --nproc-per-node N fsdp_native.py OUT OVERRIDES_JSON
 """

@@ -4,7 +4,7 @@ from ``get_megatron_optimizer`` (Adam with decoupled weight decay, global-norm c
 ``zero_grad_buffer()``, ``optimizer.zero_grad()``, ``get_forward_backward_func()(...)``,
 ``optimizer.step()`` with ``config.finalize_model_grads_func = finalize_model_grads``.
 
-Recipe: NVIDIA/Megatron-LM ``megatron/training/training.py`` (``get_model``, ``setup_model_and_optimizer``,
+Recipe (docs/sources.md#documented-training-loops): NVIDIA/Megatron-LM ``megatron/training/training.py`` (``get_model``, ``setup_model_and_optimizer``,
 ``train_step``, ``train``) and megatron-core's quick start ``examples/run_simple_mcore_train_loop.py``.
 Megatron's own weight init (the model class and shapes are the adapter's). megatron-core asks for
 CUDA; on this CPU its CUDA calls go through ``parabench.redirect`` as under `bench run backend=megatron`.

@@ -5,10 +5,10 @@ subclassed to clip by global norm before the update, and ``nn.AdamWeightDecay`` 
 weights (a parameter group without it); graph mode; data parallel over msrun with
 ``set_auto_parallel_context(parallel_mode=DATA_PARALLEL, gradients_mean=True)``.
 
-Recipe: mindspore.nn.TrainOneStepCell (https://www.mindspore.cn/docs/en/master/api_python/nn/mindspore.nn.TrainOneStepCell.html,
+Recipe (docs/sources.md#documented-training-loops): mindspore.nn.TrainOneStepCell (https://www.mindspore.cn/docs/en/r2.10.0/api_python/nn/mindspore.nn.TrainOneStepCell.html,
 whose construct this subclass repeats with one ``ops.clip_by_global_norm`` added), mindspore.nn.AdamWeightDecay
 (its group-parameter example) and the data-parallel tutorial
-(https://www.mindspore.cn/tutorials/en/master/parallel/data_parallel.html). The network is parabench's
+(https://www.mindspore.cn/tutorials/en/r2.10.0/parallel/data_parallel.html). The network is parabench's
 MindSpore Llama cell, the one the mindspore adapter trains (MindSpore has no Llama class of its own).
 AdamWeightDecay applies no bias correction (the adapter folds torch's into the same fused primitive's
 inputs): the same kernel per parameter either way.
