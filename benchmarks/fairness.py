@@ -128,7 +128,8 @@ def native_env(backend: str, world: int) -> dict[str, str]:
     from parabench.jobs import from_config
 
     job = from_config(to_plain(compose(job_overrides(backend, world, 0, 1))))
-    env = {**os.environ, "OMP_NUM_THREADS": str(cpu_threads(world)), **get_adapter(backend).launch_env(job)}
+    threads = cpu_threads(job.launch.nproc_per_node, job.device.threads_per_rank)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), **get_adapter(backend).launch_env(job)}
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])  # msrun's `python`
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(NATIVE_DIR), env.get("PYTHONPATH", "")]))
     return env
