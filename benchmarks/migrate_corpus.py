@@ -240,9 +240,9 @@ def check(source: Source, jobs: int, compare_whole: bool) -> Row:
 
 def _partial_vs_whole(roots: list[Path]) -> list[str]:
     """.py files whose partial-parse result differs from the whole-file parse's."""
+    from parabench.migrate.apply_rules import migrate_python
     from parabench.migrate.core import Options
     from parabench.migrate.engine import classify, discover
-    from parabench.migrate.pyfile import migrate_python
 
     differ = []
     for _root, path, rel, how in discover(roots):

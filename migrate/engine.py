@@ -19,11 +19,12 @@ import stat
 import sys
 from pathlib import Path
 
+from parabench.migrate.apply_rules import migrate_python
 from parabench.migrate.core import FileResult, Finding, FixedValues, Options
 from parabench.migrate.encoding import decode, encode
 from parabench.migrate.entries import find_entries
 from parabench.migrate.notebook import migrate_notebook
-from parabench.migrate.pyfile import may_hold_cuda, migrate_python
+from parabench.migrate.parse_plan import may_hold_cuda
 from parabench.migrate.rules._base import TextDoc, all_rules, rules_for
 from parabench.migrate.rules._text import TextParseError
 from parabench.migrate.rules._values import EXTENDER, collect_fixed

@@ -23,8 +23,8 @@ import difflib
 import json
 import re
 
+from parabench.migrate.apply_rules import migrate_python
 from parabench.migrate.core import Finding, Options
-from parabench.migrate.pyfile import migrate_python
 from parabench.migrate.rules._base import TextDoc
 from parabench.migrate.rules._text import json_strings
 

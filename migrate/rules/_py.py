@@ -366,7 +366,7 @@ class Layout:
 
     region: list[int]
     index: dict[cst.CSTNode, int]
-    # partial parse (see pyfile._select): first line of every top-level statement of the whole file,
+    # partial parse (see parse_plan._select): first line of every top-level statement of the whole file,
     # and which of those the parsed statements are; None when the whole file was parsed
     starts: list[int] | None = None
     parsed: list[int] | None = None
@@ -925,7 +925,7 @@ def insert_statements(
     """Insert ``code`` at ``index`` of the parsed body, attached to the statement before it
     (``after=True``: directly after its text) or to the one at ``index`` (directly before its
     leading lines), ``blank_lines`` empty lines before it. Where statements were left out of the
-    parse (pyfile._select) the two differ."""
+    parse (parse_plan._select) the two differ."""
     stmts = list(cst.parse_module(code).body)
     if blank_lines and stmts:
         stmts[0] = stmts[0].with_changes(leading_lines=[cst.EmptyLine()] * blank_lines)

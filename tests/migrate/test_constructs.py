@@ -83,7 +83,7 @@ def test_manual_md_links_point_at_the_output_line(tmp_path: Path):
 
 def test_type_string_collection_used_in_another_statement_partial_parse():
     """``x.type() in NAME`` far from ``NAME = [...]``: the pre-filter keeps both statements."""
-    from parabench.migrate import pyfile
+    from parabench.migrate import apply_rules, parse_plan
 
     filler = "".join(f"def helper_{i}(a, b):\n    return a + b * {i}\n\n\n" for i in range(40))
     text = (
@@ -91,15 +91,15 @@ def test_type_string_collection_used_in_another_statement_partial_parse():
         + filler
         + "def is_half(p):\n    return p.type() in _HALF\n"
     )
-    plan = pyfile._prefilter(text, Options())
+    plan = parse_plan.prefilter(text, Options())
     assert plan.partial
-    partial = pyfile.migrate_python(text, "m.py", Options())
-    whole = pyfile.migrate_python(text, "m.py", Options(), partial=False)
+    partial = apply_rules.migrate_python(text, "m.py", Options())
+    whole = apply_rules.migrate_python(text, "m.py", Options(), partial=False)
     assert partial[0] == whole[0]
     assert '_HALF = ["torch.npu.HalfTensor", "torch.npu.BFloat16Tensor"]' in partial[0]
     # must not change: the same list never compared with a tensor's type
     unused = text.replace("return p.type() in _HALF", "return p.dtype in (torch.half,)")
-    assert pyfile.migrate_python(unused, "m.py", Options())[0].count("torch.cuda.HalfTensor") == 1
+    assert apply_rules.migrate_python(unused, "m.py", Options())[0].count("torch.cuda.HalfTensor") == 1
 
 
 # --- classes 7 and 6: NVTX push/pop/range on mstx, the profiler on torch_npu's; the script runs to its end --

@@ -1,4 +1,4 @@
-"""LibCST sees only the top-level statements that can matter (migrate/pyfile.py ``_select``).
+"""LibCST sees only the top-level statements that can matter (migrate/parse_plan.py ``_select``).
 
 The output must be exactly what a whole-file parse gives - text, findings with their lines, skip
 reasons - for every fixture, the golden project, generated repository modules and the cases that
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from parabench.migrate import pyfile
+from parabench.migrate import apply_rules, parse_plan
 from parabench.migrate.core import Options
 
 HERE = Path(__file__).parent
@@ -199,7 +199,7 @@ class Wrapper(torch.nn.DataParallel):
     "megatron_and_torch_inserts": "from megatron.core import mpu\n{filler}\nimport torch\n{filler}\ndef f(t):\n"
     "    return t.cuda()\nif __name__ == '__main__':\n    f()\n",
     "parenthesized_decorator": "import torch\n{filler}\n@(\n    torch.cuda.amp.custom_fwd\n)\ndef f(x):\n    return x\n",
-    # statements of function bodies that no rule can need are blanked too (pyfile._trim_functions);
+    # statements of function bodies that no rule can need are blanked too (parse_plan._trim_functions);
     # each case below links a statement without a trigger word to one with a trigger
     "function_body": '''import torch
 {filler}
@@ -299,8 +299,8 @@ def _generated() -> list[tuple[str, str]]:
 
 
 def _same(text: str, name: str, options: Options) -> None:
-    part = pyfile.migrate_python(text, name, options)
-    whole = pyfile.migrate_python(text, name, options, partial=False)
+    part = apply_rules.migrate_python(text, name, options)
+    whole = apply_rules.migrate_python(text, name, options, partial=False)
     assert part[0] == whole[0], f"{name}: output text differs from a whole-file parse"
     assert [dataclasses.astuple(f) for f in part[1]] == [dataclasses.astuple(f) for f in whole[1]], (
         f"{name}: findings differ"
@@ -321,8 +321,8 @@ def test_partial_parse_gives_the_whole_file_result(opt):
     partial_used = 0
     for name, text in sources:
         _same(text, name, options)
-        plan = pyfile._prefilter(text, options)
-        if plan.partial and pyfile._migrate(text, name, options, plan) is not None:
+        plan = parse_plan.prefilter(text, options)
+        if plan.partial and apply_rules._migrate(text, name, options, plan) is not None:
             partial_used += 1
     # the comparison means something only if the partial path really ran on many of them
     # (runtime mode only parses entry scripts: few fixtures have `if __name__ == "__main__"`)
@@ -331,7 +331,7 @@ def test_partial_parse_gives_the_whole_file_result(opt):
 
 def _plan(name: str, options: Options = OPTIONS["npu"]):
     text = _case_text(name)
-    plan = pyfile._prefilter(text, options)
+    plan = parse_plan.prefilter(text, options)
     assert plan.partial, name
     kept = plan.parse_text
     assert kept.count("\n") == text.count("\n")  # every line number stays
@@ -341,30 +341,30 @@ def _plan(name: str, options: Options = OPTIONS["npu"]):
 def test_statements_linked_by_names_are_parsed():
     text, plan, kept = _plan("from_import_use_elsewhere")
     assert "with amp.autocast():" in kept and "class Plain0" not in kept
-    new, findings, _, _ = pyfile.migrate_python(text, "x.py", OPTIONS["npu"])
+    new, findings, _, _ = apply_rules.migrate_python(text, "x.py", OPTIONS["npu"])
     assert "from torch.npu import amp" in new or "torch.npu" in new
     text, plan, kept = _plan("nested_import_binds")
     assert "import torch.distributed as d" in kept and 'd.init_process_group("nccl")' in kept
-    new, findings, _, _ = pyfile.migrate_python(text, "x.py", OPTIONS["npu"])
+    new, findings, _, _ = apply_rules.migrate_python(text, "x.py", OPTIONS["npu"])
     assert 'd.init_process_group("hccl")' in new
     text, plan, kept = _plan("assign_alias")
     assert "c.synchronize()" in kept and "def helper_0" not in kept
-    new, _, _, _ = pyfile.migrate_python(text, "x.py", OPTIONS["npu"])
+    new, _, _, _ = apply_rules.migrate_python(text, "x.py", OPTIONS["npu"])
     assert "c = torch.npu" in new
 
 
 def test_ambiguous_insert_falls_back_to_the_whole_file():
     text = _case_text("insert_between_blanked")
-    plan = pyfile._prefilter(text, OPTIONS["npu"])
-    assert plan.partial and pyfile._migrate(text, "x.py", OPTIONS["npu"], plan) is None
-    new, _, _, _ = pyfile.migrate_python(text, "x.py", OPTIONS["npu"])
+    plan = parse_plan.prefilter(text, OPTIONS["npu"])
+    assert plan.partial and apply_rules._migrate(text, "x.py", OPTIONS["npu"], plan) is None
+    new, _, _, _ = apply_rules.migrate_python(text, "x.py", OPTIONS["npu"])
     assert "    return 1\nimport torch_npu\n\n\nfrom torch.utils import data\n" in new
 
 
 def test_runtime_mode_parses_imports_and_entry_only():
     text, plan, kept = _plan("insert_after_plain_torch", OPTIONS["runtime"])
     assert "import torch\n" in kept and 'if __name__ == "__main__":' in kept and "def g()" not in kept
-    new, findings, _, _ = pyfile.migrate_python(text, "x.py", OPTIONS["runtime"])
+    new, findings, _, _ = apply_rules.migrate_python(text, "x.py", OPTIONS["runtime"])
     assert "import torch\nimport torch_npu\nfrom torch_npu.contrib import transfer_to_npu" in new
     assert [f.line for f in findings] == [5]
 
@@ -376,21 +376,21 @@ def test_entry_script_without_imports_keeps_its_docstring_parsed():
         + '\nif __name__ == "__main__":\n    helper_0([1])\n'
     )
     options = OPTIONS["runtime"]
-    plan = pyfile._prefilter(text, options)
+    plan = parse_plan.prefilter(text, options)
     assert plan.partial and plan.parsed[0] == 0  # the shim goes after the docstring: it must be parsed
-    done = pyfile._migrate(text, "x.py", options, plan)
+    done = apply_rules._migrate(text, "x.py", options, plan)
     assert done is not None and done[0].startswith('"""Entry."""\nimport torch_npu\n')
     _same(text, "x.py", options)
 
 
 def test_patch_refuses_to_replace_a_blanked_line():
     region = "# lead\nx = 1\ny = torch.cuda.foo()\n"
-    assert pyfile._replace_changed_lines(
+    assert apply_rules._replace_changed_lines(
         region, "# lead\nx = 1\ny = torch.cuda.foo()\n", "# lead\nx = 1\ny = torch.npu.foo()\n"
     ) == ("# lead\nx = 1\ny = torch.npu.foo()\n")
     # line 2 was blanked for LibCST ("" in the parsed text): a change there cannot be spliced back
     assert (
-        pyfile._replace_changed_lines(
+        apply_rules._replace_changed_lines(
             region, "# lead\n\ny = torch.cuda.foo()\n", "# lead\nz = 2\ny = torch.npu.foo()\n"
         )
         is None
@@ -402,7 +402,7 @@ def test_class_members_are_blanked_and_patched_one_by_one():
     assert plan.partial_classes  # Trainer is parsed with some members blanked
     assert "class Trainer:" in kept and "def to_device" in kept and "def device" in kept
     assert "def plain" not in kept and "def last" not in kept and "def __init__" not in kept
-    done = pyfile._migrate(text, "x.py", OPTIONS["npu"], plan)
+    done = apply_rules._migrate(text, "x.py", OPTIONS["npu"], plan)
     assert done is not None  # spliced without a whole-file parse
     new, findings = done[0], done[1]
     assert "        torch.npu.set_device(rank)\n        self.model = self.model.npu(rank)\n" in new
@@ -420,7 +420,7 @@ def test_function_bodies_are_blanked_and_patched_statement_by_statement():
     for blanked in ('x = batch["input"] * 2', "y = model(x)", "total = y.sum()", "n = len(x)", "# plain bookkeeping"):
         assert blanked not in kept, blanked
     compile(kept, "kept.py", "exec")
-    done = pyfile._migrate(text, "x.py", OPTIONS["npu"], plan)
+    done = apply_rules._migrate(text, "x.py", OPTIONS["npu"], plan)
     assert done is not None  # spliced without a whole-file parse
     assert "    torch.npu.synchronize()\n    y = model(x)\n" in done[0] and "        x = x.npu()\n" in done[0]
     for name in FUNCTION_CASES:
@@ -440,21 +440,23 @@ def test_statements_linked_inside_a_function_are_parsed():
         assert linked in kept and blanked not in kept, name
     _text, _p, kept = _plan("npu_branch_in_function")
     assert "n = 0" in kept  # a function with an NPU branch of its own is parsed whole
-    new, findings, _, _ = pyfile.migrate_python(_case_text("guard_name_in_function"), "x.py", OPTIONS["npu"])
+    new, findings, _, _ = apply_rules.migrate_python(_case_text("guard_name_in_function"), "x.py", OPTIONS["npu"])
     assert "torch.cuda.is_available()" in new and any(f.rule == "PY914" for f in findings)
-    new, _, _, _ = pyfile.migrate_python(_case_text("local_shadow_in_function"), "x.py", OPTIONS["npu"])
+    new, _, _, _ = apply_rules.migrate_python(_case_text("local_shadow_in_function"), "x.py", OPTIONS["npu"])
     assert "    torch.cuda.synchronize()\n" in new  # the local `torch` is not the module
-    new, _, _, _ = pyfile.migrate_python(_case_text("dict_key_lookup_in_function"), "x.py", OPTIONS["npu"])
+    new, _, _, _ = apply_rules.migrate_python(_case_text("dict_key_lookup_in_function"), "x.py", OPTIONS["npu"])
     assert '{"npu": 1, "cpu": 2}' in new and "table[device.type]" in new
 
 
 def test_insert_next_to_a_partial_class_falls_back():
     text = _case_text("insert_after_partial_class")
-    plan = pyfile._prefilter(text, OPTIONS["npu"])
-    assert plan.partial_classes and pyfile._after_partial_class(plan, plan.parsed.index(1))  # `class Early` is unit 1
+    plan = parse_plan.prefilter(text, OPTIONS["npu"])
+    assert plan.partial_classes and apply_rules._after_partial_class(
+        plan, plan.parsed.index(1)
+    )  # `class Early` is unit 1
     # refused before splicing (and the compile check would refuse the misplaced import too)
-    assert pyfile._migrate(text, "x.py", OPTIONS["npu"], plan) is None
-    new, _, _, _ = pyfile.migrate_python(text, "x.py", OPTIONS["npu"])
+    assert apply_rules._migrate(text, "x.py", OPTIONS["npu"], plan) is None
+    new, _, _, _ = apply_rules.migrate_python(text, "x.py", OPTIONS["npu"])
     assert "    def b(self):\n        return 2\nimport torch_npu\n" in new
     _same(text, "x.py", OPTIONS["npu"])
 
@@ -485,29 +487,29 @@ def test_partial_parse_on_real_training_code(package):
     for path in _installed_sources(package, 40):
         text = path.read_text(encoding="utf-8")
         _same(text, path.name, OPTIONS["npu"])
-        plan = pyfile._prefilter(text, OPTIONS["npu"])
-        partial_used += bool(plan.partial and pyfile._migrate(text, path.name, OPTIONS["npu"], plan) is not None)
+        plan = parse_plan.prefilter(text, OPTIONS["npu"])
+        partial_used += bool(plan.partial and apply_rules._migrate(text, path.name, OPTIONS["npu"], plan) is not None)
     assert partial_used >= 10, partial_used
 
 
 def test_review_findings_are_fixed():
     npu, ms = OPTIONS["npu"], OPTIONS["mindspeed"]
     # functional data_parallel is a trigger word of its own (it lacks "dataparallel")
-    _, findings, _, _ = pyfile.migrate_python(_case_text("functional_data_parallel"), "x.py", npu)
+    _, findings, _, _ = apply_rules.migrate_python(_case_text("functional_data_parallel"), "x.py", npu)
     assert any(f.rule == "PY905" for f in findings)
     # every string a rule reports passes the pre-filter's string gate
-    _, findings, _, _ = pyfile.migrate_python(_case_text("strings_the_rules_test"), "x.py", npu)
+    _, findings, _, _ = apply_rules.migrate_python(_case_text("strings_the_rules_test"), "x.py", npu)
     assert {"PY908", "PY910", "PY911"} <= {f.rule for f in findings}
     # two inserts: `import torch_npu` right after `import torch` even after MS001 inserted first
-    new, _, _, _ = pyfile.migrate_python(_case_text("megatron_and_torch_inserts"), "x.py", ms)
+    new, _, _, _ = apply_rules.migrate_python(_case_text("megatron_and_torch_inserts"), "x.py", ms)
     assert (
         "import mindspeed.megatron_adaptor  # noqa: F401 - patches Megatron for NPU\nfrom megatron.core import mpu\n"
         in new
     )
     assert "\nimport torch\nimport torch_npu\n" in new
     # the '@' of a parenthesized decorator starts the statement (the expression is a line later)
-    new, _, _, reason = pyfile.migrate_python(_case_text("parenthesized_decorator"), "x.py", npu)
+    new, _, _, reason = apply_rules.migrate_python(_case_text("parenthesized_decorator"), "x.py", npu)
     assert reason == "" and "@(\n    torch.npu.amp.custom_fwd\n)\ndef f(x):" in new
     # nesting too deep for the C parser is a reason, not a crash
     deep = "import torch\nx = " + " + ".join(["a"] * 100000) + "\ny = torch.cuda.current_device()\n"
-    assert pyfile.migrate_python(deep, "x.py", npu)[3] == "unparseable: nesting too deep for the parser"
+    assert apply_rules.migrate_python(deep, "x.py", npu)[3] == "unparseable: nesting too deep for the parser"
