@@ -1,7 +1,8 @@
 """Every import goes down the floors of docs/architecture.md, read from the source with ast, no import.
 
 Floors, top to bottom; a module may import its own floor or a lower one, never a higher one, and
-the project's imports have no cycle:
+the project's imports have no cycle; within the commands floor no command imports another (``COMMANDS``;
+today's exceptions are listed as debt in ``COMMAND_IMPORTS_DEBT``):
 
     command line     parabench.cli, parabench.__main__
     commands         runner, compare, sweep, envreport (bench env), parabench.migrate.* (bench migrate/smoke)
@@ -88,6 +89,36 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ),
     ("contract", ("parabench.spec", "parabench.errors", "parabench")),
 ]
+
+# The commands floor, by command: a module of one command imports building blocks (and the floors
+# below), never another command's module. Every module of the commands floor belongs to one command.
+COMMANDS: dict[str, tuple[str, ...]] = {
+    "run": ("parabench.runner", "parabench.sweep", "parabench.slurm"),  # sweep, slurm: Hydra's callback, launcher
+    "compare": ("parabench.compare",),
+    "env": ("parabench.envreport",),
+    "migrate": ("parabench.migrate",),  # bench migrate and bench smoke
+    "plan": ("parabench.plan",),
+    "comm": ("parabench.comm", "parabench.commreport"),  # commreport: bench comm's report, measured vs formula
+    "convert": ("parabench.convert",),
+}
+
+# (importer, imported) across commands that exist today: known debt that the "commands as packages"
+# redesign of issue 27 removes (docs/architecture.md says so), each with what it takes and where it
+# belongs. No new entry: a command needing another's code moves that code down to a building block.
+COMMAND_IMPORTS_DEBT: dict[tuple[str, str], str] = {
+    ("parabench.comm", "parabench.runner"): "usable_device, launch_env, _kill, _tail: the one launcher to come",
+    ("parabench.convert", "parabench.runner"): "prepare, launch_env: job validation and worker env, a building block",
+    ("parabench.plan.search", "parabench.runner"): "prepare: validates a candidate layout as bench run would",
+    ("parabench.comm", "parabench.envreport"): "versions(): package versions belong in devices, below both",
+    ("parabench.runner", "parabench.envreport"): "versions(), cpu_info(): as above",
+    (
+        "parabench.runner",
+        "parabench.commreport",
+    ): "comm_summary, summary_lines: a run's comm accounting, a building block",
+    ("parabench.commreport", "parabench.plan.profiles"): "PROFILES: backend facts that belong in the adapters",
+    ("parabench.compare", "parabench.plan.versus"): "predicted vs measured: a building block both can use",
+    ("parabench.sweep", "parabench.compare"): "scaling metrics of a sweep: should go to tracking, not a report command",
+}
 
 # Third-party packages that are slow to import, need hardware, or are optional extras.
 HEAVY = {
@@ -356,3 +387,54 @@ def test_no_function_is_longer_than_a_reader_can_hold():
     assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines (split them): {too_long}"
     unused = [k for k in LONG_FUNCTIONS_ALLOWED if k not in dict(_function_lengths("migrate"))]
     assert not unused, f"allowed long functions that no longer exist: {unused}"
+
+
+def command(module: str) -> str | None:
+    """The command a module of the commands floor belongs to (the longest matching prefix), else None."""
+    best, name = -1, None
+    for cmd, prefixes in COMMANDS.items():
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, name = len(prefix), cmd
+    return name
+
+
+def _cross_command(imports: list[Import]) -> list[Import]:
+    commands = floor("parabench.runner")
+    return [
+        i
+        for i in imports
+        if floor(i.source) == commands and floor(i.target) == commands and command(i.source) != command(i.target)
+    ]
+
+
+def test_every_module_of_the_commands_floor_belongs_to_a_command():
+    commands = floor("parabench.runner")
+    homeless = [m for m in MODULES if floor(m) == commands and command(m) is None]
+    assert not homeless, f"commands-floor modules of no command (add them to COMMANDS): {homeless}"
+
+
+def test_no_command_imports_another():
+    found = [
+        f"{_where(i)} (command {command(i.source)} imports command {command(i.target)})"
+        for i in _cross_command(PROJECT)
+        if (i.source, i.target) not in COMMAND_IMPORTS_DEBT
+    ]
+    assert not found, (
+        "a command imports another command's module (move what both need to a building block):\n" + "\n".join(found)
+    )
+
+
+def test_the_command_test_sees_a_command_importing_another():
+    code = "from parabench.runner import prepare\nfrom parabench import spec\n\ndef f():\n    from parabench.plan import search\n"
+    visitor = _Visitor("parabench.convert")
+    visitor.visit(ast.parse(code))
+    crossing = [(i.target, command(i.target)) for i in _cross_command(visitor.imports)]
+    assert crossing == [("parabench.runner", "run"), ("parabench.plan.search", "plan")]
+    assert command("parabench.migrate.rules._py") == "migrate" and command("parabench.commreport") == "comm"
+
+
+def test_every_command_debt_still_exists():
+    crossing = {(i.source, i.target) for i in _cross_command(PROJECT)}
+    stale = set(COMMAND_IMPORTS_DEBT) - crossing
+    assert not stale, f"paid-off command-import debt, drop it from COMMAND_IMPORTS_DEBT: {sorted(stale)}"
