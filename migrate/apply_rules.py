@@ -15,8 +15,8 @@ import dataclasses
 import functools
 
 from parabench.migrate.core import Finding, Options
-from parabench.migrate.cst_unvalidated import parse_module_unvalidated
 from parabench.migrate.entries import may_train_at_top_level, top_level_training
+from parabench.migrate.libcst_private import code_at, parse_module_unvalidated
 from parabench.migrate.parse_plan import Plan, line_starts, prefilter
 from parabench.migrate.rules._base import rules_for
 
@@ -267,13 +267,13 @@ def _patch_block(
             count = sub.region[at + 1] - 1 - row
             old_code = ptext[pstarts[row] : pstarts[row + count]]
         else:
-            old_code = _code_at(module, indents, old_s)
+            old_code = code_at(module, indents, old_s)
             count = old_code.count("\n")
             if row + count >= len(pstarts) or ptext[pstarts[row] : pstarts[row + count]] != old_code:
                 return False
         lo = row - (base - 1)
         piece = _replace_changed_lines(
-            "\n".join(lines[lo : lo + count]) + "\n", old_code, _code_at(module, indents, new_s)
+            "\n".join(lines[lo : lo + count]) + "\n", old_code, code_at(module, indents, new_s)
         )
         if piece is None or not piece.endswith("\n"):
             return False
@@ -294,18 +294,6 @@ def _patch_statement(
     for lo, hi, new_lines in sorted(edits, reverse=True):
         lines[lo:hi] = new_lines
     return "\n".join(lines)
-
-
-def _code_at(module, indents: tuple[str, ...], node) -> str:
-    """Source of a statement nested in indented blocks (``code_for_node`` would generate it at
-    column 0)."""
-    from libcst._nodes.internal import CodegenState
-
-    state = CodegenState(default_indent=module.default_indent, default_newline=module.default_newline)
-    for indent in indents:
-        state.increase_indent(indent)
-    node._codegen(state)
-    return "".join(state.tokens)
 
 
 def _same_field(a, b) -> bool:

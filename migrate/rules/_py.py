@@ -17,6 +17,7 @@ import libcst as cst
 
 from parabench.migrate import api_map
 from parabench.migrate.core import MANUAL, REVIEW, Finding, Options
+from parabench.migrate.libcst_private import line_table
 from parabench.migrate.rules import _scope
 from parabench.migrate.rules._base import Rule, statement_first_line
 from parabench.migrate.rules._values import BACKEND_COMPOUND_RE, DEVICE_RE  # noqa: F401 - the rules import them from here
@@ -209,7 +210,7 @@ class PyContext:
             path.append(up)
         index = self.layout.index.get(path[-1]) if self.layout is not None and up is self.module else None
         if index is None:  # no layout, or not inside a statement: one code-generation pass over the module
-            self._pos = _line_table(self.module)
+            self._pos = line_table(self.module)
             self._pos_full = True
             return self._pos.get(node, (0, 0))
         # descend through the indented blocks of class, function and compound statement bodies to
@@ -224,7 +225,7 @@ class PyContext:
             if inner is None:
                 break
             layout, at, j = sub, inner, j - depth
-        self._pos.update(_line_table(path[j], layout.region[at], self.module))
+        self._pos.update(line_table(path[j], layout.region[at], self.module))
         return self._pos.get(node, (0, 0))
 
     def body_line(self, index: int) -> int:
@@ -318,43 +319,6 @@ def _index(module: cst.Module):
             _bind(node, imports)
             in_import.update(walk(node)[0])
     return order, parents, imports, names, in_import, import_nodes
-
-
-def _line_table(
-    node: cst.CSTNode, first_line: int = 1, module: cst.Module | None = None
-) -> dict[cst.CSTNode, tuple[int, int]]:
-    """(first, last) source line of every node under ``node`` (a module, or a top-level statement
-    whose text starts at ``first_line``), from one code-generation pass.
-
-    LibCST's PositionProvider computes columns and syntactic ranges too and costs ~7 parses;
-    the rules only need lines. Statements start after their leading blank/comment lines."""
-    module = module if module is not None else node
-    from libcst._nodes.internal import CodegenState
-
-    table: dict[cst.CSTNode, tuple[int, int]] = {}
-    starts: dict[cst.CSTNode, int] = {}
-
-    class LineState(CodegenState):
-        line = 1
-
-        def add_token(self, value: str) -> None:
-            self.tokens.append(value)
-            self.line += value.count("\n")
-
-        def before_codegen(self, node: cst.CSTNode) -> None:
-            starts[node] = self.line + len(getattr(node, "leading_lines", ()) or ())
-
-        def after_codegen(self, node: cst.CSTNode) -> None:
-            end = self.line
-            if self.tokens and self.tokens[-1].endswith("\n"):
-                end -= 1
-            start = starts.pop(node)
-            table[node] = (start, max(start, end))
-
-    state = LineState(default_indent=module.default_indent, default_newline=module.default_newline)
-    state.line = first_line
-    node._codegen(state)
-    return table
 
 
 @dataclasses.dataclass

@@ -11,7 +11,8 @@ import libcst as cst
 import pytest
 
 from parabench.migrate.core import Options
-from parabench.migrate.rules._py import Layout, PyContext, _line_table
+from parabench.migrate.libcst_private import line_table
+from parabench.migrate.rules._py import Layout, PyContext
 
 NESTED = """\
 import torch
@@ -80,7 +81,7 @@ def _check(text: str, sample: int | None = None) -> int:
     module = cst.parse_module(text)
     layout = Layout.build(module, ast.parse(text), lines=text.split("\n"))
     assert layout is not None
-    whole = _line_table(module)
+    whole = line_table(module)
     ctx = PyContext(module, Options(), frozenset(), layout)
     nodes = ctx.order[1:]  # the nodes a rule can ask about (whitespace and comments are not walked)
     if sample is not None and len(nodes) > sample:
