@@ -170,4 +170,3 @@ def test_an_explicit_resume_path_wins_over_an_earlier_runs_checkpoints_in_the_jo
     assert resume_source(job, run_dir) == mine
     auto = job_of(f"run.checkpoint.dir={folder}", "run.resume=auto", "run.steps=20")
     assert plan_resume(auto, warn=warned.append) == folder / "step_000015" and len(warned) == 1
-
