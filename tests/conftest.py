@@ -51,11 +51,10 @@ def run_ok(args: list[str], results: Path, **kw) -> dict:
 
 
 def torchrun_script(script: str, args: list[str], env: dict[str, str], nproc: int = 2) -> None:
-    """``torchrun --nproc-per-node NPROC tests/SCRIPT ARGS`` on a free port; fails the test with the
-    output's tail unless every rank exits 0 (the framework-native checkpoint writers)."""
-    from parabench.runner import free_port
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}"]
+    """``torchrun --standalone --nproc-per-node NPROC tests/SCRIPT ARGS`` (the agent binds its own free
+    port); fails the test with the output's tail unless every rank exits 0 (the framework-native
+    checkpoint writers)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     proc = subprocess.run(
         [*cmd, str(REPO / "tests" / script), *args],
         env={**os.environ, "OMP_NUM_THREADS": "1", **env},
