@@ -59,7 +59,18 @@ from parabench.adapters.base import (
     StateFormula,
     WorkerContext,
 )
-from parabench.adapters.megatron_compat import adamw_options, build_chunk, num_layers_to_build, patch_fp8_fallback
+from parabench.adapters.megatron_compat import (
+    adamw_options,
+    build_chunk,
+    content_metadata_kwargs,
+    distopt_checkpoint_blocker,
+    distopt_format,
+    loading_torch_adam,
+    num_layers_to_build,
+    optimizer_state_kwargs,
+    patch_fp8_fallback,
+    saved_distopt_format,
+)
 from parabench.canonical import MOMENTS, CanonicalState
 from parabench.devices import package_version
 from parabench.errors import SpecError
@@ -132,6 +143,16 @@ def rank_param_counts(job: JobSpec) -> dict[tuple[int, int], int]:
                 for c in range(o.vpp)
             )
     return out
+
+
+def _check_distopt_checkpoint(job: JobSpec) -> None:
+    """A job that saves or loads the distributed optimizer where this installation cannot, refused."""
+    ckpt = job.run.checkpoint
+    uses = ckpt.every > 0 or ckpt.on_signal or job.run.resume not in ("auto", "never")
+    if job.backend.options.distributed_optimizer and uses:
+        blocker = distopt_checkpoint_blocker(package_version("megatron-core"))
+        if blocker:
+            raise SpecError("backend.distributed_optimizer", blocker)
 
 
 class MegatronAdapter(Adapter):
@@ -264,6 +285,7 @@ class MegatronAdapter(Adapter):
                 f"the interleaved schedule needs micro-batches per step ({m_batches}) to be a multiple "
                 f"of pp={o.pp}: raise data.global_batch_size",
             )
+        _check_distopt_checkpoint(job)
 
     @classmethod
     def launch_env(cls, job: JobSpec) -> dict[str, str]:
@@ -831,18 +853,28 @@ class MegatronEngine(Engine):
             self.steps = state.step
 
     # -- checkpoints: megatron.core.dist_checkpointing ------------------------------------------
-    def _sharded_state_dict(self, is_loading: bool) -> dict:
+    def _sharded_state_dict(self, is_loading: bool, distopt_format: str | None) -> dict:
         """Megatron-LM's layout (training/checkpointing.py generate_state_dict): ``model`` (or
         ``model0``, ``model1``.. per virtual stage) and ``optimizer``, whose states point at the
-        model's ShardedTensors; the distributed optimizer's default format is
-        ``fully_sharded_model_space`` (one ShardedTensor per parameter, reshardable)."""
+        model's ShardedTensors; the distributed optimizer's in ``distopt_format``
+        (megatron_compat.distopt_format: one tensor of the parameter's shape per state, reshardable)."""
         models = [_unwrap(chunk) for chunk in self.chunks]  # GPTModel: Megatron-LM unwraps DDP/Float16Module too
         if len(models) == 1:
             state = {"model": models[0].sharded_state_dict()}
         else:
             state = {f"model{i}": model.sharded_state_dict() for i, model in enumerate(models)}
-        state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=is_loading)
+        kwargs = optimizer_state_kwargs(self._distributed_optimizer(), distopt_format) if distopt_format else {}
+        state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=is_loading, **kwargs)
         return state
+
+    def _distributed_optimizer(self) -> type:
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        return DistributedOptimizer
+
+    def _distopt_format(self) -> str | None:
+        """The format this release saves the distributed optimizer in (None without one)."""
+        return distopt_format(self._distributed_optimizer()) if self.opts.distributed_optimizer else None
 
     def _strategies(self, directory, saving: bool):
         """torch_dist (PyTorch DCP files) with the work spread over the data-parallel replicas."""
@@ -860,13 +892,30 @@ class MegatronEngine(Engine):
             return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"), group)
         return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(directory)), group)
 
+    def _gather_updated_params(self) -> None:
+        """With overlap_param_gather, the weights other data-parallel ranks updated reach this rank's
+        model only in the next forward's all-gather: gather them now, or the model's part of the
+        checkpoint is one step behind its optimizer's (Megatron-LM's save_checkpoint_and_time does
+        the same: force_param_sync, megatron/training/training.py). Megatron then marks the gather
+        done, so the next forward would skip it; it is marked pending again, so the step after a save
+        communicates what every other step does (the measured volume stays the formula's)."""
+        if not self.opts.overlap_param_gather:
+            return
+        for chunk in self.chunks:
+            chunk.start_param_sync(force_sync=True)
+            for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
+                group.param_gather_dispatched = False
+
     def save_checkpoint(self, directory, *, async_save: bool = False) -> None:
         from megatron.core import dist_checkpointing
 
         Path(directory).mkdir(parents=True, exist_ok=True)  # every rank: dist_checkpointing needs it to exist
-        state = self._sharded_state_dict(is_loading=False)
+        self._gather_updated_params()
+        fmt = self._distopt_format()
+        state = self._sharded_state_dict(is_loading=False, distopt_format=fmt)
         strategy = self._strategies(directory, saving=True)
-        request = dist_checkpointing.save(state, str(directory), strategy, async_sharded_save=async_save)
+        recorded = content_metadata_kwargs(dist_checkpointing.save, fmt) if fmt else {}
+        request = dist_checkpointing.save(state, str(directory), strategy, async_sharded_save=async_save, **recorded)
         if request is not None:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
@@ -880,12 +929,15 @@ class MegatronEngine(Engine):
     def load_checkpoint(self, directory) -> None:
         from megatron.core import dist_checkpointing
 
-        state = self._sharded_state_dict(is_loading=True)
-        loaded = dist_checkpointing.load(state, str(directory), self._strategies(directory, saving=False))
-        models = [_unwrap(chunk) for chunk in self.chunks]
-        for i, model in enumerate(models):
-            model.load_state_dict(loaded["model" if len(models) == 1 else f"model{i}"])
-        self.optimizer.load_state_dict(loaded["optimizer"])
+        fmt = self._distopt_format()
+        fmt = fmt and saved_distopt_format(str(directory), fmt)
+        with loading_torch_adam(self._megatron_optimizers()):
+            state = self._sharded_state_dict(is_loading=True, distopt_format=fmt)
+            loaded = dist_checkpointing.load(state, str(directory), self._strategies(directory, saving=False))
+            models = [_unwrap(chunk) for chunk in self.chunks]
+            for i, model in enumerate(models):
+                model.load_state_dict(loaded["model" if len(models) == 1 else f"model{i}"])
+            self.optimizer.load_state_dict(loaded["optimizer"])
 
     def model_state_bytes(self) -> ModelStateBytes:
         params = [p for m in self.chunks for p in m.parameters()]

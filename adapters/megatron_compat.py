@@ -14,6 +14,17 @@ comparing version strings, so the engine code reads the same on every release:
   Adam); 0.12 has no such field and its adam is always decoupled (``torch.optim.AdamW`` without TE
   or Apex; their FusedAdam defaults to ``adam_w_mode=True``). :func:`adamw_options` sets the field
   only where it exists.
+* **The distributed optimizer's checkpoint format** (docs/sources.md#megatron-distributed-optimizer-checkpoints,
+  docs/megatron.md#checkpoints-with-the-distributed-optimizer). 0.16's ``dist_checkpointing`` refuses
+  ``ShardedTensor.flattened_range`` (``mapping.py``, ``validate_metadata_integrity``), from which its
+  ``sharded_state_dict`` default ``fully_sharded_model_space`` is built; it offers
+  ``fully_reshardable`` (added in 0.15), chosen by ``metadata['distrib_optim_sharding_type']`` and
+  recorded in the checkpoint with ``save(..., content_metadata=...)``, as Megatron-LM's
+  ``megatron/training/checkpointing.py`` does. 0.12 has neither: its ``sharding_type`` argument
+  defaults to ``fully_sharded_model_space``, flattened ranges and all. :func:`distopt_format`,
+  :func:`optimizer_state_kwargs`, :func:`content_metadata_kwargs` and :func:`saved_distopt_format`
+  choose by what the installed classes and functions have. On both, loading it without Transformer
+  Engine or Apex (torch's AdamW) needs :func:`loading_torch_adam` around it.
 
 The rest of what the adapter calls (``initialize_model_parallel``, DDP and its config, the
 distributed optimizer, the schedules and ``finalize_model_grads``, the tensor-parallel mappings)
@@ -101,3 +112,125 @@ def patch_fp8_fallback(patch: Any) -> None:
         return quantize_param_shard
 
     patch(distrib_optimizer, "quantize_param_shard", make)
+
+
+# The distributed optimizer's checkpoint formats that keep every layout reshardable: each optimizer
+# state is a tensor of its parameter's (global) shape, saved under the parameter's sharding
+# (megatron/core/optimizer/distrib_optimizer.py, ``sharded_state_dict``).
+FULLY_RESHARDABLE = "fully_reshardable"  # 0.15+: gathered over the data-parallel group at save
+MODEL_SPACE = "fully_sharded_model_space"  # 0.12: each rank's flat slice of each parameter
+
+
+# Releases whose distributed optimizer has no fully_reshardable format (see distopt_format): named by
+# series only for the check before launch, which does not import megatron-core (seconds, torch with it).
+MODEL_SPACE_SERIES = ("0.12",)
+
+
+def distopt_format(distributed_optimizer: type) -> str:
+    """The format parabench saves the distributed optimizer in on this release."""
+    formats = getattr(distributed_optimizer, "checkpoint_fully_reshardable_formats", ())
+    return FULLY_RESHARDABLE if FULLY_RESHARDABLE in formats else MODEL_SPACE
+
+
+def optimizer_state_kwargs(distributed_optimizer: type, sharding_type: str) -> dict[str, Any]:
+    """Keywords of ``optimizer.sharded_state_dict`` that select ``sharding_type``: Megatron-LM's
+    ``metadata`` dict where the method takes one (0.13+; ``chained_optim_avoid_prefix`` as
+    Megatron-LM sets it), else 0.12's ``sharding_type`` argument."""
+    if _accepts(distributed_optimizer.sharded_state_dict, "metadata"):
+        return {"metadata": {"distrib_optim_sharding_type": sharding_type, "chained_optim_avoid_prefix": True}}
+    return {"sharding_type": sharding_type}
+
+
+def content_metadata_kwargs(save: Any, sharding_type: str) -> dict[str, Any]:
+    """``dist_checkpointing.save`` keywords recording the format in the checkpoint, where ``save``
+    takes ``content_metadata`` (not 0.12): read back by :func:`saved_distopt_format`."""
+    if not _accepts(save, "content_metadata"):
+        return {}
+    return {"content_metadata": {"distrib_optim_sharding_type": sharding_type, "chained_optim_avoid_prefix": True}}
+
+
+def saved_distopt_format(directory: str, default: str) -> str:
+    """The distributed optimizer format a checkpoint records (``default`` where the release cannot
+    read content metadata or the checkpoint has none)."""
+    from megatron.core import dist_checkpointing
+
+    read = getattr(dist_checkpointing, "load_content_metadata", None)
+    metadata = (read(directory) if read else None) or {}
+    return metadata.get("distrib_optim_sharding_type", default)
+
+
+@contextlib.contextmanager
+def loading_torch_adam(optimizers: list):
+    """Around a load of distributed optimizers that wrap torch's AdamW (no Transformer Engine or
+    Apex; 0.12 and 0.16 alike), three gaps of megatron-core's loading path bridged:
+
+    * ``DistributedOptimizer.state_dict()``, which ``sharded_state_dict`` calls when loading too,
+      reads the step from the inner optimizer's per-parameter states and asserts there is exactly
+      one; a fresh optimizer has none. Primed here with the state torch's AdamW allocates at its
+      first step (step 0, zero moments); the load overwrites every value.
+    * ``load_state_dict`` puts the checkpoint's step into every state, then
+      ``_set_main_param_and_optimizer_states`` copies every state the optimizer holds, ``step``
+      included, from the loaded parameter state, which has no ``step`` (KeyError 'step'). Patched on
+      the instance while loading: a state the checkpoint lacks keeps the value just loaded.
+    * That step is one tensor shared by every parameter's state (torch's ``Optimizer.load_state_dict``
+      keeps ``step`` tensors as given), which AdamW would advance once per parameter. Each state gets
+      its own copy after the load.
+    """
+    import torch
+    from megatron.core.optimizer import distrib_optimizer
+
+    targets = [o for o in optimizers if isinstance(o, distrib_optimizer.DistributedOptimizer)]
+    if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True) or not targets:
+        yield
+        return
+    for optimizer in targets:
+        _prime_adam_state(torch, optimizer.optimizer)
+        optimizer._set_main_param_and_optimizer_states = _keeping_unsaved(optimizer)
+    try:
+        yield
+    finally:
+        for optimizer in targets:
+            del optimizer._set_main_param_and_optimizer_states  # the class's method again
+            for state in optimizer.optimizer.state.values():
+                if "step" in state:
+                    state["step"] = state["step"].clone()
+
+
+def _prime_adam_state(torch: Any, inner: Any) -> None:
+    if inner.state:
+        return
+    for group in inner.param_groups:
+        for p in group["params"]:
+            inner.state[p] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(p),
+                "exp_avg_sq": torch.zeros_like(p),
+            }
+
+
+def _keeping_unsaved(optimizer: Any):
+    original = optimizer._set_main_param_and_optimizer_states
+
+    def set_states(model_param, tensors):
+        current = optimizer._get_main_param_and_optimizer_states(model_param)
+        original(model_param, {**current, **tensors})
+
+    return set_states
+
+
+def distopt_checkpoint_blocker(version: str | None) -> str | None:
+    """Why this installation cannot checkpoint the distributed optimizer (None: it can). 0.12's
+    flattened-range code (``dist_checkpointing`` ``validation.py``, ``mapping.py``,
+    ``exchange_utils.py``) calls ``numpy.product``, an alias numpy 2.0 removed, so every save of
+    ``fully_sharded_model_space`` raises AttributeError under numpy 2."""
+    if version is None or ".".join(version.split(".")[:2]) not in MODEL_SPACE_SERIES:
+        return None
+    import numpy
+
+    if hasattr(numpy, "product"):
+        return None
+    return (
+        f"megatron-core {version} checkpoints the distributed optimizer as {MODEL_SPACE}, whose code calls "
+        f"numpy.product, removed in numpy 2.0 (numpy {numpy.__version__} here): install 'numpy<2', "
+        "or checkpoint without the distributed optimizer"
+    )
