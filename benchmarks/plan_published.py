@@ -5,10 +5,11 @@ source does not publish - micro-batch size, virtual pipeline stages - take the p
 free (every layout of the row's backend the harness accepts, with the stack's published features:
 ``estimate.Features``). Printed: predicted vs published tokens/s per device, the error, the rank of
 the published layout (its tp, cp, pp, dp) in the free search, and the mean and max |error| per
-device kind and overall. ``--fit`` refits the GEMM efficiency curve (e_max, x0, beta) of each device kind
-on its rows and prints a leave-one-source-out figure (on a kind with one source: leave one model family out).
+device kind and overall. ``--fit`` refits the GEMM efficiency curve (e_max, x0, beta) of each device
+kind on its rows and prints a leave-one-source-out figure (on a kind with one source: leave one model
+family out); ``--leave-one-source-out`` prints that figure beside the shipped curves' table.
 
-    python benchmarks/plan_published.py [--fit] [--no-free] [--rows ID,...]
+    python benchmarks/plan_published.py [--fit | --leave-one-source-out] [--no-free] [--rows ID,...]
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from parabench.confutil import compose, to_plain
 from parabench.errors import UserError
 from parabench.plan import cluster as clusters
 from parabench.plan.estimate import Calibration, Estimate, Features, estimate
-from parabench.plan.gemms import CURVES
+from parabench.plan.gemms import CURVES, FITTED
 from parabench.plan.search import search
 from parabench.runner import prepare
 
@@ -194,7 +195,8 @@ def errors(rows: list[Row], jobs: dict[str, list], cal: Calibration) -> dict[str
 
 def fit_curve(rows: list[Row], jobs: dict[str, list], kind: str) -> list[float]:
     """(e_max, x0, beta) minimising the mean |error| of ``rows`` at their published layouts: a grid,
-    then a finer grid around its best point."""
+    then a finer grid around its best point (the special-function ratio is the device's published
+    one, ``gemms.CURVES``, not fitted)."""
 
     def score(p: tuple[float, float, float]) -> float:
         cal = Calibration("fit", curves={kind: list(p)})
@@ -289,6 +291,11 @@ def _layout(e: Estimate) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fit", action="store_true", help="refit each device kind's GEMM curve (and leave one source out)")
+    p.add_argument(
+        "--leave-one-source-out",
+        action="store_true",
+        help="the held-out figure (refits without each source) beside the shipped curves' table",
+    )
     p.add_argument("--no-free", action="store_true", help="skip the free search (the rank column)")
     p.add_argument("--rows", help="comma-separated row ids")
     args = p.parse_args()
@@ -303,9 +310,10 @@ def main() -> None:
     print(f"{len(rows)} expressible rows; {len(skipped)} not expressible by the harness:")
     for raw in skipped:
         print(f"  {raw['id']}: {raw['inexpressible']}")
-    curves = {k: [c.e_max, c.x0, c.beta] for k, c in CURVES.items()}
+    curves = {k: [getattr(c, name) for name in FITTED] for k, c in CURVES.items()}
     if args.fit:
         curves = fit_all(rows, jobs)
+    if args.fit or args.leave_one_source_out:
         leave_one_source_out(rows, jobs)
     report(rows, jobs, Calibration("published", curves=curves), not args.no_free)
 

@@ -146,3 +146,45 @@ def test_cluster_peaks_agree_with_the_mfu_table():
         for precision, tflops in (c.peak_tflops or {}).items():
             table = table_peak(c.device_name, precision)
             assert table is None or table.tflops == tflops, (name, precision)
+
+
+# Llama 3 8B's head: 4,096 / 32 heads = 128 dimensions (Meta's config.json)
+def test_flash_attention_backward_is_two_and_a_half_forwards():
+    from parabench.plan.gemms import Curve, forward_gemms, step_compute_s
+
+    # FlashAttention-2 (Dao 2023, sec. 4.1): the backward's FLOPs are 2.5 x the forward's (2 matmuls
+    # in the forward, 5 in the backward, which recomputes the scores)
+    attention = [g for g in forward_gemms(LLAMA3_8B, 8192, 1) if g.what.startswith("attention")]
+    forward = sum(g.flops for g in attention)
+    at_peak = Curve(1.0, 1e-9)  # every GEMM at the peak, no exponential cost
+    assert step_compute_s(attention, 1, 1, 1e15, at_peak, 0.0) == pytest.approx(forward * (1 + 2.5) / 1e15)
+
+
+def test_h100_exponentials_cost_half_the_attention_matmul_time_at_head_dim_128():
+    from parabench.plan.gemms import CURVES, H100_SFU_RATIO, forward_gemms
+
+    # FlashAttention-3 (Shah et al. 2024, sec. 1): the H100 SXM5 has 989 TFLOPS of FP16 matmul but 3.9
+    # TFLOPS of special functions; at head dimension 128, 512x more matmul FLOPs than exponentials,
+    # so the exponential takes 50% of the matmul's cycle time
+    assert 989 / H100_SFU_RATIO == pytest.approx(3.9, abs=0.05)
+    assert CURVES["cuda"].sfu_ratio == H100_SFU_RATIO
+    attention = [g for g in forward_gemms(LLAMA3_8B, 8192, 1) if g.what.startswith("attention")]
+    scores = sum(g.scores for g in attention)
+    assert sum(g.flops for g in attention) / scores == 512  # 4 x 128 matmul FLOPs per exponential
+    assert scores * H100_SFU_RATIO / sum(g.flops for g in attention) == pytest.approx(0.5, abs=0.01)
+    # 32 heads, 8,192 queries against 8,192 keys, half of them under the causal mask, 32 layers
+    assert scores == 32 * 8192 * 8192 / 2 * 32
+
+
+def test_gpu_softmax_time_adds_to_the_attention_gemms():
+    from parabench.plan.gemms import Curve, forward_gemms, step_compute_s
+
+    # FlashAttention-2 runs the softmax between its two GEMMs in the same warps: the times add up;
+    # one exponential per score in the forward and one in the backward's recomputation (Algorithm 2)
+    attention = [g for g in forward_gemms(LLAMA3_8B, 8192, 1) if g.what.startswith("attention")]
+    gemm = sum(g.flops for g in attention) * 3.5 / 1e15  # forward + FlashAttention's backward at the peak
+    exps = sum(g.scores for g in attention) * 2 / 1e15
+    h100 = Curve(1.0, 1e-9, sfu_ratio=256.0)
+    assert step_compute_s(attention, 1, 1, 1e15, h100, 0.0) == pytest.approx(gemm + 256 * exps)
+    # at head dimension 128: 2 exponentials x 256 against 14 x 128 FLOPs per score, 2 / 7 more time
+    assert step_compute_s(attention, 1, 1, 1e15, h100, 0.0) == pytest.approx(gemm * (1 + 2 * 256 / (14 * 128)))

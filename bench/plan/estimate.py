@@ -26,12 +26,20 @@ data-parallel communication, in what the backward has left) and the host optimiz
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from parabench.commvolume import Batch, Layout, StepComm, step_comm
 from parabench.flops import flops_per_token
 from parabench.plan.cluster import Cluster
-from parabench.plan.gemms import CURVES, Curve, elementwise_elements, forward_gemms, recompute_share, step_compute_s
+from parabench.plan.gemms import (
+    CURVES,
+    FITTED,
+    Curve,
+    elementwise_elements,
+    forward_gemms,
+    recompute_share,
+    step_compute_s,
+)
 from parabench.plan.profiles import PROFILES, Offload, States
 from parabench.spec import JobSpec
 
@@ -58,11 +66,15 @@ class Calibration:
     links: dict[str, list[float]] = field(default_factory=dict)
     # seconds of framework work per micro-batch and rank, keyed like ``efficiency`` (absent: 0)
     micro_batch: dict[str, float] = field(default_factory=dict)
-    # device kind -> [e_max, x0] of the GEMM efficiency curve (absent: gemms.CURVES)
+    # device kind -> the fitted parameters of its GEMM efficiency curve, [e_max, x0, beta]
+    # (``gemms.FITTED``; absent: gemms.CURVES); what is not fitted comes from gemms.CURVES
     curves: dict[str, list[float]] = field(default_factory=dict)
 
     def curve(self, kind: str) -> Curve:
-        return Curve(*self.curves[kind]) if kind in self.curves else CURVES[kind]
+        if kind not in self.curves:
+            return CURVES[kind]
+        fitted = dict(zip(FITTED, self.curves[kind]))
+        return replace(CURVES[kind], **fitted) if kind in CURVES else Curve(**fitted)
 
     def eff(self, backend: str, kind: str, threads: int | None = None, layout: str | None = None) -> float:
         """The fitted share of the peak: first for this layout (``layout_key``), for a CPU rank at its

@@ -13,7 +13,14 @@ Waterman and Patterson 2009): eff(x) = e_max x / (x + x0). Beside the GEMMs, the
 (norms, activation functions, rotary embedding, the logits' softmax and cross-entropy) costs beta
 seconds per activation element, tokens x (L h + V) / tp of them. e_max, x0 and beta are fitted once
 per device kind on published runs (benchmarks/plan_published.py --fit; the values and the rows they were fitted on
-are in ``CURVES`` and docs/plan.md). The fused attention kernel runs at e_max.
+are in ``CURVES`` and docs/plan.md). The fused attention kernel (FlashAttention, Dao 2023) runs its
+GEMMs at e_max, recomputes the scores in its backward (5 GEMMs there against 2 in the forward: 2.5 x
+the forward FLOPs, FlashAttention-2 sec. 4.1) and evaluates one exponential per score in the forward
+and one more in the backward's recomputation, on the special-function units, whose throughput is a
+device's ``sfu_ratio`` below its matmul peak (H100: 989 against 3.9 TFLOP/s, FlashAttention-3 sec. 1):
+per score a head of dimension d does 4 d matmul FLOPs in the forward, so the exponentials cost
+sfu_ratio / 4d of the matmul time at peak - half at d 128, all of it at d 64
+(docs/sources.md#plan-attention-softmax).
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parabench.spec import ModelSpec
+
+FITTED = ("e_max", "x0", "beta")  # a curve's parameters fitted on published runs
 
 
 @dataclass(frozen=True)
@@ -33,6 +42,10 @@ class Curve:
     # rotary embedding, the logits' softmax and cross-entropy): per token, L x h of the layers and V
     # of the logits, split by tp (sequence parallelism) and pp
     beta: float = 0.0
+    # matmul peak FLOP/s per exponential/s of the special-function units (the attention's softmax),
+    # published, not fitted (0: not modelled); FlashAttention-2 runs the softmax between its two
+    # GEMMs in the same warps, so its time adds to theirs (docs/sources.md#plan-attention-softmax)
+    sfu_ratio: float = 0.0
     fitted_on: str = ""  # which published rows (benchmarks/data/published_runs.yaml)
 
     def eff(self, m: float, n: float, k: float) -> float:
@@ -40,11 +53,19 @@ class Curve:
         return self.e_max * x / (x + self.x0)
 
 
-# Fitted by `benchmarks/plan_published.py --fit` (docs/plan.md#calibration-on-published-runs).
+# H100 SXM: 4,096 dense bf16 tensor FLOPs (132 SMs x 1,830 MHz: 989 TFLOP/s) against 16 exponentials
+# per SM and clock (CUDA C++ Programming Guide, arithmetic instruction throughput, compute capability
+# 9.0): 256, FlashAttention-3's 989 against 3.9 TFLOP/s (docs/sources.md#plan-attention-softmax)
+H100_SFU_RATIO = 4096 / 16
+
+# e_max, x0, beta fitted by `benchmarks/plan_published.py --fit` (docs/plan.md#calibration-on-published-runs)
 CURVES: dict[str, Curve] = {
-    "cuda": Curve(0.46, 141.4, 2e-11, "megatron-readme (9 rows) + torchtitan-h100-202412 (2 rows), H100"),
-    "npu": Curve(0.50, 84.1, 1e-10, "mindspeed-llm-readme (28 expressible rows), Ascend 910B"),
-}
+    "cuda": Curve(0.48, 141.4, 2e-11, H100_SFU_RATIO,
+                  fitted_on="megatron-readme (9 rows) + torchtitan-h100-202412 (2 rows), H100"),
+    # the 910B's exponential throughput is not published: no softmax term (docs/plan.md: a fitted one
+    # helped the rows it was fitted on and worsened the held-out figure)
+    "npu": Curve(0.50, 59.5, 1e-10, fitted_on="mindspeed-llm-readme (28 expressible rows), Ascend 910B"),
+}  # fmt: skip
 
 
 def intensity(m: float, n: float, k: float) -> float:
@@ -59,10 +80,16 @@ class Gemm:
     n: float
     k: float
     count: float  # how many per forward pass of one micro-batch over the whole model
+    heads: float = 0.0  # attention heads of the device a batched GEMM runs (the attention scores)
 
     @property
     def flops(self) -> float:
         return 2.0 * self.m * self.n * self.k * self.count
+
+    @property
+    def scores(self) -> float:
+        """Attention scores the GEMM computes per forward pass, one exponential each (softmax)."""
+        return self.m * self.n * self.heads * self.count
 
 
 def forward_gemms(model: ModelSpec, seq_len: int, micro_batch: int, tp: int = 1, cp: int = 1) -> list[Gemm]:
@@ -77,7 +104,7 @@ def forward_gemms(model: ModelSpec, seq_len: int, micro_batch: int, tp: int = 1,
     m = micro_batch * seq_len / cp
     return [
         Gemm("qkv", m, (q + 2 * kv) / tp, h, layers),
-        Gemm("attention scores", m, seq_len, q / tp, layers / 2),
+        Gemm("attention scores", m, seq_len, q / tp, layers / 2, model.num_attention_heads / tp),
         Gemm("attention x V", m, q / tp, seq_len, layers / 2),
         Gemm("o", m, h, q / tp, layers),
         Gemm("gate+up", m, 2 * i / tp, h, layers),
@@ -106,6 +133,10 @@ def recompute_share(model: ModelSpec, recompute: str) -> float:
     return layers * recomputed / total
 
 
+# FlashAttention's backward: 5 GEMMs (the scores recomputed) against the forward's 2 (Dao 2023, sec. 4.1)
+FLASH_BACKWARD = 2.5
+
+
 def _eff(g: Gemm, curve: Curve) -> float:
     """The attention runs as one fused kernel (FlashAttention, Dao 2023) whose tiles stay in on-chip
     memory: compute-bound whatever the sequence, at the curve's ceiling e_max; every other GEMM at its
@@ -124,8 +155,13 @@ def step_compute_s(
     gemms: list[Gemm], micro_batches: float, pp: int, peak_flops: float, curve: Curve, recompute: float,
     elements: float = 0.0,
 ) -> float:  # fmt: skip
-    """Seconds of work a device does per step: forward + backward (3 x the forward GEMMs) + the
-    recomputed share of the forward, plus beta x the memory-bound ``elements``, over its 1 / pp of
-    the model, for every micro-batch."""
+    """Seconds of work a device does per step: forward + backward (3 x the forward GEMMs; the fused
+    attention's backward 2.5 x its forward, FlashAttention-2 sec. 4.1) + the recomputed share of the
+    forward, the softmax's exponentials (one per score in the forward, one in the backward's
+    recomputation) at the special-function rate peak / ``sfu_ratio``, plus beta x the memory-bound
+    ``elements``, over its 1 / pp of the model, for every micro-batch."""
     forward = sum(g.flops / (peak_flops * _eff(g, curve)) for g in gemms)
-    return (forward * (3.0 + recompute) + curve.beta * elements) * micro_batches / pp
+    attention = sum(g.flops / (peak_flops * _eff(g, curve)) for g in gemms if g.what.startswith("attention"))
+    softmax = sum(g.scores for g in gemms) * curve.sfu_ratio / peak_flops
+    work = forward * (3.0 + recompute) + attention * (FLASH_BACKWARD - 2.0) + softmax * (2.0 + recompute)
+    return (work + curve.beta * elements) * micro_batches / pp
