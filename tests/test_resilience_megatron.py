@@ -5,7 +5,9 @@ with run.resume=auto, gives the losses of steps 13-20 bitwise equal to the unint
 and pp=2); the tp=2 checkpoint resumed with tp=1 on one rank gives losses within 1e-6 relative of the
 uninterrupted tp=2 run; a rank hung before step 13 with launcher.max_restarts=1 is detected by the
 collective timeout, restarted and resumed (one command), FINISHED with the uninterrupted run's losses
-(tp=2 and pp=2). One uninterrupted run per layout serves both."""
+(tp=2 and pp=2). One uninterrupted run per layout serves both. The distributed optimizer (issue 30)
+is killed and resumed the same way, bitwise; where megatron-core cannot save it, the job is refused
+before launch."""
 
 import pytest
 from test_resilience import (
@@ -24,6 +26,7 @@ pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.megatron
 
 LAYOUT_VARIANT = {"backend.tp=2": "megatron_tp", "backend.pp=2": "megatron_pp"}  # their runs in the matrix
+DISTOPT = "backend=megatron/dp_overlap"  # the matrix's megatron_distopt: dp=2, distributed optimizer, both overlaps
 
 
 @pytest.mark.matrix("megatron_tp", "megatron_pp")
@@ -44,6 +47,66 @@ def test_killed_and_resumed_bitwise(layout, tmp_path, uninterrupted):
         assert one["losses"][:10] == full["losses"][:10]
         for a, b in zip(one["losses"][10:], full["losses"][10:], strict=True):
             assert abs(a - b) <= 1e-6 * abs(b), (a, b)
+
+
+@pytest.mark.matrix("megatron_distopt")
+@pytest.mark.full
+def test_distributed_optimizer_killed_and_resumed_bitwise(tmp_path, uninterrupted):
+    """The distributed optimizer (issue 30): saved every 5 steps, killed before step 13, resumed
+    from step 10, bitwise equal to the uninterrupted run. Its overlapped parameter all-gather is
+    finished before each save, so the model's weights in the checkpoint are those its optimizer
+    holds. Where megatron-core records the format (0.16), megatron-core's own reader names
+    ``fully_reshardable`` (docs/megatron.md#checkpoints-with-the-distributed-optimizer)."""
+    resumed, ckpt = kill_and_resume([*TWENTY, DISTOPT], tmp_path)
+    assert_bitwise_after_resume(uninterrupted("megatron_distopt"), resumed)
+    native = ckpt / "step_000010" / "native"
+    from megatron.core import dist_checkpointing
+
+    if hasattr(dist_checkpointing, "load_content_metadata"):
+        assert (
+            dist_checkpointing.load_content_metadata(str(native))["distrib_optim_sharding_type"] == "fully_reshardable"
+        )
+        assert_optimizer_holds_saved_weights(native, tmp_path / "step_000010.pt")
+
+
+def assert_optimizer_holds_saved_weights(native, out):
+    """Every fp32 master in a fully_reshardable checkpoint equals the model weight saved beside it
+    (they were one step apart before the overlapped all-gather was finished at save), and each AdamW
+    moment has its parameter's shape. Read with torch's own DCP reader."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(native), str(out))
+    saved = torch.load(out, weights_only=False)
+    names = [k.removeprefix("optimizer.state.param.") for k in saved if k.startswith("optimizer.state.param.")]
+    assert "embedding.word_embeddings.weight" in names
+    for name in names:
+        assert torch.equal(saved[f"optimizer.state.param.{name}"], saved[name]), name
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert saved[f"optimizer.state.{moment}.{name}"].shape == saved[name].shape, (moment, name)
+
+
+def test_distributed_optimizer_checkpoint_refused_where_it_cannot_be_saved(tmp_path, capsys, monkeypatch):
+    """megatron-core 0.12 saves the distributed optimizer as fully_sharded_model_space, whose code
+    calls numpy.product (gone in numpy 2): a checkpointed job is refused before launch with one
+    line; without checkpoints, or with numpy 1, it is not."""
+    import numpy
+    from test_resilience import job_of
+
+    from conftest import assert_refused_before_launch
+    from parabench.adapters import megatron
+
+    real = megatron.package_version
+    monkeypatch.setattr(megatron, "package_version", lambda d: "0.12.1" if d == "megatron-core" else real(d))
+    monkeypatch.delattr(numpy, "product", raising=False)
+    args = ["+model=llama", "backend=megatron", "backend.distributed_optimizer=true", "launcher.nproc_per_node=2"]
+    line = assert_refused_before_launch(
+        [*args, "run.checkpoint.every=5"], "backend.distributed_optimizer", tmp_path, capsys
+    )
+    assert "numpy<2" in line and "0.12.1" in line
+    megatron.MegatronAdapter.validate(job_of(*args[1:]))  # no checkpoint: runs
+    monkeypatch.setattr(numpy, "product", numpy.prod, raising=False)
+    megatron.MegatronAdapter.validate(job_of(*args[1:], "run.checkpoint.every=5"))  # numpy 1: saved
 
 
 @pytest.mark.matrix("megatron_tp", "megatron_pp")
