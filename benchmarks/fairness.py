@@ -12,12 +12,13 @@ x measured steps / sum over steps of the slowest rank's step time (parabench.met
 Prints per backend and world size the median tokens/s of each side, the ratio harness/native of the
 medians (target >= 0.98) and the spread (min-max) of the per-round ratios.
 
-    python benchmarks/fairness.py [--backends ddp,fsdp,...] [--worlds 1,2] [--rounds 3] [--steps 20] [--warmup 3]
+    python benchmarks/fairness.py [--backends ddp,fsdp,...] [--worlds 1,2] [--rounds 2] [--steps 10] [--warmup 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -40,18 +41,36 @@ GLOBAL_BATCH = 4
 
 
 @dataclass(frozen=True)
+class Figures:
+    """One run: tokens/s over its measured steps, the same from its median step alone (less moved
+    by a few steps that other processes on the machine slowed down), its loss at step 0."""
+
+    tokens_per_s: float
+    median_step_tokens_per_s: float
+    first_loss: float
+
+
+@dataclass(frozen=True)
 class Pair:
-    """One backend at one world size: the two sides' median tokens/s and the per-round ratios."""
+    """One backend at one world size: each round's tokens/s of both sides, and the same from each
+    run's median step (``*_step``)."""
 
     backend: str
     world: int
     native: tuple[float, ...]
     harness: tuple[float, ...]
+    native_step: tuple[float, ...] = ()
+    harness_step: tuple[float, ...] = ()
 
     @property
     def ratio(self) -> float:
         """harness / native of the medians."""
         return statistics.median(self.harness) / statistics.median(self.native)
+
+    @property
+    def step_ratio(self) -> float:
+        """harness / native of the medians of the runs' median-step tokens/s."""
+        return statistics.median(self.harness_step) / statistics.median(self.native_step)
 
     @property
     def spread(self) -> tuple[float, float]:
@@ -63,13 +82,13 @@ class Pair:
         lo, hi = self.spread
         return (
             f"| {self.backend:<9} | {self.world} | {statistics.median(self.native):8.1f} | "
-            f"{statistics.median(self.harness):8.1f} | {self.ratio:.3f} | {lo:.3f}-{hi:.3f} |"
+            f"{statistics.median(self.harness):8.1f} | {self.ratio:.3f} | {lo:.3f}-{hi:.3f} | {self.step_ratio:.3f} |"
         )
 
 
 TABLE_HEAD = (
-    "| backend   | ranks | native tokens/s | bench run tokens/s | bench/native | spread (per round) |\n"
-    "|-----------|-------|-----------------|--------------------|--------------|--------------------|"
+    "| backend   | ranks | native tokens/s | bench run tokens/s | bench/native | spread (per round) | median-step bench/native |\n"
+    "|-----------|-------|-----------------|--------------------|--------------|--------------------|--------------------------|"
 )
 
 
@@ -88,11 +107,29 @@ def job_overrides(backend: str, world: int, warmup: int, steps: int) -> list[str
     ]
 
 
+def slowest_rank(rank_times: Sequence[Sequence[float]]) -> list[float]:
+    """Per measured step, the slowest rank's time (parabench.metrics.summarize's step_times_max)."""
+    return [max(times[i] for times in rank_times) for i in range(len(rank_times[0]))]
+
+
 def tokens_per_s(rank_times: Sequence[Sequence[float]], tokens_per_step: int) -> float:
     """tokens per step x steps / sum over steps of the slowest rank's time (parabench.metrics.summarize)."""
-    steps = len(rank_times[0])
-    slowest = [max(times[i] for times in rank_times) for i in range(steps)]
-    return tokens_per_step * steps / sum(slowest)
+    slowest = slowest_rank(rank_times)
+    return tokens_per_step * len(slowest) / sum(slowest)
+
+
+def native_figures(out: Path) -> Figures:
+    """A native run's figures from its rank files."""
+    ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+    times, tokens = [r["step_times"] for r in ranks], ranks[0]["tokens_per_step"]
+    first_loss = statistics.fmean(r["first_loss"] for r in ranks)
+    return Figures(tokens_per_s(times, tokens), tokens / statistics.median(slowest_rank(times)), first_loss)
+
+
+def harness_figures(summary: dict) -> Figures:
+    """A `bench run`'s figures from its summary.json."""
+    tokens = summary["tokens_per_step"]
+    return Figures(summary["tokens_per_s"], tokens / summary["step_time_median_s"], summary["loss_first"])
 
 
 def native_command(
@@ -142,51 +179,81 @@ def run_checked(cmd: list[str], env: dict[str, str], what: str) -> None:
         raise RuntimeError(f"{what} failed (exit {done.returncode}): {' '.join(cmd[:6])} ...\n{tail}")
 
 
-def native(backend: str, world: int, overrides: list[str], work: Path) -> tuple[float, float]:
-    """(tokens/s, loss at step 0 averaged over ranks) of one native run."""
-    out = Path(tempfile.mkdtemp(prefix=f"native-{backend}-", dir=work))
+def native(backend: str, world: int, overrides: list[str], work: Path) -> Figures:
+    out = Path(tempfile.mkdtemp(prefix=f"native-{backend}-x{world}-", dir=work))
     run_checked(native_command(backend, world, out, overrides), native_env(backend, world), f"native {backend}")
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
-    first_loss = statistics.fmean(r["first_loss"] for r in ranks)
-    return tokens_per_s([r["step_times"] for r in ranks], ranks[0]["tokens_per_step"]), first_loss
+    return native_figures(out)
 
 
-def harness(overrides: list[str], results: Path) -> tuple[float, float]:
-    """(tokens/s, loss at step 0) of one `bench run`, from its summary.json."""
+def harness(overrides: list[str], results: Path) -> Figures:
     before = set(results.glob("runs/*/*/*/summary.json"))
     cmd = [sys.executable, "-m", "parabench", "run", *overrides, f"run.results_dir={results}", "tracking.enabled=false"]
     run_checked(cmd, {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}, "bench run")
     (new,) = set(results.glob("runs/*/*/*/summary.json")) - before
-    summary = json.loads(new.read_text())
-    return summary["tokens_per_s"], summary["loss_first"]
+    return harness_figures(json.loads(new.read_text()))
 
 
 def measure(backend: str, world: int, args: argparse.Namespace, work: Path) -> Pair:
     overrides = job_overrides(backend, world, args.warmup, args.steps)
-    natives: list[float] = []
-    harnesses: list[float] = []
+    natives: list[Figures] = []
+    harnesses: list[Figures] = []
     for r in range(args.rounds):
-        tps_native, loss_native = native(backend, world, overrides, work)
-        tps_harness, loss_harness = harness(overrides, work / "results")
-        natives.append(tps_native)
-        harnesses.append(tps_harness)
-        print(
-            f"{backend} x{world} round {r + 1}: native {tps_native:.1f} tokens/s, bench run {tps_harness:.1f} "
-            f"tokens/s, ratio {tps_harness / tps_native:.3f}; loss at step 0: native {loss_native:.6f}, "
-            f"bench run {loss_harness:.6f}",
-            flush=True,
-        )
-    return Pair(backend, world, tuple(natives), tuple(harnesses))
+        natives.append(native(backend, world, overrides, work))
+        harnesses.append(harness(overrides, work / "results"))
+        print(round_line(backend, world, r, natives[-1], harnesses[-1]), flush=True)
+    return pair_of(backend, world, natives, harnesses)
+
+
+def round_line(backend: str, world: int, r: int, n: Figures, h: Figures) -> str:
+    return (
+        f"{backend} x{world} round {r + 1}: native {n.tokens_per_s:.1f} tokens/s, bench run {h.tokens_per_s:.1f} "
+        f"tokens/s, ratio {h.tokens_per_s / n.tokens_per_s:.3f} (median step: {h.median_step_tokens_per_s / n.median_step_tokens_per_s:.3f}); "
+        f"loss at step 0: native {n.first_loss:.6f}, bench run {h.first_loss:.6f}"
+    )
+
+
+def pair_of(backend: str, world: int, natives: list[Figures], harnesses: list[Figures]) -> Pair:
+    return Pair(
+        backend,
+        world,
+        tuple(f.tokens_per_s for f in natives),
+        tuple(f.tokens_per_s for f in harnesses),
+        tuple(f.median_step_tokens_per_s for f in natives),
+        tuple(f.median_step_tokens_per_s for f in harnesses),
+    )
+
+
+def pairs_from_kept(work: Path) -> list[Pair]:
+    """The pairs of a run kept with --keep (also an interrupted one): the k-th native run of a
+    backend and world size with its k-th `bench run`, in the order they ran."""
+    natives: dict[tuple[str, int], list[Figures]] = {}
+    for out in sorted(work.glob("native-*"), key=lambda p: p.stat().st_mtime):
+        if any(out.glob("rank*.json")):
+            backend, world = out.name.split("-")[1], len(list(out.glob("rank*.json")))
+            natives.setdefault((backend, world), []).append(native_figures(out))
+    harnesses: dict[tuple[str, int], list[Figures]] = {}
+    for path in sorted(work.glob("results/runs/*/*/*/summary.json")):  # timestamped directories
+        summary = json.loads(path.read_text())
+        harnesses.setdefault((summary["backend"], summary["world_size"]), []).append(harness_figures(summary))
+    pairs = []
+    for key, ns in natives.items():
+        hs = harnesses.get(key, [])
+        n = min(len(ns), len(hs))
+        if n:
+            pairs.append(pair_of(*key, ns[:n], hs[:n]))
+    return pairs
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--backends", default=",".join(BACKENDS), help=f"comma-separated, of {', '.join(BACKENDS)}")
     p.add_argument("--worlds", default="1,2", help="comma-separated world sizes (ranks on this host)")
-    p.add_argument("--rounds", type=int, default=3, help="alternating native/harness rounds per backend and world")
-    p.add_argument("--steps", type=int, default=20, help="measured steps per run")
-    p.add_argument("--warmup", type=int, default=3, help="warm-up steps per run (run, not measured)")
+    p.add_argument("--rounds", type=int, default=2, help="alternating native/harness rounds per backend and world")
+    p.add_argument("--steps", type=int, default=10, help="measured steps per run")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up steps per run (run, not measured)")
     p.add_argument("--json", type=Path, help="also write the per-round figures to this file")
+    p.add_argument("--keep", type=Path, help="keep every run's files in this directory (default: a temporary one)")
+    p.add_argument("--from-kept", type=Path, help="run nothing: print the table of a directory kept with --keep")
     args = p.parse_args(argv)
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = [b for b in args.backends if b not in BACKENDS]
@@ -206,13 +273,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_kept:
+        print(TABLE_HEAD)
+        for pair in pairs_from_kept(args.from_kept):
+            print(pair.line())
+        return 0
     started = time.monotonic()
     pairs, failed = [], []
-    with tempfile.TemporaryDirectory(prefix="fairness-") as tmp:
+    with contextlib.ExitStack() as stack:
+        work = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fairness-")))
+        work.mkdir(parents=True, exist_ok=True)
         for backend in args.backends:
             for world in args.worlds:
                 try:
-                    pairs.append(measure(backend, world, args, Path(tmp)))
+                    pairs.append(measure(backend, world, args, work))
                 except RuntimeError as exc:  # one backend's failure is reported; the others still run
                     failed.append(f"{backend} x{world}: {exc}")
                     print(f"FAILED {failed[-1]}", file=sys.stderr, flush=True)
@@ -224,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     for pair in pairs:
         print(pair.line())
     if args.json:
-        args.json.write_text(json.dumps([vars(p) | {"ratio": p.ratio, "spread": p.spread} for p in pairs], indent=1))
+        figures = [vars(p) | {"ratio": p.ratio, "spread": p.spread, "step_ratio": p.step_ratio} for p in pairs]
+        args.json.write_text(json.dumps(figures, indent=1))
     return 1 if failed else 0
 
 

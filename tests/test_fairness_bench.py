@@ -39,10 +39,41 @@ def test_tokens_per_s_is_the_harness_summary_figure():
 
 
 def test_ratio_is_of_the_medians_and_spread_of_the_rounds():
-    pair = fairness.Pair("ddp", 2, native=(100.0, 300.0, 200.0), harness=(99.0, 270.0, 210.0))
+    pair = fairness.Pair("ddp", 2, (100.0, 300.0, 200.0), (99.0, 270.0, 210.0), (10.0, 30.0, 20.0), (9.0, 40.0, 19.0))
     assert pair.ratio == pytest.approx(210.0 / 200.0)
     assert pair.spread == pytest.approx((0.9, 1.05))  # rounds: 0.99, 0.9, 1.05
-    assert "| 1.050 | 0.900-1.050 |" in pair.line()
+    assert pair.step_ratio == pytest.approx(19.0 / 20.0)
+    assert "| 1.050 | 0.900-1.050 | 0.950 |" in pair.line()
+
+
+def test_a_kept_directory_gives_the_pairs_in_the_order_they_ran(tmp_path):
+    """Native rank files and bench run summaries (the fields the benchmark reads) -> the same table."""
+    import json
+    import os
+
+    def native_run(name: str, rank_times: list[list[float]], mtime: int) -> None:
+        out = tmp_path / name
+        out.mkdir()
+        for r, times in enumerate(rank_times):
+            (out / f"rank{r}.json").write_text(
+                json.dumps({"step_times": times, "first_loss": 7.0 + r, "tokens_per_step": 100})
+            )
+        os.utime(out, (mtime, mtime))
+
+    def bench_run(stamp: str, tokens_per_s: float, median: float) -> None:
+        out = tmp_path / "results" / "runs" / "parabench" / stamp / "ddp"
+        out.mkdir(parents=True)
+        summary = {"backend": "ddp", "world_size": 2, "tokens_per_step": 100, "tokens_per_s": tokens_per_s}
+        (out / "summary.json").write_text(json.dumps(summary | {"step_time_median_s": median, "loss_first": 7.5}))
+
+    native_run("native-ddp-x2-b", [[1.0, 4.0, 1.0], [2.0, 1.0, 1.0]], 200)  # ran second
+    native_run("native-ddp-x2-a", [[0.5, 0.5, 0.5], [0.5, 0.5, 1.0]], 100)  # ran first
+    bench_run("20261206-040000", 150.0, 0.5)
+    bench_run("20261206-040100", 60.0, 2.0)
+    (pair,) = fairness.pairs_from_kept(tmp_path)
+    # first: slowest ranks 0.5, 0.5, 1.0 -> 300 tokens / 2 s; second: 2, 4, 1 -> 300 / 7 s
+    assert pair.native == pytest.approx((150.0, 300.0 / 7.0)) and pair.harness == (150.0, 60.0)
+    assert pair.native_step == pytest.approx((200.0, 50.0)) and pair.harness_step == (200.0, 50.0)
 
 
 def test_arguments_parse_and_bad_ones_exit_with_the_flag_named(capsys):
