@@ -238,14 +238,24 @@ def _stop(job: JobSpec, proc: subprocess.Popen, run_dir: Path, last_step: int) -
     run.checkpoint.on_signal the workers first save at a step none of them has finished yet
     (``stop.json``, read after every step) and exit; STOP_GRACE_S later the group is killed anyway."""
     if job.run.checkpoint.on_signal and proc.poll() is None:
-        # ranks are at most one step apart (each step ends in an all-reduce): last + 2 is ahead of all
-        write_stop_request(run_dir, max(last_step, 0) + 2)
+        # ranks are at most one step apart (each step ends in an all-reduce): rank 0's last finished
+        # step + 2 is ahead of all, read now: the watch loop's last_step is up to a poll old, and short
+        # steps had passed last_step + 2 by then (no rank stopped, nothing saved)
+        write_stop_request(run_dir, max(last_step, _progress_step(run_dir), 0) + 2)
         print(f"\nparabench: interrupted: saving a last checkpoint (up to {STOP_GRACE_S:.0f} s)", file=sys.stderr)
         try:
             proc.wait(timeout=STOP_GRACE_S)
         except subprocess.TimeoutExpired:
             pass
     _kill(proc, get_launcher(get_adapter(job.backend.name).capabilities.launcher).stop_signal)
+
+
+def _progress_step(run_dir: Path) -> int:
+    """Rank 0's last finished step (``progress.json``, written after each step); -1 before the first."""
+    try:
+        return int(json.loads((run_dir / "progress.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1
 
 
 def _tail(path: Path, n: int = TAIL_LINES) -> str:

@@ -505,6 +505,22 @@ def test_sigterm_stops_every_worker_saves_and_marks_killed(results):
     assert resumed["losses"] == fresh["losses"]
 
 
+def test_the_stop_step_is_ahead_of_rank_0s_newest_step_not_of_the_watch_loops(tmp_path):
+    """The runner's watch loop polls progress.json; short steps had passed its last_step + 2 when the
+    signal came, no rank met the stop step and nothing was saved (a CI run failed so). The stop step
+    is rank 0's newest finished step, read at the signal, + 2."""
+    from parabench.checkpoint import STOP_FILE
+    from parabench.runner import _stop
+
+    (tmp_path / "progress.json").write_text(json.dumps({"step": 17}))
+    launcher = subprocess.Popen(  # stands in for the launcher: ends once the stop request is written
+        ["sh", "-c", f"while [ ! -e {STOP_FILE} ]; do sleep 0.05; done"], cwd=tmp_path, start_new_session=True
+    )
+    _stop(job_of("run.checkpoint.on_signal=true"), launcher, tmp_path, last_step=3)
+    assert launcher.wait(timeout=5) == 0
+    assert json.loads((tmp_path / STOP_FILE).read_text())["step"] == 19
+
+
 def _start_until_step(results: Path, args: list[str], steps: int) -> tuple[subprocess.Popen, Path]:
     """`bench run ARGS` in the background until rank 0 has finished ``steps`` steps: it and its run dir."""
     cmd = [sys.executable, "-m", "parabench", "run", *args, f"run.results_dir={results}"]
