@@ -38,6 +38,7 @@ SPOOL_FILE = "spool.jsonl"
 STATE_FILE = "state.json"
 SPOOL_ID_TAG = "parabench.spool_id"  # finds the run a spool belongs to, on the store
 CONNECT_TIMEOUT_S = 15.0  # a server that answers slower when the job starts: spooled
+SYNC_PROBE_TIMEOUT_S = 60.0  # bench sync: how long a just-restarted server may take to answer its first request
 METRIC_BATCH = 500  # log_batch: at most 1000 metrics a call (MLflow's limit), 100 params
 
 
@@ -399,7 +400,10 @@ def sync(run_dir: Path, uri: str | None = None) -> str:
             records.append(extra)
     target = uri or state["store"]
     if trackstore.scheme(target) in ("http", "https"):
-        trackstore.probe_server(target, state["experiment"], key="--tracking-uri")
+        # a server started moments ago (the usual case: sync runs once it is back) builds its store on
+        # the first request (MLflow's SqlAlchemyStore connects and checks the schema): longer than the
+        # 5 s a run waits at its start, on a loaded machine; sync is run by hand and can wait
+        trackstore.probe_server(target, state["experiment"], key="--tracking-uri", timeout_s=SYNC_PROBE_TIMEOUT_S)
     client = _client(target)
     if state["run_id"] is None:
         state["run_id"] = _find_run(client, state)

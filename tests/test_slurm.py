@@ -144,9 +144,17 @@ def _job_ids(stdout: str) -> list[str]:
     return found.group(1).split(", ")
 
 
-def _slurm_state(job_id: str, env: dict[str, str]) -> str:
-    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, env=env).stdout
-    return re.search(r"JobState=(\S+)", out).group(1)
+def _slurm_state(job_id: str, env: dict[str, str], settle_s: float = 120) -> str:
+    """The job's final state. The result reaches bench before Slurm ends the job (its processes and
+    epilog are still being reaped: RUNNING, then COMPLETING; a CI run under load read COMPLETING), so
+    the state is read until it leaves those two or ``settle_s`` passes."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, env=env).stdout
+        state = re.search(r"JobState=(\S+)", out).group(1)
+        if state not in ("RUNNING", "COMPLETING") or time.monotonic() > deadline:
+            return state
+        time.sleep(0.5)
 
 
 @pytest.mark.full

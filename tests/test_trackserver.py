@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -118,10 +119,18 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float 
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as resp:
                 if resp.status == 200:
-                    return
+                    break
         except OSError:  # not listening yet
             time.sleep(0.5)
-    pytest.fail(f"mlflow server not healthy after {timeout_s} s:\n{log.read_text()[-3000:]}")
+    else:
+        pytest.fail(f"mlflow server not healthy after {timeout_s} s:\n{log.read_text()[-3000:]}")
+    # /health answers before the tracking store exists; the first API request builds it (connects,
+    # checks the schema): made here, so the test's own first request meets a ready server
+    ready = url + "/api/2.0/mlflow/experiments/get-by-name?experiment_name=Default"
+    try:
+        urllib.request.urlopen(ready, timeout=max(deadline - time.monotonic(), 1)).close()
+    except urllib.error.HTTPError as exc:  # 404 (no such experiment) is an answer from the store
+        assert exc.code == 404, exc
 
 
 def _runs(uri: str, experiment: str):
