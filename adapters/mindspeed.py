@@ -60,6 +60,9 @@ HCCL_ENV = {
 
 @dataclass(frozen=True)
 class MindSpeedOptions(MegatronOptions):
+    # MindSpeed replaces Megatron's local layers with NPU kernels; mindspeed_argv passes
+    # --transformer-impl local (conf/backend/mindspeed.yaml says the same)
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = "local"
     use_fused_rmsnorm: bool = True  # --use-fused-rmsnorm: NPU RMSNorm kernel
     use_fused_swiglu: bool = True  # --use-fused-swiglu
     use_fused_rotary_pos_emb: bool = True  # --use-fused-rotary-pos-emb

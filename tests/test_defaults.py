@@ -44,10 +44,6 @@ ALLOWED = {
     # the synthetic source's "no file".
     ("data=text", "data.path"): "required",
     ("data=indexed", "data.path"): "required",
-    # Not intended, found by this test: MindSpeedOptions inherits MegatronOptions' "auto", the YAML says
-    # "local" (what mindspeed_argv always passes). The fix is a `transformer_impl = "local"` default in
-    # adapters/mindspeed.py; drop this entry with it.
-    ("backend=mindspeed", "backend.transformer_impl"): "known divergence",
 }
 
 
