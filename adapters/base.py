@@ -45,6 +45,7 @@ class Capabilities:
     shards_model_states: bool = False  # ZeRO/FSDP-style sharding of params/grads/optimizer states
     multi_node: bool = True
     model_features: frozenset[str] = frozenset()  # optional model parts it implements (spec.MODEL_FEATURES)
+    moe: bool = False  # trains a Mixture-of-Experts model (model.num_local_experts > 0; docs/moe.md)
     checkpoint: CheckpointSupport | None = None  # None: run.checkpoint / run.resume are refused before launch
     convert: ConvertSupport | None = None  # None: bench convert refuses it as source or target
 
@@ -329,6 +330,13 @@ def check_capabilities(adapter: type[Adapter], job: JobSpec) -> None:
         )
     if job.launch.nnodes > 1 and not caps.multi_node:
         raise SpecError("launcher.nnodes", f"backend {adapter.name} runs on a single node only")
+    if job.model.is_moe and not caps.moe:
+        raise SpecError(
+            "model.num_local_experts",
+            f"backend {adapter.name} does not train Mixture-of-Experts models yet (model {job.model.name} has "
+            f"{job.model.num_local_experts} experts): it lacks expert parallelism and a mapping of the experts onto "
+            "the canonical weights (issue #31, docs/moe.md); backend=ddp trains them",
+        )
     missing = sorted(job.model.features() - caps.model_features)
     if missing:
         raise SpecError(

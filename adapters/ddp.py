@@ -41,6 +41,7 @@ class DDPAdapter(Adapter):
         devices=frozenset({"cpu", "cuda", "npu"}),
         precisions=frozenset({"fp32", "bf16"}),
         model_features=MODEL_FEATURES,
+        moe=True,  # the reference: every rank holds every expert, dropless routing (docs/moe.md)
         checkpoint=DCP_SUPPORT,
         convert=ConvertSupport(),
     )

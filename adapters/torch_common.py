@@ -11,7 +11,7 @@ import torch
 from parabench.adapters.base import CheckpointSupport, Engine, ModelStateBytes, WorkerContext
 from parabench.canonical import MOMENTS, CanonicalState
 from parabench.metrics import torch_model_state
-from parabench.model import causal_lm_loss, decay_mask
+from parabench.model import decay_mask, training_loss
 from parabench.spec import OptimSpec
 
 
@@ -76,7 +76,7 @@ class TorchEngine(Engine):
         for i, (inputs, targets) in enumerate(micro_batches):
             with self.sync_context(i == n - 1):
                 with self.autocast():
-                    loss = causal_lm_loss(self.model(inputs), targets) / n
+                    loss = training_loss(self.model, self.ctx.job.model, inputs, targets) / n
                 loss.backward()
             total += loss.detach()
         if self.ctx.job.optim.grad_clip > 0:

@@ -28,7 +28,10 @@ FORMULA = (
 
 
 def flops_per_token(model: ModelSpec, seq_len: int) -> float:
-    n = model.num_matmul_params()
+    # MoE: N counts the active parameters only (router, top-k routed experts, shared expert), the
+    # experts a token is not routed to do no work for it (Jiang et al. 2024, Mixtral, arXiv 2401.04088
+    # sec. 2; docs/sources.md#moe). Dense models: every matmul parameter.
+    n = model.num_active_matmul_params()
     attention = 12 * model.num_hidden_layers * model.num_attention_heads * model.head_dim * seq_len
     return 6.0 * n + attention
 

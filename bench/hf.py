@@ -6,7 +6,7 @@ beside it (``model.safetensors``, or the shards listed by ``model.safetensors.in
 ``ModelSpec.weights``. Workers only see the resolved spec. Every tensor name, shape and dtype is
 checked against the spec before a process starts (one line, exit 2).
 
-Accepted: the Llama family, as far as the canonical model (bench/model.py) computes the same
+Accepted: the Llama family and Mixtral (MoE, docs/moe.md), as far as the canonical model (bench/model.py) computes the same
 function. Each config field that changes the math is either mapped or refused by name; fields that
 do not (token ids, ``torch_dtype``, ``use_cache``, ``pretraining_tp``, which only slices the same
 matmuls) are not read. Field names, defaults and the file format: docs/sources.md#hugging-face-checkpoints.
@@ -26,7 +26,7 @@ from parabench.spec import ModelSpec
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM")
 # Widened to float32 exactly; anything else (F64, integer or 8-bit formats) is refused.
 DTYPES = ("F32", "F16", "BF16")
 REQUIRED = (
@@ -39,6 +39,9 @@ REQUIRED = (
 )
 # transformers' defaults for these three architectures (LlamaConfig, MistralConfig, Qwen2Config agree).
 DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "initializer_range": 0.02}
+# MixtralConfig's own defaults where they differ (rope_theta 1e6, rms_norm_eps 1e-5), and its MoE fields.
+MIXTRAL_DEFAULTS = {**DEFAULTS, "rope_theta": 1e6, "rms_norm_eps": 1e-5}
+MIXTRAL_MOE = {"num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001}
 HF_KEYS = ("name", "path", "load_weights")
 
 
@@ -112,7 +115,7 @@ def _shape(cfg: Mapping[str, Any], arch: str, path: Path) -> dict[str, Any]:
         raise _refuse(f"{path} lacks {missing[0]}")
     fields = {k: cfg[k] for k in REQUIRED}
     fields["num_key_value_heads"] = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    for key, default in DEFAULTS.items():
+    for key, default in (MIXTRAL_DEFAULTS if arch == "MixtralForCausalLM" else DEFAULTS).items():
         fields[key] = cfg[key] if cfg.get(key) is not None else default
     head_dim = cfg.get("head_dim")
     if head_dim is not None and head_dim * cfg["num_attention_heads"] != cfg["hidden_size"]:
@@ -141,11 +144,22 @@ def _math(cfg: Mapping[str, Any], arch: str, path: Path) -> dict[str, Any]:
     if isinstance(rope, Mapping) and rope.get("rope_theta") is not None:
         fields["rope_theta"] = rope["rope_theta"]
     fields["rope_scaling"] = _rope_scaling(rope, path)
-    if arch == "MistralForCausalLM":
+    if arch == "MixtralForCausalLM":
+        fields.update(_mixtral_moe(cfg, path))
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         fields["sliding_window"] = cfg.get("sliding_window")
     elif arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
         fields["sliding_window"] = cfg.get("sliding_window")
     return fields
+
+
+def _mixtral_moe(cfg: Mapping[str, Any], path: Path) -> dict[str, Any]:
+    """MixtralConfig's MoE fields (its defaults where absent). Its checkpoint names (block_sparse_moe.gate,
+    block_sparse_moe.experts.E.w1/w2/w3) are the canonical model's, so the weights load as they are."""
+    jitter = cfg.get("router_jitter_noise")
+    if jitter:  # multiplicative noise on the router input in training: not in the canonical model
+        raise _refuse(f"router_jitter_noise={jitter!r} ({path}) is not in the canonical model (it needs 0)")
+    return {key: cfg[key] if cfg.get(key) is not None else default for key, default in MIXTRAL_MOE.items()}
 
 
 def _rope_scaling(rope: Any, path: Path) -> dict[str, Any] | None:
@@ -258,6 +272,8 @@ def load_weights(weights: str, names: Iterable[str]) -> dict[str, Any]:
 def hf_config(spec: ModelSpec) -> dict[str, Any]:
     """A transformers config.json for the canonical model: LlamaForCausalLM, or Qwen2 (q/k/v biases)
     and Mistral (a sliding window), the architectures spec_fields reads back to the same spec."""
+    if spec.is_moe:
+        return _mixtral_config(spec)
     arch = "Qwen2ForCausalLM" if spec.qkv_bias else "MistralForCausalLM" if spec.sliding_window else "LlamaForCausalLM"
     cfg: dict[str, Any] = {
         "architectures": [arch],
@@ -274,3 +290,24 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
     if spec.sliding_window:
         cfg.update(sliding_window=spec.sliding_window, use_sliding_window=True)
     return cfg
+
+
+def _mixtral_config(spec: ModelSpec) -> dict[str, Any]:
+    """A MixtralForCausalLM config.json for a Mixtral-shaped MoE model (no shared expert, no q/k/v bias)."""
+    if spec.shared_expert_intermediate_size or spec.qkv_bias or spec.moe_intermediate_size or spec.rope_scaling:
+        raise SpecError(
+            "model.num_local_experts",
+            f"model {spec.name} is not Mixtral-shaped (shared expert, q/k/v biases, moe_intermediate_size or "
+            "rope_scaling): no Hugging Face config is written for it yet (issue #31)",
+        )
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        **{k: getattr(spec, k) for k in REQUIRED},
+        "num_key_value_heads": spec.num_key_value_heads,
+        **{k: getattr(spec, k) for k in MIXTRAL_DEFAULTS},
+        **{k: getattr(spec, k) for k in MIXTRAL_MOE},
+        "hidden_act": "silu",
+        "sliding_window": spec.sliding_window,
+        "torch_dtype": "float32",
+    }

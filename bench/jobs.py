@@ -32,6 +32,7 @@ from parabench.spec import (
     TrackingSpec,
     build,
     validate_common,
+    validate_moe,
     validate_parallel,
     validate_resilience,
 )
@@ -68,6 +69,7 @@ def from_config(cfg: Mapping[str, Any]) -> JobSpec:
         raise SpecError(extra[0], "unknown top-level key")
 
     validate_common(model, data, optim, device, launch, run)
+    validate_moe(model)
     validate_resilience(run, launch, fault)
     parallel = adapter.parallel_dims(options, launch.world_size, model)
     validate_parallel(parallel, model, data)

@@ -39,9 +39,9 @@ def canonical_weight(spec: ModelSpec, seed: int, name: str, shape: tuple[int, ..
     if name.endswith(".bias"):  # as Hugging Face initialises nn.Linear biases
         return np.zeros(shape, dtype=np.float32)
     std = spec.initializer_range
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
-        # Residual-branch output projections: GPT-2 / Megatron-LM scaled init (Radford et al. 2019;
-        # Shoeybi et al. 2019, arXiv 1909.08053 section 3), std / sqrt(2 * num_layers).
+    if name.endswith(("o_proj.weight", "down_proj.weight", ".w2.weight")):
+        # Residual-branch output projections (MoE experts' w2 too): GPT-2 / Megatron-LM scaled init
+        # (Radford et al. 2019; Shoeybi et al. 2019, arXiv 1909.08053 section 3), std / sqrt(2 * num_layers).
         std = std / math.sqrt(2.0 * spec.num_hidden_layers)
     return (_rng(seed, name).standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
 
@@ -164,14 +164,74 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        i = intermediate_size or spec.intermediate_size
+        self.gate_proj = nn.Linear(spec.hidden_size, i, bias=False)
+        self.up_proj = nn.Linear(spec.hidden_size, i, bias=False)
+        self.down_proj = nn.Linear(i, spec.hidden_size, bias=False)
 
     def forward(self, x):  # SwiGLU (Shazeer 2020, arXiv 2002.05202)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Expert(nn.Module):
+    """One Mixtral expert: SwiGLU with Mixtral's names, w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.w1 = nn.Linear(hidden, intermediate, bias=False)
+        self.w2 = nn.Linear(intermediate, hidden, bias=False)
+        self.w3 = nn.Linear(hidden, intermediate, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class SparseMoeBlock(nn.Module):
+    """Mixtral's sparse MoE MLP (Jiang et al. 2024, arXiv 2401.04088 sec. 2; transformers'
+    MixtralSparseMoeBlock): a bias-free router, softmax over the experts in fp32, top-k, the k weights
+    renormalised to sum to 1; dropless (every token reaches its k experts). Optionally Qwen2-MoE's
+    shared expert, added with a sigmoid gate (transformers' Qwen2MoeSparseMoeBlock)."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        h, self.top_k, self.num_experts = spec.hidden_size, spec.num_experts_per_tok, spec.num_local_experts
+        self.gate = nn.Linear(h, self.num_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(h, spec.expert_intermediate_size) for _ in range(self.num_experts))
+        if spec.shared_expert_intermediate_size:
+            self.shared_expert = MLP(spec, spec.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(h, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output, router logits of shape [tokens, experts])."""
+        flat = x.reshape(-1, x.shape[-1])
+        router_logits = self.gate(flat)
+        probs = F.softmax(router_logits, dim=-1, dtype=torch.float)
+        top_weights, top_experts = torch.topk(probs, self.top_k, dim=-1)
+        top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(flat)
+        # Every expert runs, also on zero tokens: its weights then get a zero gradient, so every
+        # parameter takes part in each step (DDP needs no find_unused_parameters).
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(top_experts == e)
+            y = expert(flat[token]) * top_weights[token, slot, None]
+            out = out.index_add(0, token, y.to(out.dtype))
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.reshape(x.shape), router_logits
+
+
+def load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int, top_k: int) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss (Fedus et al. 2022, arXiv 2101.03961 eq. 4-6) with top-k
+    dispatch, over the tokens of all layers together as transformers' load_balancing_loss_func:
+    num_experts * sum_e f_e * P_e, f_e = fraction of (token, slot) assignments to expert e (summed
+    over the k slots), P_e = mean router probability of e."""
+    logits = torch.cat(router_logits, dim=0)
+    probs = F.softmax(logits, dim=-1, dtype=torch.float)
+    _, selected = torch.topk(probs, top_k, dim=-1)
+    assigned = F.one_hot(selected, num_experts).float().sum(dim=1)  # [tokens, experts], no gradient
+    return num_experts * torch.sum(assigned.mean(dim=0) * probs.mean(dim=0))
 
 
 class DecoderLayer(nn.Module):
@@ -180,17 +240,24 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        if spec.is_moe:
+            self.block_sparse_moe = SparseMoeBlock(spec)
+        else:
+            self.mlp = MLP(spec)
         self.checkpoint = False  # activation checkpointing: recompute this layer in backward
 
     def forward(self, x, cos, sin):
+        """(hidden states, router logits or None for a dense layer)."""
         if self.checkpoint and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(self._forward, x, cos, sin, use_reentrant=False)
         return self._forward(x, cos, sin)
 
     def _forward(self, x, cos, sin):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if not hasattr(self, "block_sparse_moe"):
+            return x + self.mlp(self.post_attention_layernorm(x)), None
+        out, router_logits = self.block_sparse_moe(self.post_attention_layernorm(x))
+        return x + out, router_logits
 
 
 class Backbone(nn.Module):
@@ -212,16 +279,27 @@ class Llama(nn.Module):
         if not spec.tie_word_embeddings:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, with_aux_loss: bool = False):
+        """The logits; with ``with_aux_loss`` (logits, MoE load-balancing loss, 0 for a dense model)."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_tables(self.spec, input_ids.shape[1], x.device)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        router_logits = []
         for layer in self.model.layers:
-            x = layer(x, cos, sin)
+            x, layer_router_logits = layer(x, cos, sin)
+            if layer_router_logits is not None:
+                router_logits.append(layer_router_logits)
         x = self.model.norm(x)
         if self.spec.tie_word_embeddings:
-            return F.linear(x, self.model.embed_tokens.weight)
-        return self.lm_head(x)
+            logits = F.linear(x, self.model.embed_tokens.weight)
+        else:
+            logits = self.lm_head(x)
+        if not with_aux_loss:
+            return logits
+        if not router_logits:
+            return logits, torch.zeros((), device=logits.device)
+        spec = self.spec
+        return logits, load_balancing_loss(router_logits, spec.num_local_experts, spec.num_experts_per_tok)
 
 
 def build_llama(spec: ModelSpec, seed: int | None = None) -> Llama:
@@ -253,6 +331,15 @@ def load_canonical(model: nn.Module, spec: ModelSpec, seed: int) -> None:
 def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy over all tokens of the micro-batch (computed in fp32)."""
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def training_loss(model: nn.Module, spec: ModelSpec, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The loss a step minimises: ``causal_lm_loss``, plus for MoE ``router_aux_loss_coef`` times the
+    load-balancing loss (as MixtralForCausalLM adds it). ``model``: the Llama or its DDP wrapper."""
+    if not spec.is_moe:
+        return causal_lm_loss(model(inputs), targets)
+    logits, aux_loss = model(inputs, with_aux_loss=True)
+    return causal_lm_loss(logits, targets) + spec.router_aux_loss_coef * aux_loss.float()
 
 
 def decay_mask(name: str, param: torch.Tensor) -> bool:

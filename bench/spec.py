@@ -155,6 +155,13 @@ class ModelSpec:
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2); o_proj and the MLP stay bias-free
     rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None  # attention window (Mistral); the canonical model needs seq_len <= it
+    # Sparse Mixture-of-Experts MLP (docs/moe.md), Hugging Face's Mixtral / Qwen2-MoE config.json names.
+    # 0 experts = the dense SwiGLU MLP (and every other MoE field unused).
+    num_local_experts: int = 0  # routed experts per layer (Mixtral); Qwen2-MoE calls it num_experts
+    num_experts_per_tok: int = 2  # top-k: experts each token is routed to (dropless: no capacity factor)
+    router_aux_loss_coef: float = 0.001  # load-balancing loss weight (MixtralConfig's default)
+    moe_intermediate_size: int | None = None  # routed expert width (Qwen2-MoE); None = intermediate_size (Mixtral)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert; 0 = none
     source: str | None = None  # the Hugging Face config.json this spec was read from (+model=hf)
     weights: str | None = None  # safetensors file or its .index.json: the initial weights; None = generated
 
@@ -165,6 +172,31 @@ class ModelSpec:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_local_experts > 0
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
+
+    def _moe_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        """One sparse MoE block: Mixtral's checkpoint names for the router and the w1/w2/w3 experts,
+        Qwen2-MoE's for the shared expert and its gate."""
+        h, i, s = self.hidden_size, self.expert_intermediate_size, self.shared_expert_intermediate_size
+        p = prefix + "block_sparse_moe."
+        shapes: dict[str, tuple[int, ...]] = {p + "gate.weight": (self.num_local_experts, h)}
+        for e in range(self.num_local_experts):
+            shapes[f"{p}experts.{e}.w1.weight"] = (i, h)
+            shapes[f"{p}experts.{e}.w2.weight"] = (h, i)
+            shapes[f"{p}experts.{e}.w3.weight"] = (i, h)
+        if s:
+            shapes[p + "shared_expert.gate_proj.weight"] = (s, h)
+            shapes[p + "shared_expert.up_proj.weight"] = (s, h)
+            shapes[p + "shared_expert.down_proj.weight"] = (h, s)
+            shapes[p + "shared_expert_gate.weight"] = (1, h)
+        return shapes
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         """Canonical (Hugging Face) parameter names and full, unsharded shapes."""
@@ -183,6 +215,9 @@ class ModelSpec:
                 shapes[p + "self_attn.v_proj.bias"] = (kv,)
             shapes[p + "self_attn.o_proj.weight"] = (h, self.num_attention_heads * d)
             shapes[p + "post_attention_layernorm.weight"] = (h,)
+            if self.is_moe:
+                shapes.update(self._moe_shapes(p))
+                continue
             shapes[p + "mlp.gate_proj.weight"] = (i, h)
             shapes[p + "mlp.up_proj.weight"] = (i, h)
             shapes[p + "mlp.down_proj.weight"] = (h, i)
@@ -200,6 +235,14 @@ class ModelSpec:
         if self.tie_word_embeddings:
             return self.num_params()
         return self.num_params() - self.vocab_size * self.hidden_size
+
+    def num_active_matmul_params(self) -> int:
+        """Matmul parameters one token passes through: with MoE, the router, its top-k routed experts
+        and the shared expert, not the other experts ("active parameters": Jiang et al. 2024, Mixtral
+        of Experts, arXiv 2401.04088 sec. 2; docs/sources.md#moe). Dense: num_matmul_params."""
+        idle = max(self.num_local_experts - self.num_experts_per_tok, 0)
+        per_expert = 3 * self.hidden_size * self.expert_intermediate_size
+        return self.num_matmul_params() - self.num_hidden_layers * idle * per_expert
 
 
 @dataclass(frozen=True)
@@ -375,6 +418,28 @@ class JobSpec:
 def _positive(key: str, value: int | float) -> None:
     if value <= 0:
         raise SpecError(key, f"must be > 0, got {value}")
+
+
+def validate_moe(model: ModelSpec) -> None:
+    """The Mixture-of-Experts fields: unused (and unchecked) while num_local_experts is 0."""
+    if model.num_local_experts < 0:
+        raise SpecError("model.num_local_experts", f"must be >= 0 (0 = dense MLP), got {model.num_local_experts}")
+    if not model.is_moe:
+        return
+    if not 1 <= model.num_experts_per_tok <= model.num_local_experts:
+        raise SpecError(
+            "model.num_experts_per_tok",
+            f"must be between 1 and num_local_experts={model.num_local_experts}, got {model.num_experts_per_tok}",
+        )
+    if model.router_aux_loss_coef < 0:
+        raise SpecError("model.router_aux_loss_coef", f"must be >= 0, got {model.router_aux_loss_coef}")
+    if model.moe_intermediate_size is not None and model.moe_intermediate_size <= 0:
+        raise SpecError("model.moe_intermediate_size", f"must be > 0, got {model.moe_intermediate_size}")
+    if model.shared_expert_intermediate_size < 0:
+        raise SpecError(
+            "model.shared_expert_intermediate_size",
+            f"must be >= 0 (0 = none), got {model.shared_expert_intermediate_size}",
+        )
 
 
 def validate_common(
@@ -600,6 +665,7 @@ __all__ = [
     "TrackingSpec",
     "build",
     "validate_common",
+    "validate_moe",
     "validate_parallel",
     "validate_resilience",
     "resolve_device",

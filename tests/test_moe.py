@@ -1,0 +1,305 @@
+"""The Mixture-of-Experts model (docs/moe.md): the canonical sparse MoE block against transformers'
+Mixtral and Qwen2-MoE blocks, the load-balancing loss against transformers' load_balancing_loss_func,
+a Mixtral config.json + safetensors through +model=hf, active-parameter FLOPs, and every backend
+without MoE support refusing it before launch."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import assert_refused_before_launch, bench, mlflow_runs, summaries
+from parabench import confutil
+from parabench.errors import SpecError
+from parabench.flops import flops_per_token
+from parabench.hf import hf_config, load_weights
+from parabench.jobs import from_config, model_spec
+from parabench.model import (
+    SparseMoeBlock,
+    build_llama,
+    causal_lm_loss,
+    load_balancing_loss,
+    training_loss,
+    weights_checksum,
+)
+from parabench.spec import ModelSpec
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+TINY_MOE = ModelSpec(
+    name="tiny-moe",
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=320,
+    max_position_embeddings=512,
+    rope_theta=1e6,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    router_aux_loss_coef=0.02,
+)
+MIXTRAL = {
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "hidden_act": "silu",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 320,
+    "max_position_embeddings": 512,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "router_aux_loss_coef": 0.02,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+FAST = ["data.seq_len=32", "run.warmup_steps=0", "run.steps=2"]
+
+
+def _preset(name: str) -> ModelSpec:
+    return model_spec(confutil.to_plain(confutil.compose([f"+model={name}"]))["model"])
+
+
+def _copy_experts(ours: SparseMoeBlock, hf_experts) -> None:
+    """Mixtral's w1 (gate) and w3 (up) are transformers' fused gate_up_proj halves, w2 its down_proj."""
+    with torch.no_grad():
+        for e, expert in enumerate(ours.experts):
+            hf_experts.gate_up_proj[e].copy_(torch.cat([expert.w1.weight, expert.w3.weight]))
+            hf_experts.down_proj[e].copy_(expert.w2.weight)
+
+
+def _hf_config(cls, **fields):
+    config = cls(**fields)
+    config._experts_implementation = "eager"  # the reference loop over experts, not a fused kernel
+    return config
+
+
+def test_moe_block_equals_transformers_mixtral_sparse_moe_block():
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    ours = build_llama(TINY_MOE, seed=7).model.layers[0].block_sparse_moe
+    config = _hf_config(
+        transformers.MixtralConfig, hidden_size=32, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2
+    )
+    reference = MixtralSparseMoeBlock(config)
+    with torch.no_grad():
+        reference.gate.weight.copy_(ours.gate.weight)
+    _copy_experts(ours, reference.experts)
+    x = torch.randn(3, 16, 32, generator=torch.Generator().manual_seed(0))
+    out, router_logits = ours(x)
+    expected_logits, _, _ = reference.gate(x)
+    assert torch.equal(router_logits, expected_logits)
+    torch.testing.assert_close(out, reference(x), rtol=0, atol=1e-6)
+
+
+def test_shared_expert_equals_transformers_qwen2_moe_block():
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    spec = ModelSpec(
+        **{
+            **vars(TINY_MOE),
+            "name": "tiny-qwen-moe",
+            "moe_intermediate_size": 48,
+            "shared_expert_intermediate_size": 80,
+        }
+    )
+    ours = build_llama(spec, seed=7).model.layers[1].block_sparse_moe
+    config = _hf_config(
+        transformers.Qwen2MoeConfig,
+        hidden_size=32,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=80,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,  # Mixtral's renormalised top-k weights (Qwen1.5-MoE itself does not renormalise)
+    )
+    reference = Qwen2MoeSparseMoeBlock(config)
+    with torch.no_grad():
+        reference.gate.weight.copy_(ours.gate.weight)
+        reference.shared_expert_gate.weight.copy_(ours.shared_expert_gate.weight)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(reference.shared_expert, name).weight.copy_(getattr(ours.shared_expert, name).weight)
+    _copy_experts(ours, reference.experts)
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
+    out, _ = ours(x)
+    torch.testing.assert_close(out, reference(x), rtol=0, atol=1e-6)
+
+
+def test_load_balancing_loss_equals_transformers():
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    gen = torch.Generator().manual_seed(2)
+    per_layer = [torch.randn(48, 8, generator=gen) * 3 for _ in range(3)]
+    expected = load_balancing_loss_func(tuple(per_layer), num_experts=8, top_k=2)
+    torch.testing.assert_close(load_balancing_loss(per_layer, 8, 2), expected, rtol=0, atol=1e-6)
+    # a perfectly balanced router gives the minimum, top_k (Fedus et al. 2022 eq. 4: alpha * N * sum f P)
+    assert float(load_balancing_loss([torch.zeros(16, 8)], 8, 2)) == pytest.approx(2.0)
+
+
+def test_whole_model_and_loss_equal_transformers_mixtral(tmp_path):
+    """The canonical weights saved under their names load into MixtralForCausalLM (transformers maps
+    Mixtral's checkpoint names onto its fused experts): same logits, same auxiliary loss, and the
+    training loss is cross entropy + router_aux_loss_coef * aux as in MixtralForCausalLM."""
+    model = build_llama(TINY_MOE, seed=11)
+    tensors = {n: p.detach().clone() for n, p in model.named_parameters()}
+    safetensors_torch.save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(TINY_MOE)))
+    reference = transformers.MixtralForCausalLM.from_pretrained(tmp_path, experts_implementation="eager").eval()
+    ids = torch.randint(0, TINY_MOE.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    out = reference(ids, labels=ids, output_router_logits=True)
+    logits, aux = model(ids, with_aux_loss=True)
+    torch.testing.assert_close(logits, out.logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(aux, out.aux_loss, rtol=0, atol=1e-6)
+    # transformers shifts the labels and ignores the last position (-100): the same targets here
+    targets = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+    ours = training_loss(model, TINY_MOE, ids, targets)
+    torch.testing.assert_close(ours, out.loss, rtol=0, atol=1e-5)
+
+
+def test_every_expert_gets_a_gradient_also_without_tokens():
+    """DDP (no find_unused_parameters) needs every parameter in every step's graph."""
+    model = build_llama(TINY_MOE, seed=1)
+    never = torch.tensor([0.0, 0.0, 0.0, -1e4])  # expert 3 in nobody's top 2
+    for layer in model.model.layers:
+        layer.block_sparse_moe.gate.register_forward_hook(lambda _module, _inputs, logits: logits + never)
+    ids = torch.randint(0, TINY_MOE.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
+    training_loss(model, TINY_MOE, ids, ids).backward()
+    assert all(p.grad is not None for p in model.parameters())
+    assert torch.count_nonzero(model.model.layers[0].block_sparse_moe.experts[3].w1.weight.grad) == 0
+
+
+def test_moe_activation_checkpointing_changes_nothing_numerically():
+    ids = torch.randint(0, TINY_MOE.vocab_size, (2, 16), generator=torch.Generator().manual_seed(5))
+    grads = []
+    for checkpoint in (False, True):
+        model = build_llama(TINY_MOE, seed=2)
+        for layer in model.model.layers:
+            layer.checkpoint = checkpoint
+        training_loss(model, TINY_MOE, ids, ids).backward()
+        grads.append(weights_checksum({n: p.grad for n, p in model.named_parameters()}))
+    assert grads[0] == grads[1]
+
+
+def test_dense_loss_has_no_auxiliary_term():
+    spec = ModelSpec(**{**vars(TINY_MOE), "num_local_experts": 0})
+    model = build_llama(spec, seed=3)
+    assert not any("block_sparse_moe" in n for n, _ in model.named_parameters())
+    ids = torch.randint(0, spec.vocab_size, (1, 8), generator=torch.Generator().manual_seed(6))
+    assert torch.equal(training_loss(model, spec, ids, ids), causal_lm_loss(model(ids), ids))
+
+
+def test_mixtral_8x7b_preset_has_the_published_parameter_counts():
+    """Mistral AI's announcement: 46.7B parameters in all, 12.9B used per token."""
+    spec = _preset("mixtral-8x7b")
+    assert round(spec.num_params() / 1e9, 1) == 46.7
+    embedding = spec.vocab_size * spec.hidden_size  # active too: a gather, not in the FLOPs
+    assert round((spec.num_active_matmul_params() + embedding) / 1e9, 1) == 12.9
+
+
+def test_flops_count_the_active_parameters_only():
+    spec = _preset("moe-tiny")
+    h, i, layers = spec.hidden_size, spec.intermediate_size, spec.num_hidden_layers
+    idle = spec.num_local_experts - spec.num_experts_per_tok
+    active = spec.num_params() - spec.vocab_size * h - layers * idle * 3 * h * i
+    attention = 12 * layers * spec.num_attention_heads * spec.head_dim * 256
+    assert flops_per_token(spec, 256) == 6 * active + attention
+    dense = ModelSpec(**{**vars(spec), "num_local_experts": 0})
+    assert dense.num_active_matmul_params() == dense.num_matmul_params()
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("model.num_experts_per_tok=5", "model.num_experts_per_tok"),
+        ("model.num_experts_per_tok=0", "model.num_experts_per_tok"),
+        ("model.num_local_experts=-1", "model.num_local_experts"),
+        ("model.router_aux_loss_coef=-0.1", "model.router_aux_loss_coef"),
+    ],
+)
+def test_bad_moe_fields_are_refused_by_name(override, key):
+    with pytest.raises(SpecError) as err:
+        from_config(confutil.to_plain(confutil.compose(["+model=moe-tiny", override])))
+    assert err.value.key == key
+
+
+def _write_mixtral(directory: Path) -> dict[str, torch.Tensor]:
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(MIXTRAL))
+    plain = confutil.to_plain(confutil.compose(["+model=hf", f"model.path={directory}", "model.load_weights=false"]))
+    shapes = from_config(plain).model.parameter_shapes()
+    gen = torch.Generator().manual_seed(9)
+    tensors = {n: (torch.randn(s, generator=gen) * 0.05).to(torch.bfloat16) for n, s in shapes.items()}
+    safetensors_torch.save_file(tensors, str(directory / "model.safetensors"))
+    return tensors
+
+
+def test_mixtral_config_and_safetensors_load_through_model_hf(tmp_path):
+    tensors = _write_mixtral(tmp_path / "tiny-mixtral")
+    spec = from_config(confutil.to_plain(confutil.compose(["+model=hf", f"model.path={tmp_path / 'tiny-mixtral'}"])))
+    spec = spec.model
+    assert (spec.num_local_experts, spec.num_experts_per_tok, spec.router_aux_loss_coef) == (4, 2, 0.02)
+    assert (spec.rope_theta, spec.rms_norm_eps) == (1e6, 1e-5)  # MixtralConfig's defaults, not Llama's
+    model = build_llama(spec, seed=0)
+    file_checksum = weights_checksum({n: t.float().numpy() for n, t in tensors.items()})
+    assert weights_checksum(dict(model.named_parameters())) == file_checksum
+    assert weights_checksum(load_weights(spec.weights, spec.parameter_shapes())) == file_checksum
+    assert np.array_equal(
+        model.model.layers[1].block_sparse_moe.experts[2].w2.weight.detach().numpy(),
+        tensors["model.layers.1.block_sparse_moe.experts.2.w2.weight"].float().numpy(),
+    )
+
+
+def test_mixtral_router_jitter_is_refused(tmp_path, capsys):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**MIXTRAL, "router_jitter_noise": 0.1}))
+    assert_refused_before_launch(["+model=hf", f"model.path={tmp_path / 'm'}"], "router_jitter_noise", tmp_path, capsys)
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "deepspeed", "megatron", "mindspore", "mindspeed"])
+def test_backends_without_moe_refuse_it_before_launch(tmp_path, capsys, backend):
+    line = assert_refused_before_launch(
+        ["+model=moe-tiny", f"backend={backend}"], "model.num_local_experts", tmp_path, capsys
+    )
+    assert f"backend {backend}" in line and "expert parallelism" in line
+
+
+@pytest.mark.full
+def test_moe_tiny_trains_on_two_ddp_ranks(results):
+    """Three steps of moe-tiny on 2 ranks: finite losses, FLOPs per token from the active parameters."""
+    proc = bench(
+        ["run", "+model=moe-tiny", "launcher.nproc_per_node=2", *FAST, "run.steps=3", "tracking.enabled=false"],
+        results,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (summary,) = summaries(results).values()
+    losses = summary["losses"]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    spec = _preset("moe-tiny")
+    assert summary["flops_per_token"] == flops_per_token(spec, 32)
+    assert summary["flops_per_token"] < flops_per_token(ModelSpec(**{**vars(spec), "num_experts_per_tok": 4}), 32)
+    achieved = summary["tokens_per_s_per_device"] * summary["flops_per_token"] / 1e12
+    assert summary["achieved_tflops_per_device"] == pytest.approx(achieved)
+    assert summary["mfu"] == pytest.approx(achieved / summary["peak_tflops_per_device"])
+
+
+@pytest.mark.full
+def test_mixtral_checkpoint_runs_on_ddp_from_the_files_checksum(tmp_path, results):
+    _write_mixtral(tmp_path / "tiny-mixtral")
+    proc = bench(["run", "+model=hf", f"model.path={tmp_path / 'tiny-mixtral'}", *FAST], results)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plain = confutil.to_plain(confutil.compose(["+model=hf", f"model.path={tmp_path / 'tiny-mixtral'}"]))
+    spec = from_config(plain).model
+    run = mlflow_runs(results).iloc[0]
+    assert run["status"] == "FINISHED"
+    assert run["tags.initial_checksum"] == weights_checksum(load_weights(spec.weights, spec.parameter_shapes()))
