@@ -3,7 +3,8 @@
 MFU follows PaLM (Chowdhery et al. 2022, arXiv 2204.02311, Appendix B; docs/sources.md#flops-per-token):
     model FLOPs per token = 6 N + 12 L H Q T
 with N the parameters that take part in matrix multiplies (we exclude the input-embedding lookup,
-which is a gather; lm_head is counted), L layers, H attention heads, Q head dim, T sequence length.
+which is a gather; lm_head is counted; in a Mixture-of-Experts model only the router, the k experts a
+token is routed to and the shared expert, docs/sources.md#moe), L layers, H attention heads, Q head dim, T sequence length.
 No causal halving of the attention term (as in PaLM and torchtitan); recomputation is not counted
 (that would be HFU). MFU = achieved model FLOP/s per device / peak FLOP/s per device.
 
@@ -23,7 +24,8 @@ from typing import Any
 from parabench.spec import ModelSpec
 
 FORMULA = (
-    "PaLM: 6N + 12*L*H*Q*T per token (N = matmul parameters: input embedding excluded, lm_head included; no recompute)"
+    "PaLM: 6N + 12*L*H*Q*T per token (N = matmul parameters: input embedding excluded, lm_head included, "
+    "MoE: active experts only; no recompute)"
 )
 
 
