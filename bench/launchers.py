@@ -52,14 +52,16 @@ def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
         return None
     libc = ctypes.CDLL(None, use_errno=True)  # loaded before fork: the child only calls into it
     parent = os.getpid()
+    return lambda: _signal_at_parent_death(libc, sig, parent)
 
-    def arm() -> None:
-        if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-        if os.getppid() != parent:
-            os.kill(os.getpid(), sig)
 
-    return arm
+def _signal_at_parent_death(libc: ctypes.CDLL, sig: int, parent: int) -> None:
+    """Ask Linux for ``sig`` when this process's parent dies; if ``parent`` is already gone (this
+    process was re-parented before asking), send it now."""
+    if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:
+        os.kill(os.getpid(), sig)
 
 
 def stop_with_launcher(sig: int = signal.SIGKILL) -> None:
@@ -73,11 +75,9 @@ def stop_with_launcher(sig: int = signal.SIGKILL) -> None:
     if not sys.platform.startswith("linux"):
         return
     launcher = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if launcher == 1 or os.getppid() != launcher:
+    if launcher == 1:  # re-parented to init already
         os.kill(os.getpid(), sig)
+    _signal_at_parent_death(ctypes.CDLL(None, use_errno=True), sig, launcher)
 
 
 class Launcher:

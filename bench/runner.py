@@ -250,12 +250,17 @@ def _stop(job: JobSpec, proc: subprocess.Popen, run_dir: Path, last_step: int) -
     _kill(proc, get_launcher(get_adapter(job.backend.name).capabilities.launcher).stop_signal)
 
 
-def _progress_step(run_dir: Path) -> int:
-    """Rank 0's last finished step (``progress.json``, written after each step); -1 before the first."""
+def _progress(run_dir: Path) -> dict[str, Any] | None:
+    """Rank 0's last finished step and its figures (``progress.json``, written after each step)."""
     try:
-        return int(json.loads((run_dir / "progress.json").read_text())["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return -1
+        return json.loads((run_dir / "progress.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _progress_step(run_dir: Path) -> int:
+    """Rank 0's last finished step; -1 before the first."""
+    return int((_progress(run_dir) or {}).get("step", -1))
 
 
 def _tail(path: Path, n: int = TAIL_LINES) -> str:
@@ -273,7 +278,6 @@ def launch(job: JobSpec, run_dir: Path, env: dict[str, str], port: int, tracker=
     launcher = get_launcher(get_adapter(job.backend.name).capabilities.launcher)
     cmd = launcher.command(job, port, str(run_dir))
     (run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
-    progress_file = run_dir / "progress.json"
     total = job.run.warmup_steps + job.run.steps
     bar = _Progress(total, f"{job.backend.name} x{job.launch.world_size}")
     with open(run_dir / "logs" / "launcher.log", "w") as log:
@@ -292,10 +296,7 @@ def launch(job: JobSpec, run_dir: Path, env: dict[str, str], port: int, tracker=
     try:
         while proc.poll() is None:
             time.sleep(POLL_S)
-            try:
-                info = json.loads(progress_file.read_text())
-            except (OSError, ValueError):
-                info = None
+            info = _progress(run_dir)
             if info and info.get("step", 0) != last_step:
                 last_step, last_change = info["step"], time.monotonic()
                 bar.update(info)

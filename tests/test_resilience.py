@@ -349,10 +349,9 @@ def _alive_with(text: str) -> list[int]:
     for proc in Path("/proc").iterdir():
         try:
             cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (proc / "status").read_text()
         except OSError:  # not a process, or gone meanwhile
             continue
-        if text in cmdline and "zombie" not in state:
+        if text in cmdline and _alive(int(proc.name)):
             found.append(int(proc.name))
     return found
 
