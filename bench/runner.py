@@ -214,6 +214,11 @@ class _Progress:
         self.bar.close()
 
 
+def _launcher_of(job: JobSpec):
+    """The launcher (torchrun, msrun) that starts and stops this job's workers."""
+    return get_launcher(get_adapter(job.backend.name).capabilities.launcher)
+
+
 def _kill(proc: subprocess.Popen, first: int = signal.SIGTERM) -> None:
     """``first`` (the launcher's stop_signal) to the launcher's process group, SIGKILL 10 s later."""
     for sig, wait in ((first, 10), (signal.SIGKILL, 5)):
@@ -228,26 +233,50 @@ def _kill(proc: subprocess.Popen, first: int = signal.SIGTERM) -> None:
             continue
 
 
-def _raise_interrupt(signum: int, _frame) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends bench run at once
-    raise Interrupted(signum)
+class _StopSignals:
+    """SIGINT and SIGTERM (scancel, a time limit) while the workers run, recorded by the handler and
+    raised by the watch loop between its polls: an exception raised from inside the handler lands
+    wherever the main thread is, e.g. amid the live MLflow write, and left the store unable to take
+    the run's final status (it stayed RUNNING). A second signal acts at once (default handlers)."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignals:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._previous[signum] = signal.signal(signum, self._record)
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _record(self, signum: int, _frame) -> None:
+        self.received = signum
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    def raise_if_received(self) -> None:
+        if self.received is not None:
+            raise Interrupted(self.received)
 
 
-def _stop(job: JobSpec, proc: subprocess.Popen, run_dir: Path, last_step: int) -> None:
+def _stop(job: JobSpec, proc: subprocess.Popen, run_dir: Path) -> None:
     """SIGINT/SIGTERM to `bench run`: stop every worker of the job (its own process group). With
     run.checkpoint.on_signal the workers first save at a step none of them has finished yet
     (``stop.json``, read after every step) and exit; STOP_GRACE_S later the group is killed anyway."""
     if job.run.checkpoint.on_signal and proc.poll() is None:
         # ranks are at most one step apart (each step ends in an all-reduce): rank 0's last finished
-        # step + 2 is ahead of all, read now: the watch loop's last_step is up to a poll old, and short
-        # steps had passed last_step + 2 by then (no rank stopped, nothing saved)
-        write_stop_request(run_dir, max(last_step, _progress_step(run_dir), 0) + 2)
+        # step + 2 is ahead of all, read now (a step read a poll ago was passed by short steps: no
+        # rank stopped, nothing saved)
+        write_stop_request(run_dir, max(_progress_step(run_dir), 0) + 2)
         print(f"\nparabench: interrupted: saving a last checkpoint (up to {STOP_GRACE_S:.0f} s)", file=sys.stderr)
         try:
             proc.wait(timeout=STOP_GRACE_S)
         except subprocess.TimeoutExpired:
             pass
-    _kill(proc, get_launcher(get_adapter(job.backend.name).capabilities.launcher).stop_signal)
+    _kill(proc, _launcher_of(job).stop_signal)
 
 
 def _progress(run_dir: Path) -> dict[str, Any] | None:
@@ -275,7 +304,7 @@ def launch(job: JobSpec, run_dir: Path, env: dict[str, str], port: int, tracker=
     """Start the workers through the backend's launcher and watch them. Returns (exit code, reason).
     With ``tracker``, rank 0's finished steps go to MLflow every LIVE_S while the workers run (this
     process only reads the file rank 0 appends to after each step: nothing in the timed region)."""
-    launcher = get_launcher(get_adapter(job.backend.name).capabilities.launcher)
+    launcher = _launcher_of(job)
     cmd = launcher.command(job, port, str(run_dir))
     (run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
     total = job.run.warmup_steps + job.run.steps
@@ -290,39 +319,45 @@ def launch(job: JobSpec, run_dir: Path, env: dict[str, str], port: int, tracker=
             start_new_session=True,
             preexec_fn=die_with_parent(launcher.stop_signal),  # the launcher and its workers never outlive bench run
         )
-    last_change, last_step, reason = time.monotonic(), -1, ""
     live = _Live(job, run_dir, tracker)
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # scancel, a time limit: stop like Ctrl-C
-    try:
-        while proc.poll() is None:
-            time.sleep(POLL_S)
-            info = _progress(run_dir)
-            if info and info.get("step", 0) != last_step:
-                last_step, last_change = info["step"], time.monotonic()
-                bar.update(info)
-            live.poll()
-            # before the first step: setup (imports, JIT builds); afterwards: one step at a time
-            limit, key = (
-                (job.launch.setup_timeout_s, "setup_timeout_s")
-                if last_step < 1
-                else (job.launch.hang_timeout_s, "hang_timeout_s")
-            )
-            if time.monotonic() - last_change > limit:
-                reason = f"no step finished for {limit:.0f} s (launcher.{key}): killed"
-                _kill(proc, launcher.stop_signal)
-                break
-    except KeyboardInterrupt:
-        bar.close()
-        _stop(job, proc, run_dir, last_step)
-        raise
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    with _StopSignals() as stop_signals:
+        try:
+            reason = _watch(job, proc, run_dir, live, bar, stop_signals)
+        except KeyboardInterrupt:
+            bar.close()
+            _stop(job, proc, run_dir)
+            raise
     bar.close()
     rc = proc.wait()
     live.flush()
     if rc != 0 and not reason:
         reason = f"a worker failed ({launcher.name} exit code {rc})"
     return rc, reason
+
+
+def _watch(job: JobSpec, proc: subprocess.Popen, run_dir: Path, live: _Live, bar: _Progress, stop_signals) -> str:
+    """Poll the workers until they exit: progress, live metrics, the setup/hang watchdog (kills the
+    group and returns why), a stop signal (raised here, between polls). Returns "" or the kill reason."""
+    last_change, last_step = time.monotonic(), -1
+    while proc.poll() is None:
+        time.sleep(POLL_S)
+        stop_signals.raise_if_received()
+        info = _progress(run_dir)
+        if info and info.get("step", 0) != last_step:
+            last_step, last_change = info["step"], time.monotonic()
+            bar.update(info)
+        live.poll()
+        stop_signals.raise_if_received()
+        # before the first step: setup (imports, JIT builds); afterwards: one step at a time
+        limit, key = (
+            (job.launch.setup_timeout_s, "setup_timeout_s")
+            if last_step < 1
+            else (job.launch.hang_timeout_s, "hang_timeout_s")
+        )
+        if time.monotonic() - last_change > limit:
+            _kill(proc, _launcher_of(job).stop_signal)
+            return f"no step finished for {limit:.0f} s (launcher.{key}): killed"
+    return ""
 
 
 class _Live:

@@ -515,9 +515,30 @@ def test_the_stop_step_is_ahead_of_rank_0s_newest_step_not_of_the_watch_loops(tm
     launcher = subprocess.Popen(  # stands in for the launcher: ends once the stop request is written
         ["sh", "-c", f"while [ ! -e {STOP_FILE} ]; do sleep 0.05; done"], cwd=tmp_path, start_new_session=True
     )
-    _stop(job_of("run.checkpoint.on_signal=true"), launcher, tmp_path, last_step=3)
+    _stop(job_of("run.checkpoint.on_signal=true"), launcher, tmp_path)
     assert launcher.wait(timeout=5) == 0
     assert json.loads((tmp_path / STOP_FILE).read_text())["step"] == 19
+
+
+def test_a_stop_signal_never_lands_inside_a_write_of_the_watch_loop():
+    """SIGTERM raised from its handler landed wherever the main thread was, once amid the live MLflow
+    write: the store then could not take the final status and the run stayed RUNNING (a CI run). The
+    signal is recorded and raised between the loop's polls; a second one acts at once."""
+    from parabench.errors import Interrupted
+    from parabench.runner import _StopSignals
+
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    written = []
+    with _StopSignals() as stop_signals:
+        stop_signals.raise_if_received()  # nothing received: no raise
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives "during a write"
+        written.append("the write finished")
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # a second SIGTERM ends bench at once
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        with pytest.raises(Interrupted) as raised:
+            stop_signals.raise_if_received()
+    assert written == ["the write finished"] and raised.value.signum == signal.SIGTERM
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
 
 
 def _start_until_step(results: Path, args: list[str], steps: int) -> tuple[subprocess.Popen, Path]:
