@@ -46,6 +46,9 @@ class Capabilities:
     multi_node: bool = True
     model_features: frozenset[str] = frozenset()  # optional model parts it implements (spec.MODEL_FEATURES)
     moe: bool = False  # trains a Mixture-of-Experts model (model.num_local_experts > 0; docs/moe.md)
+    # splits each decoder layer's heads, key/value heads and MLP columns over parallel.tp ranks (no
+    # key/value head replication): check_capabilities refuses a model they do not divide
+    tensor_parallel: bool = False
     checkpoint: CheckpointSupport | None = None  # None: run.checkpoint / run.resume are refused before launch
     convert: ConvertSupport | None = None  # None: bench convert refuses it as source or target
 
@@ -337,6 +340,8 @@ def check_capabilities(adapter: type[Adapter], job: JobSpec) -> None:
             f"{job.model.num_local_experts} experts): it lacks expert parallelism and a mapping of the experts onto "
             "the canonical weights (issue #31, docs/moe.md); backend=ddp trains them",
         )
+    if caps.tensor_parallel and job.parallel.tp > 1:
+        check_tensor_parallel_split(adapter.name, job.model, job.parallel.tp)
     missing = sorted(job.model.features() - caps.model_features)
     if missing:
         raise SpecError(
@@ -344,3 +349,20 @@ def check_capabilities(adapter: type[Adapter], job: JobSpec) -> None:
             f"backend {adapter.name} does not implement {missing[0]} (used by model "
             f"{job.model.name}); the PyTorch backends (ddp, fsdp, deepspeed) do",
         )
+
+
+def check_tensor_parallel_split(backend: str, model: ModelSpec, tp: int) -> None:
+    """Megatron's split of a decoder layer (Shoeybi et al. 2019, sec. 3): every tp rank holds whole
+    query and key/value heads and an equal share of the MLP's columns."""
+    for key, what in (
+        ("num_attention_heads", "attention heads"),
+        ("num_key_value_heads", "key/value heads"),
+        ("intermediate_size", "MLP columns"),
+    ):
+        value = getattr(model, key)
+        if value % tp:
+            raise SpecError(
+                "backend.tp",
+                f"backend {backend} splits each layer's {what} over tp={tp}, but model.{key}={value} is not "
+                "divisible by it: choose a tp that divides it",
+            )

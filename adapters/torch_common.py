@@ -80,12 +80,16 @@ class TorchEngine(Engine):
                 loss.backward()
             total += loss.detach()
         if self.ctx.job.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, self.ctx.job.optim.grad_clip)
+            self.clip_gradients(self.ctx.job.optim.grad_clip)
         self.optimizer.step()
         # Keep gradient buffers allocated (as DDP buckets and DeepSpeed do): memory stays steady
         # and the model-state accounting sees the gradients a rank really holds.
         self.optimizer.zero_grad(set_to_none=False)
         return total
+
+    def clip_gradients(self, max_norm: float) -> None:
+        """Scale the gradients to a global L2 norm of at most ``max_norm`` (over every rank's shard)."""
+        torch.nn.utils.clip_grad_norm_(self.params, max_norm)
 
     def model_state_bytes(self) -> ModelStateBytes:
         return torch_model_state(self.params, self.optimizer)

@@ -95,6 +95,9 @@ class Layout:
     sequence_parallel: bool = False
     sharding: Sharding = "none"
     recompute: Literal["none", "selective", "full"] = "none"
+    # embedding, lm_head and cross entropy split over tp too (Megatron); False: only the decoder
+    # layers' attention and MLP (FSDP2 + TP, adapters/fsdp.py)
+    vocab_parallel: bool = True
 
 
 @dataclass(frozen=True)
@@ -184,6 +187,24 @@ def round_up(n: int, multiple: int) -> int:
 def fsdp2_padded_numel(shapes: Iterable[Sequence[int]], world: int) -> int:
     """FSDP2 shards each parameter on dim 0, padding dim 0 to a multiple of the world size."""
     return sum(round_up(s[0], world) * math.prod(s[1:]) for s in shapes)
+
+
+# Megatron's split of a decoder layer (Shoeybi et al. 2019, sec. 3; docs/sources.md#fsdp2-tensor-parallel):
+# column-parallel projections split their output features (weight dim 0, bias), row-parallel ones their
+# input features (weight dim 1); everything else (embedding, norms, lm_head) is replicated over tp.
+TP_COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+TP_ROWWISE = ("o_proj", "down_proj")
+
+
+def tp_shard_shapes(model: ModelSpec, tp: int) -> dict[str, tuple[int, ...]]:
+    """Each parameter's shape on one tensor-parallel rank when only the decoder layers' attention and
+    MLP projections are split (FSDP2 + DTensor TP, torchtitan's per-layer plan without the vocab split)."""
+    out = {}
+    for name, shape in model.parameter_shapes().items():
+        module = name.rsplit(".", 2)[-2] if ".layers." in name else ""
+        dim = 0 if module in TP_COLWISE else 1 if module in TP_ROWWISE and name.endswith(".weight") else None
+        out[name] = tuple(n // tp if d == dim else n for d, n in enumerate(shape))
+    return out
 
 
 def deepspeed_flat_numel(group_numels: Iterable[int], dp: int, element_bytes: int = 2) -> int:
@@ -303,6 +324,8 @@ def _tensor_parallel(model: ModelSpec, layout: Layout, batch: Batch, widths: Wid
         ]
     else:
         out = [c("all_reduce", m * layers * (2 + 2 + 2 * redo), "TP: 2 fwd + 2 bwd all-reduces per layer")]
+    if not layout.vocab_parallel:  # embedding, lm_head and loss replicated: nothing beyond the layers
+        return out
     if layout.pp == 1:  # the busiest rank: with pp > 1 the last stage (lm_head, cross entropy)
         kind: Kind = "reduce_scatter" if layout.sequence_parallel else "all_reduce"
         out.append(c(kind, m, "vocab-parallel embedding output"))
@@ -357,6 +380,7 @@ __all__ = [
     "deepspeed_flat_numel",
     "fsdp2_padded_numel",
     "ring_steps",
+    "tp_shard_shapes",
     "round_up",
     "step_comm",
     "zero3_padded_numel",

@@ -1,0 +1,87 @@
+"""FSDP2 + tensor parallel (backend=fsdp backend.tp=N, torchtitan's 2-D layout; docs/plan.md#fsdp2-tensor-parallel):
+the refusals before launch and the model-state formula (unit), and
+2 and 4 ranks trained against ddp (full tier)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from run_matrix import STEPS, assert_parity
+
+from conftest import FAST, assert_refused_before_launch, bench, summaries
+from parabench.adapters.registry import get_adapter
+from parabench.confutil import compose, to_plain
+from parabench.runner import prepare
+
+# The llama preset (conf/model/llama.yaml) by hand: hidden 256, 8 query heads and 4 key/value heads of
+# 32, MLP width 688, 4 layers. One layer's split projections: q and o 256 x 256, k and v 256 x 128,
+# gate, up and down 256 x 688 (Shoeybi et al. 2019, sec. 3: everything else stays whole).
+SPLIT_PER_LAYER = 2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 688
+LAYERS = 4
+
+
+def _job(world: int, *overrides: str, **options):
+    plain = to_plain(compose(["+model=llama", "backend=fsdp", *overrides]))
+    cfg = copy.deepcopy(plain)
+    cfg["backend"].update(options)
+    cfg["launcher"].update(nproc_per_node=world, dry_run=True)
+    cfg["device"]["type"] = "cpu"
+    cfg["tracking"]["enabled"] = False
+    return prepare(cfg)
+
+
+@pytest.mark.parametrize(
+    ("args", "must_name"),
+    [
+        (["backend.tp=3", "launcher.nproc_per_node=3"], "model.num_attention_heads=8 is not divisible"),
+        (["backend.tp=8", "launcher.nproc_per_node=8"], "model.num_key_value_heads=4 is not divisible"),
+        (
+            ["backend.tp=2", "launcher.nproc_per_node=2", "model.intermediate_size=687"],
+            "model.intermediate_size=687 is not divisible",
+        ),
+        (["backend.tp=2", "launcher.nproc_per_node=3"], "world size 3 is not divisible by tp=2"),
+    ],
+    ids=["heads", "kv-heads", "mlp-width", "world"],
+)
+def test_a_tp_that_does_not_split_the_model_is_refused_before_launch(args, must_name, tmp_path, capsys):
+    base = ["+model=llama", "backend=fsdp", "device=cpu"]
+    err = assert_refused_before_launch([*base, *args], must_name, tmp_path, capsys)
+    assert "backend.tp" in err
+
+
+def test_parallel_dims_and_model_state_formula_by_hand():
+    job = _job(4, tp=2)
+    assert (job.parallel.world_size, job.parallel.tp, job.parallel.dp) == (4, 2, 2)
+    psi_tp = job.model.num_params() - LAYERS * SPLIT_PER_LAYER // 2  # one tp rank's parameters
+    formula = get_adapter("fsdp").expected_model_state(job)
+    assert formula.bytes == 16 * psi_tp / 2  # fp32 params, grads, AdamW moments over dp = 2
+    assert "Psi_tp" in formula.formula and "fsdp2-tensor-parallel" in formula.source
+    # tp = 1 is FSDP as before: the whole model over the world
+    assert get_adapter("fsdp").expected_model_state(_job(2)).bytes == 16 * job.model.num_params() / 2
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp2xdp2"])
+def fsdp_tp(request, tmp_path_factory) -> dict:
+    """backend=fsdp backend.tp=2 at the run matrix's geometry (tp2: dp 1, 2 micro-batches; tp2xdp2: 4
+    ranks, oversubscribed): runs of their own, the matrix has none with tensor parallelism."""
+    results = tmp_path_factory.mktemp(f"fsdp_tp_x{request.param}")
+    args = [*FAST, f"run.steps={STEPS}", "backend=fsdp", "backend.tp=2", f"launcher.nproc_per_node={request.param}"]
+    proc = bench(["run", *args, "tracking.enabled=false"], results)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (summary,) = summaries(results).values()
+    return summary
+
+
+@pytest.mark.matrix("ddp")
+@pytest.mark.full
+def test_fsdp_tp_matches_ddp_and_holds_its_formula(matrix, fsdp_tp):
+    ddp = matrix["ddp"].summary
+    # ddp/fsdp's bounds (test_e2e): tensor parallelism only reorders the row-parallel sums (measured
+    # 2026-12-06: at most 6.3e-8 relative at steps 0, 5, 10, 15, at both world sizes)
+    assert_parity(ddp, fsdp_tp, first=1e-6, after_ten=1e-4)
+    n, dp = ddp["num_params"], fsdp_tp["world_size"] // 2
+    expected = 16 * (n - LAYERS * SPLIT_PER_LAYER // 2) / dp
+    assert fsdp_tp["model_state_expected_bytes"] == expected
+    for rank in fsdp_tp["model_state_per_rank"]:  # measured: every split dim is even, so FSDP2 pads nothing
+        assert rank["params"] + rank["grads"] + rank["optimizer"] == expected, rank
