@@ -1,10 +1,11 @@
 """FSDP2 + tensor parallel (backend=fsdp backend.tp=N, torchtitan's 2-D layout; docs/plan.md#fsdp2-tensor-parallel):
-the refusals before launch and the model-state formula (unit), and
+the refusals before launch, the model-state formula and the planner's fsdp x tp layouts (unit), and
 2 and 4 ranks trained against ddp (full tier)."""
 
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 from run_matrix import STEPS, assert_parity
@@ -59,6 +60,60 @@ def test_parallel_dims_and_model_state_formula_by_hand():
     assert "Psi_tp" in formula.formula and "fsdp2-tensor-parallel" in formula.source
     # tp = 1 is FSDP as before: the whole model over the world
     assert get_adapter("fsdp").expected_model_state(_job(2)).bytes == 16 * job.model.num_params() / 2
+
+
+def test_planner_states_are_the_adapters_formula_plus_fsdp2_padding():
+    from parabench.plan.profiles import PROFILES
+
+    pads = {}
+    for world, tp in ((2, 2), (4, 2), (6, 2), (4, 4)):
+        job = _job(world, "data.global_batch_size=12", tp=tp)
+        states = PROFILES["fsdp"].states(job)
+        formula = get_adapter("fsdp").expected_model_state(job).bytes
+        pads[world, tp] = states.total - formula
+        # FSDP2 pads each parameter's dim 0 to a multiple of dp: less than one row of it per rank
+        rows = sum(math.prod(shape[1:]) for shape in job.model.parameter_shapes().values())
+        assert 0 <= pads[world, tp] < 16 * rows, (world, tp, states, formula)
+    assert pads[2, 2] == 0 and pads[4, 2] == 0  # over dp 1 or 2 nothing to pad: every dim is even
+    assert pads[6, 2] > 0  # dp 3 pads dim 0 (FSDP2), e.g. gate/up's 344 rows to 345
+
+
+def test_the_search_offers_fsdp_with_tensor_parallel_and_its_communication():
+    from parabench.plan.cluster import load
+    from parabench.plan.estimate import Calibration
+    from parabench.plan.search import backend_defaults, describe, search
+
+    user = ["+model=llama3-8b", "data.global_batch_size=32", "data.seq_len=4096", "run.precision=bf16"]
+    base = backend_defaults(["fsdp"], [*user, "tracking.enabled=false"])
+    found = search(base, load("h100-sxm"), 16, [1], 989.0, Calibration())
+    plain = [e for e in found.ranked + found.unfit if _plain_fsdp(e.job.backend.options)]
+    fsdp = {e.job.parallel.tp: e for e in plain}
+    assert len(fsdp) == len(plain) and set(fsdp) == {1, 2, 4, 8}  # tp inside the node's 8 GPUs
+    row = fsdp[2]
+    assert describe(row).startswith("fsdp tp2 dp8") and "backend.tp=2" in found.overrides[id(row)]
+    tp = [c for c in row.comm.collectives if c.group == "tp"]
+    # Megatron's f/g: 2 forward + 2 backward all-reduces of the b x s x h bf16 activation per layer
+    # and micro-batch (32 layers, 4 micro-batches: 32 / (1 x dp 8)); the embedding, lm_head and loss
+    # are not split, so none of Megatron's vocab-parallel collectives
+    assert [(c.kind, c.calls, c.size_bytes) for c in tp] == [("all_reduce", 4 * 32 * 4, 4096 * 4096 * 2)]
+    assert row.overlap.total["tp"] > 0 and row.overlap.hidden["tp"] == 0  # exposed, as for megatron
+    # the dp group synchronises one tp rank's shard: fewer elements than at tp 1
+    assert row.states.elements < fsdp[1].states.elements
+
+
+def _plain_fsdp(o) -> bool:
+    return o.reshard_after_forward and not o.activation_checkpointing and not o.cpu_offload
+
+
+def test_the_search_counts_the_tp_the_model_refuses():
+    from parabench.plan.cluster import load
+    from parabench.plan.estimate import Calibration
+    from parabench.plan.search import backend_defaults, search
+
+    base = backend_defaults(["fsdp"], ["+model=llama", "data.global_batch_size=8", "tracking.enabled=false"])
+    found = search(base, load("h100-sxm"), 8, [1], 989.0, Calibration())
+    assert {e.job.parallel.tp for e in found.ranked + found.unfit} == {1, 2, 4}
+    assert found.invalid.get("backend.tp", 0) > 0  # tp 8 does not divide the 4 key/value heads
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp2xdp2"])

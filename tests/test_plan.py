@@ -146,9 +146,11 @@ def test_unknown_cluster_one_line_exit_2(capsys):
 
 
 def test_impossible_batch_one_line_exit_2(capsys):
+    # an MLP width no tp > 1 divides: fsdp tp2 x dp1 would otherwise take the 3 sequences on 2 ranks
     code, out, err = _plan(
-        capsys, "+model=llama", "cluster=cpu", "plan.backends=[ddp,fsdp]", "data.global_batch_size=3"
-    )
+        capsys, "+model=llama", "model.intermediate_size=687", "cluster=cpu", "plan.backends=[ddp,fsdp]",
+        "data.global_batch_size=3",
+    )  # fmt: skip
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "data.global_batch_size" in err and "3" in err
 

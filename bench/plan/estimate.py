@@ -198,9 +198,10 @@ class Estimate:
         return self.bubble_s / self.step_s
 
 
-def activation_bytes(job: JobSpec, recompute: str, fused_attention: bool = False) -> float:
+def activation_bytes(job: JobSpec, recompute: str, fused_attention: bool = False, vocab_parallel: bool = True) -> float:
     """Activations a device holds at its peak (Korthikanti et al. 2022, Table 2, for 2-byte
-    activations; fp32 doubles them) plus the fp32 logits and their gradient of the last stage.
+    activations; fp32 doubles them) plus the fp32 logits and their gradient of the last stage
+    (split over tp when lm_head is: ``vocab_parallel``).
     ``recompute``: none | selective | full (docs/sources.md#activation-memory)."""
     m, d, o = job.model, job.data, job.backend.options
     s, b, h, a = d.seq_len, d.micro_batch_size, m.hidden_size, m.num_attention_heads
@@ -220,7 +221,7 @@ def activation_bytes(job: JobSpec, recompute: str, fused_attention: bool = False
     in_flight = min(p, job.grad_accum)
     if v > 1:  # interleaved 1F1B: the first stage holds (1 + (p - 1) / (p v)) x p micro-batches
         in_flight = in_flight * (1 + (p - 1) / (p * v))
-    logits = 2 * s * b * m.vocab_size / t * 4
+    logits = 2 * s * b * m.vocab_size / (t if vocab_parallel else 1) * 4
     return stored * width * in_flight + logits
 
 
@@ -250,14 +251,16 @@ def estimate(
     features = features or Features()
     states = prof.states(job)
     recompute = features.recompute or prof.recompute(job)
-    acts = activation_bytes(job, "selective" if recompute == "selective_op" else recompute, prof.fused_attention(job))
+    kind, layout = cluster.device_kind, prof.layout(job)
+    acts = activation_bytes(
+        job, "selective" if recompute == "selective_op" else recompute, prof.fused_attention(job), layout.vocab_parallel
+    )
     buffers = prof.buffers(job)
     overhead = cal.over(job.backend.name, cluster.device_kind)
     # without a host link (the CPU cluster) "offloaded" states stay in the same memory as the rest
     host = states.host if cluster.host_link else 0.0
     device = states.total - host + acts + buffers + overhead
     fpt = flops_per_token(job.model, job.data.seq_len)
-    kind, layout = cluster.device_kind, prof.layout(job)
     threads = (threads or threads_of(cluster)) if kind == "cpu" else None
     compute, compute_model = _compute_s(job, layout, cluster, peak_tflops, cal, threads, recompute)
     framework = cal.per_micro_batch(job.backend.name, kind, threads, layout_key(layout)) * model_passes(job)
@@ -311,7 +314,7 @@ def _compute_s(
         return float("nan"), "flops"
     kind, name = cluster.device_kind, job.backend.name
     if kind in CURVES and not cal.calibrated(name, kind):
-        shape = (job.model, job.data.seq_len, job.data.micro_batch_size, layout.tp, layout.cp)
+        shape = (job.model, job.data.seq_len, job.data.micro_batch_size, layout.tp, layout.cp, layout.vocab_parallel)
         share = recompute_share(job.model, recompute)
         seconds = step_compute_s(
             forward_gemms(*shape), job.grad_accum, layout.pp, peak_tflops * 1e12, cal.curve(kind), share,

@@ -92,12 +92,15 @@ class Gemm:
         return self.m * self.n * self.heads * self.count
 
 
-def forward_gemms(model: ModelSpec, seq_len: int, micro_batch: int, tp: int = 1, cp: int = 1) -> list[Gemm]:
+def forward_gemms(
+    model: ModelSpec, seq_len: int, micro_batch: int, tp: int = 1, cp: int = 1, vocab_parallel: bool = True
+) -> list[Gemm]:
     """The forward GEMMs of one micro-batch on one device (all layers; a pipeline stage runs 1 / pp
     of them). The attention scores and their product with V are one batched GEMM each over the
     device's heads: (s / cp) x s x head_dim per head, of which a causal kernel computes half (FlashAttention
     skips the blocks above the diagonal, Dao 2023; Megatron's context-parallel ring balances them over
-    the cp ranks): ``count`` = L / 2. (MFU still counts PaLM's full 12 L H Q T.)"""
+    the cp ranks): ``count`` = L / 2. (MFU still counts PaLM's full 12 L H Q T.) ``vocab_parallel``
+    false: lm_head whole on every tp rank (FSDP2 + TP splits the decoder layers only)."""
     h, i, layers = model.hidden_size, model.intermediate_size, model.num_hidden_layers
     q = model.num_attention_heads * model.head_dim
     kv = model.num_key_value_heads * model.head_dim
@@ -109,7 +112,7 @@ def forward_gemms(model: ModelSpec, seq_len: int, micro_batch: int, tp: int = 1,
         Gemm("o", m, h, q / tp, layers),
         Gemm("gate+up", m, 2 * i / tp, h, layers),
         Gemm("down", m, h, i / tp, layers),
-        Gemm("lm_head", m, model.vocab_size / tp, h, 1),
+        Gemm("lm_head", m, model.vocab_size / (tp if vocab_parallel else 1), h, 1),
     ]
 
 
@@ -144,11 +147,14 @@ def _eff(g: Gemm, curve: Curve) -> float:
     return curve.e_max if g.what.startswith("attention") else curve.eff(g.m, g.n, g.k)
 
 
-def elementwise_elements(model: ModelSpec, seq_len: int, micro_batch: int, tp: int = 1, cp: int = 1) -> float:
+def elementwise_elements(
+    model: ModelSpec, seq_len: int, micro_batch: int, tp: int = 1, cp: int = 1, vocab_parallel: bool = True
+) -> float:
     """Activation elements of the memory-bound work of one micro-batch on one device (all layers):
-    tokens x (L h + V) / tp."""
+    tokens x (L h + V) / tp (V whole without ``vocab_parallel``)."""
     tokens = micro_batch * seq_len / cp
-    return tokens * (model.num_hidden_layers * model.hidden_size + model.vocab_size) / tp
+    vocab = model.vocab_size / (tp if vocab_parallel else 1)
+    return tokens * (model.num_hidden_layers * model.hidden_size / tp + vocab)
 
 
 def step_compute_s(

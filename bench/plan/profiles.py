@@ -22,6 +22,7 @@ from parabench.commvolume import (
     deepspeed_flat_numel,
     fsdp2_padded_numel,
     round_up,
+    tp_shard_shapes,
     zero3_padded_numel,
 )
 from parabench.spec import JobSpec
@@ -156,8 +157,10 @@ def _ddp_buffers(job: JobSpec) -> float:
 
 # ---------------------------------------------------------------------------- fsdp
 def _fsdp_states(job: JobSpec) -> States:
-    n = job.parallel.world_size
-    padded = fsdp2_padded_numel(job.model.parameter_shapes().values(), n)
+    """Each parameter of the rank's tensor-parallel shard (all of them at tp = 1) sharded on dim 0
+    over dp, dim 0 padded to a multiple of dp (FSDP2; docs/sources.md#fsdp2-tensor-parallel)."""
+    n = job.parallel.dp
+    padded = fsdp2_padded_numel(tp_shard_shapes(job.model, job.parallel.tp).values(), n)
     per_rank = padded / n
     host = 16.0 * per_rank if job.backend.options.cpu_offload else 0.0
     return States(4.0 * per_rank, 4.0 * per_rank, 8.0 * per_rank, host, padded)
@@ -166,10 +169,12 @@ def _fsdp_states(job: JobSpec) -> States:
 def _fsdp_buffers(job: JobSpec) -> float:
     """Two layers unsharded at once (the current one and the prefetched next) in the param dtype,
     the root module unsharded, and one layer's unsharded fp32 gradients before the reduce-scatter.
-    Without resharding after forward every layer stays unsharded until its backward."""
+    Without resharding after forward every layer stays unsharded until its backward. With tensor
+    parallelism a layer is unsharded to its tp shard."""
+    shapes = tp_shard_shapes(job.model, job.parallel.tp)
     m = job.model
-    layer = sum(math.prod(s) for k, s in m.parameter_shapes().items() if k.startswith("model.layers.0."))
-    root = sum(math.prod(s) for k, s in m.parameter_shapes().items() if ".layers." not in k)
+    layer = sum(math.prod(s) for k, s in shapes.items() if k.startswith("model.layers.0."))
+    root = sum(math.prod(s) for k, s in shapes.items() if ".layers." not in k)
     live = 2 if job.backend.options.reshard_after_forward else m.num_hidden_layers
     return live * layer * _b(job) + root * _b(job) + layer * 4
 
@@ -184,10 +189,31 @@ def _fsdp_overlap(job: JobSpec) -> float:
 
 
 def _fsdp_options(world: int, per_node: int, offload: bool) -> Iterator[dict[str, Any]]:
-    for reshard in (True, False):
-        for ac in (False, True):
-            for cpu_offload in (False, True) if offload else (False,):
-                yield {"reshard_after_forward": reshard, "activation_checkpointing": ac, "cpu_offload": cpu_offload}
+    """FSDP alone and FSDP2 + tensor parallel (torchtitan's 2-D layout), tp inside a node as for
+    megatron; a tp the model's heads or MLP width do not divide is refused by the harness."""
+    for tp in (d for d in _divisors(world) if d <= per_node):
+        for reshard in (True, False):
+            for ac in (False, True):
+                for cpu_offload in (False, True) if offload else (False,):
+                    yield {
+                        "tp": tp,
+                        "reshard_after_forward": reshard,
+                        "activation_checkpointing": ac,
+                        "cpu_offload": cpu_offload,
+                    }
+
+
+def _fsdp_layout(job: JobSpec) -> Layout:
+    """FSDP over dp; with tp > 1 the decoder layers' Megatron-style collectives (2 forward + 2 backward
+    all-reduces per layer), the embedding, lm_head and loss replicated (no vocab-parallel collectives)."""
+    o = job.backend.options
+    return Layout(
+        dp=job.parallel.dp,
+        tp=job.parallel.tp,
+        sharding="fsdp" if o.reshard_after_forward else "fsdp_no_reshard",
+        recompute=_ac(job),
+        vocab_parallel=False,
+    )
 
 
 def _fsdp_offload(job: JobSpec, st: States) -> Offload:
@@ -199,12 +225,12 @@ def _fsdp_offload(job: JobSpec, st: States) -> Offload:
     Counted per rank whatever the world size (one rank still copies its whole "shard")."""
     if not job.backend.options.cpu_offload:
         return Offload()
-    shard = 4.0 * st.elements / job.parallel.world_size
+    shard = 4.0 * st.elements / job.parallel.dp
     gathers = (2 if job.backend.options.reshard_after_forward else 1) * job.grad_accum
     return Offload(
         d2h_bytes=shard,
         h2d_bytes=shard * gathers,
-        host_elements=st.elements / job.parallel.world_size,
+        host_elements=st.elements / job.parallel.dp,
         host_pass_bytes=HOST_ADAM_BYTES * TORCH_HOST_ADAM_SLOWDOWN,
         overlap=1.0,
     )
@@ -425,7 +451,7 @@ PROFILES: dict[str, Profile] = {
     ),
     "fsdp": Profile(
         _fsdp_options,
-        _dp_layout(lambda j: "fsdp" if j.backend.options.reshard_after_forward else "fsdp_no_reshard"),
+        _fsdp_layout,
         lambda j: True,
         _fsdp_states,
         _fsdp_buffers,

@@ -103,6 +103,7 @@ def describe(e: Estimate) -> str:
         bits += ["offload-opt"] if o.offload_optimizer != "none" else []
         bits += ["offload-param"] if o.offload_param != "none" else []
     if name == "fsdp":
+        bits += [f"tp{o.tp}"] if o.tp > 1 else []
         bits += (["no-reshard"] if not o.reshard_after_forward else []) + (["cpu-offload"] if o.cpu_offload else [])
     if name in ("megatron", "mindspeed"):
         bits += (
