@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import bench, mlflow_runs
+from conftest import VOCAB, bench, mlflow_runs
 from parabench.collectives import OPS, CommOptions, fit_alpha_beta, parse_size, sweep
 from parabench.errors import SpecError
 
@@ -178,8 +178,11 @@ def test_mindspore_cpu_runs_what_mccl_can_and_names_the_rest(results):
 # --------------------------------------------------------------------------------------------
 # Communication accounting in bench run, and bench compare.
 # --------------------------------------------------------------------------------------------
-# one warm-up step: the measured step is a steady one (DeepSpeed ZeRO-3 traces the module order in its first step)
-TINY = ["+model=llama", "data.seq_len=64", "run.warmup_steps=1", "run.steps=1", "run.checksum=false"]
+# one warm-up step: the measured step is a steady one (DeepSpeed ZeRO-3 traces the module order in its first
+# step). The matrix's vocabulary (VOCAB, conftest's FAST): the byte counts are checked against the formula of
+# the same model whatever its size, and the 32k embeddings made each job's start-up and step several times longer.
+TINY = ["+model=llama", f"model.vocab_size={VOCAB}", "data.seq_len=64", "run.warmup_steps=1", "run.steps=1",
+        "run.checksum=false"]  # fmt: skip
 
 
 def _assert_measured_equals_formula(summary: dict) -> dict:
@@ -199,18 +202,27 @@ def _assert_measured_equals_formula(summary: dict) -> dict:
     return extra
 
 
-@pytest.mark.full
-def test_measured_bytes_per_step_equal_the_formula(results):
-    """A sweep of its own: one warm-up and one measured step is all a per-step byte count needs
-    (the run matrix trains 20), and megatron pp=2 beside it."""
-    from conftest import summaries
-
+@pytest.fixture(scope="module")
+def comm_runs(tmp_path_factory):
+    """(results dir, stdout of the megatron pp=2 run): a sweep of its own (ddp, fsdp, ZeRO 1-3, megatron
+    tp=2) and megatron pp=2 beside it, in one MLflow store. One warm-up and one measured step is all a
+    per-step byte count needs (the run matrix trains 20 and has no warm-up step, and ZeRO-3 traces the
+    module order in its first). Read by the formula test and by the compare test (its ddp and fsdp rows)."""
+    results = tmp_path_factory.mktemp("comm_runs")
     backends = "ddp,fsdp,deepspeed/zero1,deepspeed/zero2,deepspeed/zero3,megatron/tp"
     proc = bench(["run", "-m", *TINY, f"backend={backends}", "launcher.nproc_per_node=2"], results, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = bench(["run", *TINY, "backend=megatron", "backend.pp=2", "launcher.nproc_per_node=2"], results)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "communication" in proc.stdout and "measured - formula = +0 B" in proc.stdout  # pp=2
+    return results, proc.stdout
+
+
+@pytest.mark.full
+def test_measured_bytes_per_step_equal_the_formula(comm_runs):
+    from conftest import summaries
+
+    results, pp_stdout = comm_runs
+    assert "communication" in pp_stdout and "measured - formula = +0 B" in pp_stdout  # pp=2
     found = summaries(results)
     assert len(found) == 7, sorted(found)
     extras = {}  # by run directory: one per job, so the ZeRO stages (and megatron's layouts) stay apart
@@ -271,15 +283,15 @@ def test_comm_columns_and_bus_bandwidth_plots_render(tmp_path):
 
 
 @pytest.mark.full
-def test_compare_over_a_real_sweep_shows_the_comm_columns(results):
-    """A ddp/fsdp sweep on 2 ranks, then bench compare: per backend the measured bus bytes per step,
-    the formula's and the communication share, the numbers of the runs' own summaries. A sweep of its
-    own: compare reads a whole experiment, and the matrix's holds every variant."""
+def test_compare_over_a_real_sweep_shows_the_comm_columns(comm_runs):
+    """The formula test's runs on 2 ranks (a sweep and megatron pp=2 in one MLflow experiment), then
+    bench compare: for ddp and fsdp the measured bus bytes per step, the formula's and the
+    communication share, the numbers of the runs' own summaries. Runs of their own, not the matrix's:
+    compare reads a whole experiment, and the matrix's holds every variant."""
     from conftest import summaries
 
-    proc = bench(["run", "-m", *TINY, "backend=ddp,fsdp", "launcher.nproc_per_node=2"], results)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    found = {s["backend"]: s for s in summaries(results).values()}
+    results, _ = comm_runs
+    found = {s["backend"]: s for s in summaries(results).values() if s["backend"] in ("ddp", "fsdp")}
     assert sorted(found) == ["ddp", "fsdp"]
     out = results / "rep"
     store = f"sqlite:///{results / 'mlflow.db'}"
