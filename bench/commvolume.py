@@ -98,6 +98,10 @@ class Layout:
     # embedding, lm_head and cross entropy split over tp too (Megatron); False: only the decoder
     # layers' attention and MLP (FSDP2 + TP, adapters/fsdp.py)
     vocab_parallel: bool = True
+    # full recomputation through torch.utils.checkpoint (non-reentrant): it stops once the tensors the
+    # backward saved are back (set_checkpoint_early_stop, on by default), before the layer's last
+    # row-parallel all-reduce, whose output no backward saves: 1 recomputed all-reduce per layer, not 2
+    recompute_stops_early: bool = False
 
 
 @dataclass(frozen=True)
@@ -323,7 +327,8 @@ def _tensor_parallel(model: ModelSpec, layout: Layout, batch: Batch, widths: Wid
             c("all_gather", m * layers * 2, "SP: backward of the output reduce-scatters"),
         ]
     else:
-        out = [c("all_reduce", m * layers * (2 + 2 + 2 * redo), "TP: 2 fwd + 2 bwd all-reduces per layer")]
+        again = (1 if layout.recompute_stops_early else 2) * redo
+        out = [c("all_reduce", m * layers * (2 + 2 + again), "TP: 2 fwd + 2 bwd all-reduces per layer")]
     if not layout.vocab_parallel:  # embedding, lm_head and loss replicated: nothing beyond the layers
         return out
     if layout.pp == 1:  # the busiest rank: with pp > 1 the last stage (lm_head, cross entropy)

@@ -140,3 +140,38 @@ def test_fsdp_tp_matches_ddp_and_holds_its_formula(matrix, fsdp_tp):
     assert fsdp_tp["model_state_expected_bytes"] == expected
     for rank in fsdp_tp["model_state_per_rank"]:  # measured: every split dim is even, so FSDP2 pads nothing
         assert rank["params"] + rank["grads"] + rank["optimizer"] == expected, rank
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
+def test_the_planners_tp_collectives_are_the_ones_dtensor_issues(recompute):
+    # One micro-batch's forward and backward of the adapter's split model on a 2-rank world of
+    # torch's fake process group (collectives issued, nothing sent), counted by DTensor's
+    # CommDebugMode: the planner's per-layer all-reduces (Megatron's f and g; with activation
+    # checkpointing the attention's g once more: torch's recompute stops before the MLP's) and nothing
+    # else. A per-projection input split would add 3 backward ones.
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from parabench.adapters.fsdp import apply_tensor_parallel
+    from parabench.commvolume import Batch, step_comm
+    from parabench.model import build_llama, set_activation_checkpointing
+    from parabench.plan.profiles import PROFILES
+
+    job = _job(2, "model.vocab_size=256", tp=2, activation_checkpointing=recompute)
+    prof = PROFILES["fsdp"]
+    planned = step_comm(job.model, prof.layout(job), Batch(16, 2, 1), prof.widths(job))
+    tp_calls = {c.kind: c.calls for c in planned.collectives if c.group == "tp"}
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = build_llama(job.model)
+        apply_tensor_parallel(model, init_device_mesh("cpu", (2,)))
+        set_activation_checkpointing(model, recompute)
+        with CommDebugMode() as comm:
+            model(torch.randint(0, 256, (2, 16))).float().sum().backward()
+        issued = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+    finally:
+        dist.destroy_process_group()
+    assert issued == tp_calls == {"all_reduce": LAYERS * (4 + recompute)}

@@ -213,6 +213,7 @@ def _fsdp_layout(job: JobSpec) -> Layout:
         sharding="fsdp" if o.reshard_after_forward else "fsdp_no_reshard",
         recompute=_ac(job),
         vocab_parallel=False,
+        recompute_stops_early=True,  # model.DecoderLayer: torch.utils.checkpoint(use_reentrant=False)
     )
 
 
