@@ -21,6 +21,12 @@ Loss: GPTModel's per-token vocab-parallel cross entropy (fp32), averaged over th
 micro-batch; the pipeline schedule divides by the number of micro-batches (legacy averaging), which
 is ``causal_lm_loss`` averaged over micro-batches as in the other backends.
 
+Mixture-of-Experts (``model.num_local_experts > 0``, docs/moe.md#megatron): every layer's MLP is
+megatron-core's ``MoELayer`` (``TopKRouter``, the ``backend.moe_token_dispatcher``, ``SequentialMLP``
+experts) with ``expert_model_parallel_size = backend.ep``; router and experts are mapped from the
+canonical Mixtral names, expert-parallel rank r holding experts [r*E/ep, (r+1)*E/ep). The canonical
+load-balancing loss is added to each micro-batch's loss (``MegatronEngine._aux_loss``).
+
 CPU/NPU execution goes through ``parabench.redirect.install("cuda", target)`` inside the
 worker only (CUDA APIs, ``device="cuda"`` literals, CUDA RNG -> host/NPU); see docs/megatron.md.
 
@@ -63,6 +69,7 @@ from parabench.adapters.megatron_compat import (
     adamw_options,
     build_chunk,
     content_metadata_kwargs,
+    define_router_gemm_without_te,
     distopt_checkpoint_blocker,
     distopt_format,
     loading_torch_adam,
@@ -109,20 +116,34 @@ class MegatronOptions:
     num_microbatches: int = 0  # 0: global_batch_size / (micro_batch_size x dp); else must equal it
     bucket_size: int = 0  # DDP bucket size in elements; 0 = megatron-core's default
     transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"  # auto: TE on CUDA if installed
+    # Mixture-of-Experts (docs/moe.md): expert_model_parallel_size, each expert-parallel rank holding
+    # num_local_experts / ep experts of every layer; the ep ranks are data-parallel ranks (ep divides dp)
+    ep: int = 1
+    moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"  # megatron-core's moe_token_dispatcher_type
 
 
 def _layout(job: JobSpec, te_names: bool = False):
     from parabench.adapters.megatron_mapping import Layout
 
     o = job.backend.options
-    return Layout(tp=o.tp, pp=o.pp, vpp=o.vpp, te_names=te_names)
+    return Layout(tp=o.tp, pp=o.pp, vpp=o.vpp, te_names=te_names, ep=o.ep)
 
 
-def _shard_numel(model: ModelSpec, tp: int, first: bool, last: bool, layers: int) -> int:
-    """Parameters one tensor rank of one model chunk holds (norms replicated over TP)."""
+def _mlp_numel(model: ModelSpec, tp: int, ep: int) -> int:
+    """One layer's MLP parameters on one rank: the dense SwiGLU split over TP, or a MoE layer's
+    replicated router and its num_local_experts / ep experts (docs/sources.md#megatron-moe)."""
+    h = model.hidden_size
+    if not model.is_moe:
+        return 3 * model.intermediate_size * h // tp
+    experts = model.num_local_experts // ep
+    return model.num_local_experts * h + experts * 3 * model.expert_intermediate_size * h // tp
+
+
+def _shard_numel(model: ModelSpec, tp: int, first: bool, last: bool, layers: int, ep: int = 1) -> int:
+    """Parameters one tensor (and expert) rank of one model chunk holds (norms replicated over TP)."""
     h, d = model.hidden_size, model.head_dim
     qkv = (model.num_attention_heads + 2 * model.num_key_value_heads) * d
-    per_layer = 2 * h + qkv * h // tp + h * model.num_attention_heads * d // tp + 3 * model.intermediate_size * h // tp
+    per_layer = 2 * h + qkv * h // tp + h * model.num_attention_heads * d // tp + _mlp_numel(model, tp, ep)
     n = layers * per_layer
     if first:
         n += model.vocab_size * h // tp
@@ -139,10 +160,71 @@ def rank_param_counts(job: JobSpec) -> dict[tuple[int, int], int]:
     for s in range(o.pp):
         for r in range(o.tp):
             out[(s, r)] = sum(
-                _shard_numel(m, o.tp, s == 0 and c == 0, s == o.pp - 1 and c == o.vpp - 1, per_chunk)
+                _shard_numel(m, o.tp, s == 0 and c == 0, s == o.pp - 1 and c == o.vpp - 1, per_chunk, o.ep)
                 for c in range(o.vpp)
             )
     return out
+
+
+# The combinations of a MoE model with other megatron options that parabench has not mapped or checked
+# (option, is it set, why it is refused); docs/moe.md#megatron.
+def _moe_unchecked(o: MegatronOptions) -> list[tuple[str, bool, str]]:
+    return [
+        ("backend.tp", o.tp > 1, "expert tensor parallelism is not mapped yet: use tp=1"),
+        ("backend.pp", o.pp > 1, "the load-balancing loss over all layers' router logits needs pp=1"),
+        ("backend.cp", o.cp > 1, "context parallelism is not checked with MoE: use cp=1"),
+        (
+            "backend.transformer_impl",
+            o.transformer_impl == "transformer_engine",
+            "Transformer Engine's MoE layer spec is not mapped (auto and local use the local spec for MoE)",
+        ),
+        (
+            "backend.distributed_optimizer",
+            o.distributed_optimizer,
+            "its expert-data-parallel sharding is not checked with MoE yet",
+        ),
+    ]
+
+
+def _check_moe(job: JobSpec) -> None:
+    """Expert parallelism (``backend.ep``) and what a MoE model on megatron-core needs (docs/moe.md)."""
+    o, m, dp = job.backend.options, job.model, job.parallel.dp
+    if o.ep < 1:
+        raise SpecError("backend.ep", f"must be >= 1, got {o.ep}")
+    if not m.is_moe:
+        if o.ep > 1:
+            raise SpecError(
+                "backend.ep", f"expert parallelism (ep={o.ep}) needs a MoE model (model.num_local_experts > 0)"
+            )
+        return
+    if m.num_local_experts % o.ep:
+        raise SpecError("backend.ep", f"model.num_local_experts={m.num_local_experts} is not divisible by ep={o.ep}")
+    if dp % o.ep:
+        raise SpecError(
+            "backend.ep", f"ep={o.ep} does not divide the data-parallel size {dp} (the ep ranks are dp ranks)"
+        )
+    for key, bad, why in _moe_unchecked(o):
+        if bad:
+            raise SpecError(key, f"with a MoE model (model.num_local_experts={m.num_local_experts}): {why}")
+    if m.shared_expert_intermediate_size:
+        raise SpecError(
+            "model.shared_expert_intermediate_size",
+            "the shared expert and its sigmoid gate are not mapped onto megatron-core's SharedExpertMLP yet",
+        )
+    if m.num_experts_per_tok == 1:
+        raise SpecError(
+            "model.num_experts_per_tok",
+            "megatron-core needs moe_router_pre_softmax at top-1, whose weight is the softmax probability, "
+            "not Mixtral's renormalised 1",
+        )
+    version = package_version("megatron-core")
+    if version is not None and not version.startswith("0.16."):
+        raise SpecError(
+            "model.num_local_experts", f"MoE on megatron is checked with megatron-core 0.16 only, not {version}"
+        )
+    ckpt = job.run.checkpoint
+    if ckpt.every > 0 or ckpt.on_signal or job.run.resume not in ("auto", "never"):
+        raise SpecError("run.checkpoint", "checkpoints of a MoE model on megatron are not checked yet")
 
 
 def _check_distopt_checkpoint(job: JobSpec) -> None:
@@ -161,6 +243,8 @@ class MegatronAdapter(Adapter):
         devices=frozenset({"cpu", "cuda", "npu"}),
         precisions=frozenset({"fp32", "bf16"}),
         shards_model_states=True,
+        # megatron-core's MoELayer: router, top-k, SequentialMLP experts, expert parallelism (backend.ep)
+        moe=True,
         # dist_checkpointing stores every tensor as a ShardedTensor (global shape + this rank's
         # offsets), so a job with another TP size or data-parallel size loads the same files
         # (docs/resilience.md#megatron).
@@ -286,6 +370,7 @@ class MegatronAdapter(Adapter):
                 f"of pp={o.pp}: raise data.global_batch_size",
             )
         _check_distopt_checkpoint(job)
+        _check_moe(job)
 
     @classmethod
     def launch_env(cls, job: JobSpec) -> dict[str, str]:
@@ -295,7 +380,9 @@ class MegatronAdapter(Adapter):
     @classmethod
     def layout_words(cls, options: MegatronOptions) -> list[str]:
         flags = (("sp", options.sequence_parallel), ("distopt", options.distributed_optimizer))
-        return ([f"vpp{options.vpp}"] if options.vpp > 1 else []) + [word for word, on in flags if on]
+        degrees = [f"vpp{options.vpp}"] if options.vpp > 1 else []
+        degrees += [f"ep{options.ep}"] if options.ep > 1 else []
+        return degrees + [word for word, on in flags if on]
 
     @classmethod
     def expected_model_state(cls, job: JobSpec) -> StateFormula:
@@ -306,10 +393,16 @@ class MegatronAdapter(Adapter):
         else:
             per, text = (8 + 8 / dp, f"(4 + 4 + 8/{dp})") if o.distributed_optimizer else (16.0, "(4 + 4 + 8)")
         what = "distributed optimizer" if o.distributed_optimizer else "replicated optimizer"
+        source = "Megatron-LM distributed optimizer docs (6 + 12/d bytes/param for bf16); Rajbhandari et al. 2019 (arXiv 1910.02054)"
+        shard = "largest TP/PP shard"
+        if job.model.is_moe:
+            # each rank holds its num_local_experts / ep experts (docs/sources.md#megatron-moe)
+            shard += f", {job.model.num_local_experts // o.ep} of {job.model.num_local_experts} experts per layer (ep={o.ep})"
+            source += "; Megatron-Core MoE docs (expert parallelism: experts split over EP ranks), Lepikhin et al. 2020 (GShard, arXiv 2006.16668)"
         return StateFormula(
             per * psi,
-            f"{text} * Psi_rank, Psi_rank = {psi} (largest TP/PP shard), {job.run.precision}, {what} (+ buffer padding)",
-            "Megatron-LM distributed optimizer docs (6 + 12/d bytes/param for bf16); Rajbhandari et al. 2019 (arXiv 1910.02054)",
+            f"{text} * Psi_rank, Psi_rank = {psi} ({shard}), {job.run.precision}, {what} (+ buffer padding)",
+            source,
         )
 
     @classmethod
@@ -338,6 +431,11 @@ class _Counters:
         old = getattr(obj, name)
         setattr(obj, name, make(old))
         self._undo.append(lambda: setattr(obj, name, old))
+
+    def define(self, obj: Any, name: str, value: Any) -> None:
+        """Give ``obj`` an attribute it lacks, removed again by restore()."""
+        setattr(obj, name, value)
+        self._undo.append(lambda: delattr(obj, name))
 
     def collective(self, fn):
         def counted(tensor, *args, **kwargs):
@@ -414,8 +512,10 @@ class MegatronEngine(Engine):
         chunks = []
         stage = ps.get_pipeline_model_parallel_rank()
         tp_rank = ps.get_tensor_model_parallel_rank()
+        self.ep_rank = ps.get_expert_model_parallel_rank()
         layout = _layout(job, te_names=use_te)
         self.layout, self.stage, self.tp_rank = layout, stage, tp_rank
+        self._router_logits: list = []  # this micro-batch's router logits per MoE layer (the aux loss)
         for c in range(o.vpp):
             vp_stage = c if o.vpp > 1 else None
             model = build_chunk(
@@ -433,9 +533,12 @@ class MegatronEngine(Engine):
                 rotary_percent=1.0,
                 rotary_base=spec.rope_theta,
             )
-            canonical = initial_weights(spec, job.run.seed, canonical_names(spec, layout, stage, c))
-            self._load(model, to_megatron(canonical, spec, layout, stage, c, tp_rank))
+            canonical = initial_weights(spec, job.run.seed, canonical_names(spec, layout, stage, c, self.ep_rank))
+            self._load(model, to_megatron(canonical, spec, layout, stage, c, tp_rank, self.ep_rank))
             _mark_tensor_parallel(model)
+            if spec.is_moe:
+                self._capture_router_logits(model)
+                define_router_gemm_without_te(self.counters.define)
             model.to(torch.cuda.current_device())
             if bf16:
                 from megatron.core.transformer.module import Float16Module
@@ -487,6 +590,7 @@ class MegatronEngine(Engine):
             pipeline_model_parallel_size=o.pp,
             virtual_pipeline_model_parallel_size=o.vpp if o.vpp > 1 else None,
             context_parallel_size=o.cp,
+            expert_model_parallel_size=o.ep,
             # every group Megatron creates (tp, pp, dp, ...) gets the job's collective timeout, not
             # Megatron's 30-minute default, so a hung peer fails the tp all-reduce or pp send/recv
             # (megatron/core/parallel_state.py: timedelta(minutes=distributed_timeout_minutes) for
@@ -546,7 +650,60 @@ class MegatronEngine(Engine):
             # still in flight (overlapped p2p) then reads reused memory and the next stage gets
             # garbage (seen: wrong losses for micro-batches 3 and 4 at pp=2, vpp=2). Keep outputs.
             deallocate_pipeline_outputs=self.device_type == "cuda",
+            **self._moe_config(),
         )
+
+    def _moe_config(self) -> dict:
+        """The canonical MoE block as megatron-core's MoELayer (docs/moe.md#megatron): top-k over the
+        logits then softmax over the k (= Mixtral's softmax, top-k, renormalised), dropless (no
+        capacity factor), SequentialMLP experts (no grouped GEMM kernel on a CPU). Megatron's own
+        load-balancing loss is off: it is computed per layer and divided by top-k (moe_utils.
+        switch_load_balancing_loss_func), not Mixtral's over all layers' tokens together, so the
+        engine adds the canonical one to the loss (:meth:`_aux_loss`)."""
+        spec = self.ctx.job.model
+        if not spec.is_moe:
+            return {}
+        return {
+            "num_moe_experts": spec.num_local_experts,
+            "moe_router_topk": spec.num_experts_per_tok,
+            "moe_ffn_hidden_size": spec.expert_intermediate_size,
+            "moe_router_score_function": "softmax",
+            "moe_router_pre_softmax": False,
+            "moe_expert_capacity_factor": None,
+            "moe_grouped_gemm": False,
+            "moe_token_dispatcher_type": self.opts.moe_token_dispatcher,
+            # also on the config, not only in parallel_state: the expert linears read it to mark their
+            # weights expert-parallel (allreduce=False); unset, Megatron's DDP broadcast rank 0's
+            # experts over the dp group at start and all-reduced expert grads across the ep ranks
+            "expert_model_parallel_size": self.opts.ep,
+            "moe_router_load_balancing_type": "none",
+            "moe_aux_loss_coeff": 0.0,
+        }
+
+    def _capture_router_logits(self, model) -> None:
+        """Keep each MoE layer's router logits of the running forward (``TopKRouter.gating``, wrapped
+        on this model's routers only) for the canonical load-balancing loss."""
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        for module in model.modules():
+            if isinstance(module, TopKRouter):
+
+                def gating(hidden, gate=module.gating):
+                    logits = gate(hidden)
+                    self._router_logits.append(logits)
+                    return logits
+
+                module.gating = gating
+
+    def _aux_loss(self):
+        """``router_aux_loss_coef`` x the Switch load-balancing loss over this micro-batch's router
+        logits of all layers, as the canonical ``training_loss`` (parabench.model.load_balancing_loss)."""
+        from parabench.model import load_balancing_loss
+
+        spec = self.ctx.job.model
+        logits = [x.reshape(-1, spec.num_local_experts) for x in self._router_logits]
+        self._router_logits.clear()
+        return spec.router_aux_loss_coef * load_balancing_loss(logits, spec.num_local_experts, spec.num_experts_per_tok)
 
     def _wrap_ddp(self, chunks: list, config) -> list:
         """Megatron's DDP around each model chunk (bucketing on the first only), replicas identical."""
@@ -613,7 +770,7 @@ class MegatronEngine(Engine):
 
     def _use_te(self) -> bool:
         impl = self.opts.transformer_impl
-        if impl == "local" or self.device_type != "cuda":
+        if impl == "local" or self.device_type != "cuda" or self.ctx.job.model.is_moe:
             return False
         try:
             import transformer_engine  # noqa: F401
@@ -633,7 +790,10 @@ class MegatronEngine(Engine):
         if use_te:
             te_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
             return lambda vp_stage: te_spec
-        spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        # num_experts: MoELayer (router, token dispatcher, SequentialMLP experts) as every layer's MLP
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(
+            num_experts=config.num_moe_experts, moe_grouped_gemm=False, normalization="RMSNorm"
+        )
         if not config.sequence_parallel:
             return lambda vp_stage: spec
         # Without Apex the local spec's norm is torch's (WrappedTorchNorm), which asserts
@@ -715,8 +875,11 @@ class MegatronEngine(Engine):
 
                 b = get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels, "position_ids": positions})
                 tokens, labels, positions = b["tokens"], b["labels"], b["position_ids"]
+            self._router_logits.clear()
             per_token = model(tokens, positions, None, labels=labels)  # loss on the last stage, hidden states elsewhere
-            return per_token, _loss
+            if not job.model.is_moe:
+                return per_token, _loss
+            return per_token, lambda per_token: _loss(per_token, self._aux_loss())
 
         data = [iter(micro_batches) for _ in self.chunks] if len(self.chunks) > 1 else iter(micro_batches)
         self.counters.active = True
@@ -776,7 +939,11 @@ class MegatronEngine(Engine):
                 shards = [{n: gathered[n][r].cpu().numpy() for n in gathered} for r in range(tp)]
             else:
                 shards = [{n: t.cpu().numpy() for n, t in local.items()}]
-            canonical.update(from_megatron(shards, spec, self.layout, self.stage, c))
+            canonical.update(from_megatron(shards, spec, self.layout, self.stage, c, self.ep_rank))
+        if self.opts.ep > 1:  # each expert-parallel rank mapped its own experts: merge them
+            parts = [None] * self.opts.ep
+            dist.all_gather_object(parts, canonical, group=ps.get_expert_model_parallel_group())
+            canonical = {k: v for part in parts for k, v in part.items()}
         if self.opts.pp > 1:
             parts: list = [None] * self.opts.pp
             dist.all_gather_object(parts, canonical, group=ps.get_pipeline_model_parallel_group())
@@ -831,11 +998,11 @@ class MegatronEngine(Engine):
         spec = self.ctx.job.model
         for c, chunk in enumerate(self.chunks):
             params = dict(_unwrap(chunk).named_parameters())
-            wanted = canonical_names(spec, self.layout, self.stage, c)
+            wanted = canonical_names(spec, self.layout, self.stage, c, self.ep_rank)
 
             def shards(values, c=c, wanted=wanted):
                 full = {n: values[n].numpy() for n in wanted}
-                return to_megatron(full, spec, self.layout, self.stage, c, self.tp_rank).items()
+                return to_megatron(full, spec, self.layout, self.stage, c, self.tp_rank, self.ep_rank).items()
 
             mains = {n: self._main_param(p) for n, p in params.items()}
             if any(mains[n] is not p for n, p in params.items()):  # bf16: separate fp32 main copies
@@ -1031,8 +1198,9 @@ def _sequence_parallel_rmsnorm():
     return SequenceParallelRMSNorm
 
 
-def _loss(per_token):
-    loss = per_token.float().mean()  # token mean of this micro-batch
+def _loss(per_token, aux_loss=0.0):
+    # token mean of this micro-batch (+ a MoE model's load-balancing term, MegatronEngine._aux_loss)
+    loss = per_token.float().mean() + aux_loss
     # The schedule divides the returned tensor by m in place: report a copy.
     return loss, {"loss": loss.detach().clone()}
 

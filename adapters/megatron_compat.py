@@ -114,6 +114,21 @@ def patch_fp8_fallback(patch: Any) -> None:
     patch(distrib_optimizer, "quantize_param_shard", make)
 
 
+def define_router_gemm_without_te(define: Any) -> None:
+    """Let megatron-core's MoE router run without Transformer Engine (host, NPU) on 0.16.
+
+    ``transformer/moe/moe_utils.py`` imports ``te_general_gemm`` only inside its ``try: import
+    transformer_engine``, yet ``RouterGatingLinearFunction.forward`` and ``backward`` test
+    ``if te_general_gemm is not None`` unconditionally: without TE every router call raised
+    ``NameError: name 'te_general_gemm' is not defined`` (megatron-core 0.16.1; its torch.mm branch
+    is the one meant for this case). Where the name is missing it is defined as None through
+    ``define(obj, name, value)`` (scoped: the engine removes it in close())."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        define(moe_utils, "te_general_gemm", None)
+
+
 # The distributed optimizer's checkpoint formats that keep every layout reshardable: each optimizer
 # state is a tensor of its parameter's (global) shape, saved under the parameter's sharding
 # (megatron/core/optimizer/distrib_optimizer.py, ``sharded_state_dict``).

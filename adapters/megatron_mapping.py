@@ -20,6 +20,17 @@ Megatron's layout for one (pipeline stage, virtual chunk, tensor rank), with the
 * ``decoder.final_layernorm.weight`` and ``output_layer.weight`` (vocab-parallel rows): last chunk
   of the last stage only.
 
+A Mixture-of-Experts layer (``spec.is_moe``; megatron-core's ``MoELayer`` with ``SequentialMLP``
+experts, the local spec with ``num_experts``) has, instead of ``mlp.linear_fc1/fc2``:
+
+* ``...mlp.router.weight``: Mixtral's router ``block_sparse_moe.gate.weight`` ([experts, hidden]),
+  replicated;
+* ``...mlp.experts.local_experts.j.linear_fc1.weight`` = [w1 rows; w3 rows] and ``...linear_fc2.weight``
+  = w2 of global expert ``ep_rank * E/ep + j``: with expert parallel size ep, expert-parallel rank
+  ``ep_rank`` holds the E/ep consecutive experts starting there (megatron-core
+  ``transformer/moe/moe_layer.py``: ``local_expert_indices`` = ``ep_rank * num_local_experts + j``;
+  docs/sources.md#megatron-moe).
+
 With the Transformer-Engine spec the two norms are fused into the following linear layers and are
 named ``self_attention.linear_qkv.layer_norm_weight`` and ``mlp.linear_fc1.layer_norm_weight``
 (``Layout.te_names``).
@@ -48,6 +59,7 @@ class Layout:
     pp: int = 1
     vpp: int = 1  # virtual pipeline chunks per stage (1 = no interleaving)
     te_names: bool = False  # Transformer-Engine layer spec (norms fused into linear_qkv / linear_fc1)
+    ep: int = 1  # expert-parallel size: each expert-parallel rank holds num_local_experts / ep experts
 
     def check(self, spec: ModelSpec) -> None:
         """Raise ValueError when ``spec`` cannot be laid out this way (the adapter refuses earlier)."""
@@ -60,6 +72,7 @@ class Layout:
                 spec.num_hidden_layers % (self.pp * self.vpp),
                 f"{spec.num_hidden_layers} layers % (pp x vpp)={self.pp * self.vpp}",
             ),
+            (spec.num_local_experts % self.ep, f"{spec.num_local_experts} experts % ep={self.ep}"),
         ]
         for bad, what in problems:
             if bad:
@@ -83,9 +96,28 @@ class Layout:
     def keys(self) -> list[Key]:
         return [(s, c, r) for s in range(self.pp) for c in range(self.vpp) for r in range(self.tp)]
 
+    def local_experts(self, spec: ModelSpec, ep_rank: int) -> range:
+        """Global indices of the experts expert-parallel rank ``ep_rank`` holds (megatron-core's
+        ``local_expert_indices``: consecutive blocks of E/ep)."""
+        per = spec.num_local_experts // self.ep
+        return range(ep_rank * per, (ep_rank + 1) * per)
 
-def canonical_names(spec: ModelSpec, layout: Layout, stage: int, chunk: int = 0) -> list[str]:
-    """The canonical weights one chunk needs (every tensor rank of it needs the same ones)."""
+
+_DENSE_MLP = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+
+
+def _mlp_names(spec: ModelSpec, layout: Layout, ep_rank: int) -> tuple[str, ...]:
+    """One layer's canonical MLP weights (suffixes of ``model.layers.<g>.``) on this expert rank."""
+    if not spec.is_moe:
+        return _DENSE_MLP
+    moe = "block_sparse_moe."
+    experts = layout.local_experts(spec, ep_rank)
+    return (moe + "gate.weight", *(f"{moe}experts.{e}.w{k}.weight" for e in experts for k in (1, 2, 3)))
+
+
+def canonical_names(spec: ModelSpec, layout: Layout, stage: int, chunk: int = 0, ep_rank: int = 0) -> list[str]:
+    """The canonical weights one chunk needs (every tensor rank of it needs the same ones; of a MoE
+    model's experts only those of expert-parallel rank ``ep_rank``)."""
     names = []
     if layout.is_first(stage, chunk):
         names.append("model.embed_tokens.weight")
@@ -100,9 +132,7 @@ def canonical_names(spec: ModelSpec, layout: Layout, stage: int, chunk: int = 0)
                 "self_attn.v_proj.weight",
                 "self_attn.o_proj.weight",
                 "post_attention_layernorm.weight",
-                "mlp.gate_proj.weight",
-                "mlp.up_proj.weight",
-                "mlp.down_proj.weight",
+                *_mlp_names(spec, layout, ep_rank),
             )
         ]
     if layout.is_last(stage, chunk):
@@ -144,12 +174,62 @@ def _cols(x: np.ndarray, r: int, t: int) -> np.ndarray:
     return np.ascontiguousarray(x[:, r * n : (r + 1) * n])
 
 
-def to_megatron(
-    canonical: Mapping[str, np.ndarray], spec: ModelSpec, layout: Layout, stage: int, chunk: int, rank: int
+def _mlp_to_megatron(
+    canonical: Mapping[str, np.ndarray], spec: ModelSpec, layout: Layout, c: str, rank: int, ep_rank: int
 ) -> dict[str, np.ndarray]:
-    """Megatron parameter name -> this (stage, chunk, tensor rank)'s shard.
+    """One layer's MLP (canonical prefix ``c``) -> Megatron names under ``mlp.``: the dense SwiGLU, or
+    the router and this expert rank's experts (the fused fc1 [w1; w3] split over tp as gate/up is)."""
+    t = layout.tp
+    if not spec.is_moe:
+        pairs = [(c + "mlp.", "", "gate_proj", "up_proj", "down_proj")]
+        out = {}
+    else:
+        moe = c + "block_sparse_moe."
+        out = {"mlp.router.weight": canonical[moe + "gate.weight"].copy()}
+        pairs = [
+            (f"{moe}experts.{e}.", f"experts.local_experts.{j}.", "w1", "w3", "w2")
+            for j, e in enumerate(layout.local_experts(spec, ep_rank))
+        ]
+    for src, dst, gate, up, down in pairs:
+        fc1 = [_rows(canonical[f"{src}{gate}.weight"], rank, t), _rows(canonical[f"{src}{up}.weight"], rank, t)]
+        out[f"mlp.{dst}linear_fc1.weight"] = np.concatenate(fc1)
+        out[f"mlp.{dst}linear_fc2.weight"] = _cols(canonical[f"{src}{down}.weight"], rank, t)
+    return out
 
-    ``canonical`` needs at least ``canonical_names(spec, layout, stage, chunk)``."""
+
+def _mlp_from_megatron(
+    tp_shards: list[Mapping[str, np.ndarray]], spec: ModelSpec, layout: Layout, m: str, ep_rank: int
+) -> dict[str, np.ndarray]:
+    """Inverse of :func:`_mlp_to_megatron` (Megatron prefix ``m``): canonical suffixes -> full tensors."""
+    if not spec.is_moe:
+        pairs = [("mlp.", "", "gate_proj", "up_proj", "down_proj")]
+        out = {}
+    else:
+        out = {"block_sparse_moe.gate.weight": np.array(tp_shards[0][m + "mlp.router.weight"])}
+        pairs = [
+            (f"block_sparse_moe.experts.{e}.", f"experts.local_experts.{j}.", "w1", "w3", "w2")
+            for j, e in enumerate(layout.local_experts(spec, ep_rank))
+        ]
+    for dst, src, gate, up, down in pairs:
+        halves = [np.split(s[f"{m}mlp.{src}linear_fc1.weight"], 2, axis=0) for s in tp_shards]
+        out[f"{dst}{gate}.weight"] = np.concatenate([h[0] for h in halves])
+        out[f"{dst}{up}.weight"] = np.concatenate([h[1] for h in halves])
+        out[f"{dst}{down}.weight"] = np.concatenate([s[f"{m}mlp.{src}linear_fc2.weight"] for s in tp_shards], axis=1)
+    return out
+
+
+def to_megatron(
+    canonical: Mapping[str, np.ndarray],
+    spec: ModelSpec,
+    layout: Layout,
+    stage: int,
+    chunk: int,
+    rank: int,
+    ep_rank: int = 0,
+) -> dict[str, np.ndarray]:
+    """Megatron parameter name -> this (stage, chunk, tensor rank, expert rank)'s shard.
+
+    ``canonical`` needs at least ``canonical_names(spec, layout, stage, chunk, ep_rank)``."""
     t = layout.tp
     ln1, ln2 = norm_names(layout)
     out: dict[str, np.ndarray] = {}
@@ -167,10 +247,7 @@ def to_megatron(
         out[m + "self_attention.linear_qkv.weight"] = _rows(qkv, rank, t)
         out[m + "self_attention.linear_proj.weight"] = _cols(canonical[c + "self_attn.o_proj.weight"], rank, t)
         out[m + ln2] = canonical[c + "post_attention_layernorm.weight"].copy()
-        out[m + "mlp.linear_fc1.weight"] = np.concatenate(
-            [_rows(canonical[c + "mlp.gate_proj.weight"], rank, t), _rows(canonical[c + "mlp.up_proj.weight"], rank, t)]
-        )
-        out[m + "mlp.linear_fc2.weight"] = _cols(canonical[c + "mlp.down_proj.weight"], rank, t)
+        out.update({m + n: v for n, v in _mlp_to_megatron(canonical, spec, layout, c, rank, ep_rank).items()})
     if layout.is_last(stage, chunk):
         out["decoder.final_layernorm.weight"] = canonical["model.norm.weight"].copy()
         if not spec.tie_word_embeddings:
@@ -179,9 +256,15 @@ def to_megatron(
 
 
 def from_megatron(
-    tp_shards: list[Mapping[str, np.ndarray]], spec: ModelSpec, layout: Layout, stage: int, chunk: int
+    tp_shards: list[Mapping[str, np.ndarray]],
+    spec: ModelSpec,
+    layout: Layout,
+    stage: int,
+    chunk: int,
+    ep_rank: int = 0,
 ) -> dict[str, np.ndarray]:
-    """Canonical weights of one (stage, chunk) from its ``layout.tp`` tensor-rank shards (in rank order)."""
+    """Canonical weights of one (stage, chunk) from its ``layout.tp`` tensor-rank shards (in rank order);
+    of a MoE model's experts, those of expert-parallel rank ``ep_rank``."""
     if len(tp_shards) != layout.tp:
         raise ValueError(f"need {layout.tp} tensor-parallel shards, got {len(tp_shards)}")
     ln1, ln2 = norm_names(layout)
@@ -203,10 +286,7 @@ def from_megatron(
         )
         out[c + "self_attn.o_proj.weight"] = cat(m + "self_attention.linear_proj.weight", 1)
         out[c + "post_attention_layernorm.weight"] = np.array(tp_shards[0][m + ln2])
-        halves = [np.split(s[m + "mlp.linear_fc1.weight"], 2, axis=0) for s in tp_shards]
-        out[c + "mlp.gate_proj.weight"] = np.concatenate([h[0] for h in halves])
-        out[c + "mlp.up_proj.weight"] = np.concatenate([h[1] for h in halves])
-        out[c + "mlp.down_proj.weight"] = cat(m + "mlp.linear_fc2.weight", 1)
+        out.update({c + n: v for n, v in _mlp_from_megatron(tp_shards, spec, layout, m, ep_rank).items()})
     if layout.is_last(stage, chunk):
         out["model.norm.weight"] = np.array(tp_shards[0]["decoder.final_layernorm.weight"])
         if not spec.tie_word_embeddings:
@@ -214,8 +294,14 @@ def from_megatron(
     return out
 
 
+def _one_expert_rank(layout: Layout) -> None:
+    if layout.ep != 1:
+        raise ValueError(f"ep={layout.ep}: map each expert rank with to_megatron / from_megatron(ep_rank=...)")
+
+
 def shard_all(canonical: Mapping[str, np.ndarray], spec: ModelSpec, layout: Layout) -> dict[Key, dict[str, np.ndarray]]:
-    """Every (stage, chunk, tensor rank)'s shards of a full canonical state."""
+    """Every (stage, chunk, tensor rank)'s shards of a full canonical state (one expert rank: ep = 1)."""
+    _one_expert_rank(layout)
     layout.check(spec)
     return {(s, c, r): to_megatron(canonical, spec, layout, s, c, r) for s, c, r in layout.keys()}
 
@@ -224,6 +310,7 @@ def unshard_all(
     shards: Mapping[Key, Mapping[str, np.ndarray]], spec: ModelSpec, layout: Layout
 ) -> dict[str, np.ndarray]:
     """The full canonical state from every shard (inverse of :func:`shard_all`)."""
+    _one_expert_rank(layout)
     out: dict[str, np.ndarray] = {}
     for s in range(layout.pp):
         for c in range(layout.vpp):
