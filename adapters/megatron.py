@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from parabench.adapters import megatron_distopt
 from parabench.adapters.base import (
     Adapter,
     Availability,
@@ -256,8 +257,8 @@ class MegatronAdapter(Adapter):
             # model0/model1.. per virtual stage; the distributed optimizer's param_state differs in kind
             options=frozenset({"vpp", "distributed_optimizer"}),
         ),
-        # the distributed optimizer keeps AdamW state on flat buffer slices: not mapped yet
-        convert=ConvertSupport(unsupported_options=frozenset({"distributed_optimizer"})),
+        # the distributed optimizer's slices are put together / handed out by megatron_distopt
+        convert=ConvertSupport(),
     )
     Options = MegatronOptions
 
@@ -979,6 +980,12 @@ class MegatronEngine(Engine):
         raise RuntimeError("a megatron parameter is in none of the optimizer's groups")
 
     def export_canonical(self):
+        if self.opts.distributed_optimizer:  # each data-parallel rank holds slices: put them together
+            params = [p for c in self.chunks for p in _unwrap(c).parameters()]
+            whole, step = megatron_distopt.gather_whole(self._megatron_optimizers(), params)
+            weights = self._gather_canonical(lambda _n, p: whole[p]["param"])
+            moments = {k: self._gather_canonical(lambda _n, p, k=k: whole[p][k]) for k in MOMENTS}
+            return CanonicalState(weights, moments, step)
         # the fp32 main copies, not the bf16 weights rounded from them: a bf16 run resumes exactly
         weights = self._gather_canonical(lambda _n, p: self._main_param(p))
         moments = {k: self._gather_canonical(lambda _n, p, k=k: self._adam_state(p)[k]) for k in MOMENTS}
@@ -1004,6 +1011,14 @@ class MegatronEngine(Engine):
                 full = {n: values[n].numpy() for n in wanted}
                 return to_megatron(full, spec, self.layout, self.stage, c, self.tp_rank, self.ep_rank).items()
 
+            if self.opts.distributed_optimizer:  # this rank's slices of the main params and moments
+                whole = {"param": dict(shards(state.weights))}
+                whole.update({key: dict(shards(values)) for key, values in (state.moments or {}).items()})
+                for name, p in params.items():
+                    step = None if state.moments is None else state.step
+                    values = {key: whole[key][name] for key in whole}
+                    megatron_distopt.put_piece(self._megatron_optimizers(), p, values, step)
+                continue
             mains = {n: self._main_param(p) for n, p in params.items()}
             if any(mains[n] is not p for n, p in params.items()):  # bf16: separate fp32 main copies
                 for name, value in shards(state.weights):

@@ -123,8 +123,9 @@ def _deepspeed_source(path: Path) -> tuple[str, Path, dict[str, Any]]:
 def _megatron_source(path: Path) -> tuple[str, Path, dict[str, Any]]:
     """A checkpoint Megatron-LM's ``save_checkpoint`` wrote (torch_dist), its args giving the model (parabench.mcnative)."""
     meta = mcnative.inspect(path)
+    distopt = f"; distributed optimizer {meta['distributed_optimizer']}" if meta.get("distributed_optimizer") else ""
     layout = (
-        f"(Megatron-LM {meta['directory'].name}; torch_dist; saved at tp={meta['tp']} pp={meta['pp']}; "
+        f"(Megatron-LM {meta['directory'].name}; torch_dist; saved at tp={meta['tp']} pp={meta['pp']}{distopt}; "
         f"{meta['precision']}; iteration {meta['iteration']})"
     )
     return "megatron", path, {**meta, "identity": _identity(meta["spec"]), "layout": layout}

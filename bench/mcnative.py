@@ -11,6 +11,10 @@ together) and the optimizer's, ``optimizer.state.exp_avg.<model key>`` (NVIDIA/M
 ``megatron/training/checkpointing.py``: ``save_checkpoint``, ``generate_state_dict``,
 ``get_checkpoint_name``; megatron-core ``dist_checkpointing/strategies/torch.py``; docs/sources.md#megatron-own-checkpoints).
 
+With the distributed optimizer (``args.use_distributed_optimizer``) only its ``fully_reshardable``
+format is read, which stores ``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>`` at the
+parameters' global shapes; its default ``dp_reshardable`` keeps each data-parallel rank's flat buffers.
+
 The tensors are read with ``torch.distributed.checkpoint`` at their global shapes, without a process
 group; the model's shape comes from ``args``. Only ``common.pt`` needs megatron-core importable: the
 pickled ``args`` refer to its enums.
@@ -34,6 +38,11 @@ METADATA = "metadata.json"
 VERSION = 3.0  # Megatron-LM's checkpoint_version since it saved the QKV per query group
 STATE = "optimizer.state."
 MAIN = STATE + "fp32_param."  # Float16OptimizerWithFloat16Params' fp32 main params (bf16 runs)
+DISTOPT_MAIN = STATE + "param."  # the distributed optimizer's fp32 main params (fully_reshardable)
+# The distributed optimizer's one format that stores each state at its parameter's global shape
+# (megatron-core DistributedOptimizer.sharded_param_state_fully_reshardable); Megatron-LM records the
+# format as content_metadata in common.pt (checkpointing.py _build_sharded_state_dict_metadata).
+FULLY_RESHARDABLE = "fully_reshardable"
 # (args field, value the canonical Llama needs): anything else changes the math and is refused by name.
 REQUIRED = (
     ("normalization", "RMSNorm"),
@@ -47,7 +56,6 @@ REQUIRED = (
     ("use_rope_scaling", False),
     ("multi_latent_attention", False),
     ("num_experts", None),
-    ("use_distributed_optimizer", False),
 )
 OPTIONAL_DEFAULTS = {"rotary_interleaved": False, "use_rope_scaling": False, "multi_latent_attention": False}
 
@@ -190,17 +198,35 @@ def _tensors(directory: Path) -> dict[str, Any]:
     return {k: m for k, m in metadata.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
 
 
-def _steps(node: Any) -> list[float]:
-    """Every ``common_step`` under the optimizer's common state (one per optimizer of a chain)."""
+def _steps(node: Any, key: str) -> list[float]:
+    """Every ``key`` under the optimizer's common state: ``common_step`` (one per optimizer of a
+    chain), or the distributed optimizer's ``step`` (one per param group, DistributedOptimizer.state_dict)."""
     if isinstance(node, dict):
-        found = [float(node["common_step"])] if "common_step" in node else []
-        return found + [s for k, v in node.items() if k != "common_step" for s in _steps(v)]
+        found = [float(node[key])] if node.get(key) is not None else []
+        return found + [s for k, v in node.items() if k != key for s in _steps(v, key)]
     if isinstance(node, list | tuple):
-        return [s for v in node for s in _steps(v)]
+        return [s for v in node for s in _steps(v, key)]
     return []
 
 
-def _optimizer(tensors: dict[str, Any], wanted: dict[str, tuple[int, ...]], common: dict, where: Path) -> int | None:
+def _distopt_format(args: Any, common: dict, directory: Path) -> str | None:
+    """The distributed optimizer's format (None without one); refused unless it is fully_reshardable."""
+    if not getattr(args, "use_distributed_optimizer", False):
+        return None
+    found = (common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
+    if found != FULLY_RESHARDABLE:
+        raise SpecError(
+            "SRC",
+            f"{directory}: args.use_distributed_optimizer=True saved as {found or 'fully_sharded_model_space'!r}, "
+            f"which keeps each data-parallel rank's flat buffers: only {FULLY_RESHARDABLE!r} is read (re-save with "
+            "Megatron-LM's --dist-ckpt-optim-fully-reshardable)",
+        )
+    return found
+
+
+def _optimizer(
+    tensors: dict[str, Any], wanted: dict[str, tuple[int, ...]], common: dict, where: Path, step_key: str
+) -> int | None:
     """AdamW's step when the checkpoint carries both moments of every parameter, None when it carries
     no optimizer state (``--no-save-optim``); anything in between is refused."""
     keys = [f"{STATE}{m}.{k}" for m in MOMENTS for k in wanted]
@@ -210,9 +236,9 @@ def _optimizer(tensors: dict[str, Any], wanted: dict[str, tuple[int, ...]], comm
     absent = [k for k in keys if k not in tensors]
     if absent:
         raise SpecError("SRC", f"{where}: {absent[0]} is missing (an incomplete optimizer state)")
-    steps = set(_steps(common.get("optimizer")))
+    steps = set(_steps(common.get("optimizer"), step_key))
     if len(steps) != 1:
-        raise SpecError("SRC", f"{where}: the optimizer's common_step is {sorted(steps) or 'absent'}, not one value")
+        raise SpecError("SRC", f"{where}: the optimizer's {step_key} is {sorted(steps) or 'absent'}, not one value")
     return int(steps.pop())
 
 
@@ -224,6 +250,7 @@ def inspect(path: Path) -> dict[str, Any]:
     common = _common(directory)
     args = common["args"]
     spec = spec_from_args(args, name=(path if path != directory else path.parent).name)
+    distopt = _distopt_format(args, common, directory)
     tensors = _tensors(directory)
     te_names = "decoder.layers.self_attention.linear_qkv.layer_norm_weight" in tensors
     wanted = megatron_shapes(spec, te_names)
@@ -232,12 +259,14 @@ def inspect(path: Path) -> dict[str, Any]:
         if got != shape:
             has = f"shape {list(got)}" if got else "no such tensor"
             raise SpecError("SRC", f"{key}: the Megatron checkpoint has {has}; its args give {list(shape)}")
-    step = _optimizer(tensors, wanted, common, directory)
-    main = [k for k in wanted if MAIN + k in tensors]
+    step = _optimizer(tensors, wanted, common, directory, "step" if distopt else "common_step")
+    # the fp32 main params: the distributed optimizer's always, else Float16Optimizer's under bf16
+    main_prefix = DISTOPT_MAIN if distopt else MAIN
+    main = [k for k in wanted if main_prefix + k in tensors]
     bf16 = bool(_arg(args, "bf16"))
-    if bf16 and step is not None and len(main) != len(wanted):
-        absent = next(k for k in wanted if MAIN + k not in tensors)
-        raise SpecError("SRC", f"{directory}: a bf16 checkpoint without {MAIN}{absent} (the fp32 main params)")
+    if (bf16 or distopt) and step is not None and len(main) != len(wanted):
+        absent = next(k for k in wanted if main_prefix + k not in tensors)
+        raise SpecError("SRC", f"{directory}: a checkpoint without {main_prefix}{absent} (the fp32 main params)")
     tied_copy = {"output_layer.weight"} if spec.tie_word_embeddings else set()
     extra = sorted(k for k in tensors if not k.startswith(STATE) and k not in wanted and k not in tied_copy)
     if extra:
@@ -248,7 +277,8 @@ def inspect(path: Path) -> dict[str, Any]:
         "te_names": te_names,
         "step": step,
         "precision": "bf16" if bf16 else "fp32",
-        "weights_from": MAIN if main else "",  # under bf16 the fp32 main params, not the bf16 weights
+        "weights_from": main_prefix if main else "",  # the fp32 main params, not the bf16 weights
+        "distributed_optimizer": distopt,
         "dtypes": {k: m.properties.dtype for k, m in tensors.items()},  # as stored; read() widens to fp32
         "iteration": common.get("iteration"),
         "tp": getattr(args, "tensor_model_parallel_size", 1),

@@ -1,11 +1,13 @@
 """A checkpoint in Megatron-LM's own layout, not parabench's (tests/test_convert_mcore_native.py).
 
-``torchrun --nproc-per-node TPxPP tests/mcore_native_train.py OUT STEPS TP PP [bf16]``: a tiny Llama-shaped
+``torchrun --nproc-per-node TPxPPxDP tests/mcore_native_train.py OUT STEPS TP PP [bf16] [distopt|distopt_dp]``: a tiny Llama-shaped
 megatron-core ``GPTModel`` (local layer spec, RMSNorm, SwiGLU, RoPE, grouped-query attention, untied
 output layer) at tensor-parallel size TP and pipeline-parallel size PP, Megatron's own weight init, wrapped in Megatron's
 ``DistributedDataParallel`` and trained STEPS steps with ``get_megatron_optimizer`` (Adam with
 decoupled weight decay; fp32, or with ``bf16`` Megatron-LM's ``--bf16``: the model in bf16 inside
-``Float16Module``, fp32 main params in the optimizer) through ``get_forward_backward_func``, then saved as Megatron-LM's
+``Float16Module``, fp32 main params in the optimizer; with ``distopt`` Megatron-LM's
+``--use-distributed-optimizer --dist-ckpt-optim-fully-reshardable``, with ``distopt_dp`` its default
+``dp_reshardable`` format, the processes beyond TPxPP being data-parallel ranks) through ``get_forward_backward_func``, then saved as Megatron-LM's
 ``save_checkpoint`` saves with ``--ckpt-format torch_dist`` (its default): the state
 ``generate_state_dict`` builds (``args``, ``checkpoint_version`` 3.0, ``iteration``, ``model``,
 ``optimizer``, ``opt_param_scheduler``, ``rng_state``) through ``dist_checkpointing.save`` into
@@ -42,7 +44,7 @@ VOCAB = 512
 MAX_POSITIONS = 2048  # the tiny llama preset's, so that bench run resumes the same model
 
 
-def megatron_lm_args(steps: int, tp: int, pp: int, bf16: bool) -> argparse.Namespace:
+def megatron_lm_args(steps: int, tp: int, pp: int, bf16: bool, distopt: str | None) -> argparse.Namespace:
     """The arguments Megatron-LM pickles into every checkpoint (``state_dict['args']``), for this model:
     names and meanings of megatron/training/arguments.py."""
     from megatron.core.transformer.enums import AttnBackend
@@ -75,7 +77,7 @@ def megatron_lm_args(steps: int, tp: int, pp: int, bf16: bool) -> argparse.Names
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=None,
         context_parallel_size=1,
-        use_distributed_optimizer=False,
+        use_distributed_optimizer=distopt is not None,
         bf16=bf16,
         fp16=False,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
@@ -143,7 +145,8 @@ def build(args: argparse.Namespace):
     )
     if args.bf16:  # as Megatron-LM's get_model wraps it
         model = Float16Module(config, model)
-    ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False)
+    distopt = args.use_distributed_optimizer
+    ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distopt)
     model = DistributedDataParallel(config=config, ddp_config=ddp, module=model)
     fields = {f for f in OptimizerConfig.__dataclass_fields__}
     optimizer = get_megatron_optimizer(
@@ -158,6 +161,7 @@ def build(args: argparse.Namespace):
             clip_grad=args.clip_grad,
             bf16=args.bf16,
             params_dtype=args.params_dtype,
+            use_distributed_optimizer=distopt,
             **({"decoupled_weight_decay": True} if "decoupled_weight_decay" in fields else {}),
         ),
         [model],
@@ -202,8 +206,10 @@ def train(model, optimizer, steps: int) -> list[float]:
     return losses
 
 
-def save_as_megatron_lm(model, optimizer, args: argparse.Namespace, root: str) -> None:
-    """What Megatron-LM's save_checkpoint writes for --ckpt-format torch_dist, on every rank."""
+def save_as_megatron_lm(model, optimizer, args: argparse.Namespace, root: str, distopt: str | None) -> None:
+    """What Megatron-LM's save_checkpoint writes for --ckpt-format torch_dist, on every rank. With the
+    distributed optimizer, the format ``distopt`` passed to its sharded_state_dict and recorded as
+    content_metadata, as Megatron-LM's _build_sharded_state_dict_metadata and save_checkpoint do."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -224,14 +230,16 @@ def save_as_megatron_lm(model, optimizer, args: argparse.Namespace, root: str) -
     }
     state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration}
     state["model"] = unwrap_model(model).sharded_state_dict()  # Megatron-LM unwraps DDP and Float16Module
-    state["optimizer"] = optimizer.sharded_state_dict(state)
+    metadata = {"distrib_optim_sharding_type": distopt, "chained_optim_avoid_prefix": True} if distopt else None
+    state["optimizer"] = optimizer.sharded_state_dict(state, **({"metadata": metadata} if distopt else {}))
     state["opt_param_scheduler"] = {"max_lr": args.lr, "min_lr": args.lr, "num_steps": iteration * 2}
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     pp_rank, pp_size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
     state["rng_state"] = ShardedObject(
         "rng_state", [rng], (pp_size, tp_size), (pp_rank, tp_rank), replica_id=ps.get_data_parallel_rank()
     )
-    dist_checkpointing.save(state, directory, get_default_save_sharded_strategy("torch_dist"))
+    recorded = {"content_metadata": metadata} if distopt else {}
+    dist_checkpointing.save(state, directory, get_default_save_sharded_strategy("torch_dist"), **recorded)
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
         with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
@@ -249,16 +257,45 @@ def shards(model, optimizer) -> list:
         pairs = zip(getattr(opt, "float16_groups", []), getattr(opt, "fp32_from_float16_groups", []), strict=True)
         main.update({id(a): b for g16, g32 in pairs for a, b in zip(g16, g32, strict=True)})
     params = {n: main.get(id(p), p) for n, p in unwrap_model(model).named_parameters()}
-    states = optimizer.optimizer.state
+    if distributed(optimizer):
+        moments = distopt_moments(model, optimizer)
+    else:
+        states = optimizer.optimizer.state
+        moments = [{n: states[p][key].clone() for n, p in params.items()} for key in ("exp_avg", "exp_avg_sq")]
     mine = (
         ps.get_pipeline_model_parallel_rank(),
         ps.get_tensor_model_parallel_rank(),
         {n: p.detach().float().clone() for n, p in params.items()},
-        *({n: states[p][key].clone() for n, p in params.items()} for key in ("exp_avg", "exp_avg_sq")),
+        *moments,
     )
     everyone: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, mine)
     return everyone
+
+
+def distopt_moments(model, optimizer) -> list:
+    """The distributed optimizer's AdamW moments of every parameter, whole: megatron-core's own
+    get_parameter_state_dp_zero (the data-parallel ranks' buffer shards put together, by buffer) cut
+    at each parameter's place in its buffer (``param_index_map``: start, end in the buffer). The
+    weights are the model's own: the step all-gathers the updated fp32 params into every rank."""
+    from megatron.core.utils import unwrap_model
+
+    names = {p: n for n, p in unwrap_model(model).named_parameters()}
+    out: list[dict] = [{}, {}]
+    for opt in distributed(optimizer):
+        world = opt.get_parameter_state_dp_zero(use_gloo_comm=False, return_on_all_ranks=True)
+        for index, buffer in enumerate(opt.buffers):
+            (tensors,) = world[index].values()  # one (param, grad) dtype per buffer
+            for param, (start, end, _bucket) in buffer.param_index_map.items():
+                for i, key in enumerate(("exp_avg", "exp_avg_sq")):
+                    out[i][names[param]] = tensors[key][start:end].view(param.shape).clone()
+    return out
+
+
+def distributed(optimizer) -> list:
+    """The distributed optimizers inside ``optimizer`` (a ChainedOptimizer holds several); [] without."""
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    return inner if all(hasattr(o, "model_param_gbuf_map") for o in inner) else []
 
 
 def logits_and_moments(model, optimizer, tp: int) -> dict:
@@ -271,9 +308,11 @@ def logits_and_moments(model, optimizer, tp: int) -> dict:
     gpt.eval()
     with torch.no_grad():
         logits = gather_from_tensor_model_parallel_region(gpt(tokens, positions, None))
+    out = {"tokens": tokens, "logits": logits.float().clone()}
+    if distributed(optimizer):  # its moments are in reference["shards"]
+        return out
     states = optimizer.optimizer.state
     embedding, norm = gpt.embedding.word_embeddings.weight, gpt.decoder.final_layernorm.weight
-    out = {"tokens": tokens, "logits": logits.float().clone()}
     for key in ("exp_avg", "exp_avg_sq"):
         parts = [torch.empty_like(states[embedding][key]) for _ in range(tp)]
         torch.distributed.all_gather(parts, states[embedding][key].contiguous())
@@ -282,7 +321,7 @@ def logits_and_moments(model, optimizer, tp: int) -> dict:
     return out
 
 
-def main(out: str, steps: int, tp: int, pp: int, bf16: bool) -> None:
+def main(out: str, steps: int, tp: int, pp: int, bf16: bool, distopt: str | None) -> None:
     torch.distributed.init_process_group("gloo")
     install("cuda", "cpu")
     from megatron.core import parallel_state as ps
@@ -290,10 +329,10 @@ def main(out: str, steps: int, tp: int, pp: int, bf16: bool) -> None:
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     model_parallel_cuda_manual_seed(1234)
-    args = megatron_lm_args(steps, tp, pp, bf16)
+    args = megatron_lm_args(steps, tp, pp, bf16, distopt)
     model, optimizer = build(args)
     train(model, optimizer, steps)
-    save_as_megatron_lm(model, optimizer, args, os.path.join(out, "ckpt"))
+    save_as_megatron_lm(model, optimizer, args, os.path.join(out, "ckpt"), distopt)
     ref = {"shards": shards(model, optimizer), "step": steps}
     if pp == 1 and not bf16:
         ref.update(logits_and_moments(model, optimizer, tp))
@@ -304,4 +343,7 @@ def main(out: str, steps: int, tp: int, pp: int, bf16: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], *(int(a) for a in sys.argv[2:5]), bf16=sys.argv[5:] == ["bf16"])
+    flags = sys.argv[5:]
+    formats = {"distopt": "fully_reshardable", "distopt_dp": "dp_reshardable"}
+    distopt = next((formats[f] for f in flags if f in formats), None)
+    main(sys.argv[1], *(int(a) for a in sys.argv[2:5]), bf16="bf16" in flags, distopt=distopt)
