@@ -498,9 +498,6 @@ class MegatronEngine(Engine):
         from megatron.core.models.gpt.gpt_model import GPTModel
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        from parabench.adapters.megatron_mapping import canonical_names, to_megatron
-        from parabench.model import initial_weights
-
         job, o, spec = self.ctx.job, self.opts, self.ctx.job.model
         ps = self._init_parallel_state(torch)
         bf16 = job.run.precision == "bf16"
@@ -534,12 +531,7 @@ class MegatronEngine(Engine):
                 rotary_percent=1.0,
                 rotary_base=spec.rope_theta,
             )
-            canonical = initial_weights(spec, job.run.seed, canonical_names(spec, layout, stage, c, self.ep_rank))
-            self._load(model, to_megatron(canonical, spec, layout, stage, c, tp_rank, self.ep_rank))
-            _mark_tensor_parallel(model)
-            if spec.is_moe:
-                self._capture_router_logits(model)
-                define_router_gemm_without_te(self.counters.define)
+            self._load_canonical(model, c)
             model.to(torch.cuda.current_device())
             if bf16:
                 from megatron.core.transformer.module import Float16Module
@@ -579,6 +571,20 @@ class MegatronEngine(Engine):
             patch_fp8_fallback(self.counters.patch)  # 0.12 without Transformer Engine
         self.steps = 0
         self.schedule_s = 0.0
+
+    def _load_canonical(self, model, chunk: int) -> None:
+        """Model chunk ``chunk``'s canonical initial weights, mapped onto this tp/ep rank's shards, and
+        the marks and MoE hooks Megatron's own initialisation would have left."""
+        from parabench.adapters.megatron_mapping import canonical_names, to_megatron
+        from parabench.model import initial_weights
+
+        job, spec, layout = self.ctx.job, self.ctx.job.model, self.layout
+        canonical = initial_weights(spec, job.run.seed, canonical_names(spec, layout, self.stage, chunk, self.ep_rank))
+        self._load(model, to_megatron(canonical, spec, layout, self.stage, chunk, self.tp_rank, self.ep_rank))
+        _mark_tensor_parallel(model)
+        if spec.is_moe:
+            self._capture_router_logits(model)
+            define_router_gemm_without_te(self.counters.define)
 
     def _init_parallel_state(self, torch):
         from megatron.core import parallel_state as ps
