@@ -15,8 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,10 +27,11 @@ from parabench.commworker import comm_job
 from parabench.confutil import compose, expand_sweep, to_plain
 from parabench.devices import DEVICES
 from parabench.errors import SpecError, UserError
-from parabench.launchers import die_with_parent, get_launcher
-from parabench.runner import _kill, _tail, launch_env, usable_device
+from parabench.jobs import usable_device
+from parabench.launchers import Launch, log_tails, stopped_by, supervise
 from parabench.tracking import JobRun, flatten, git_sha, store_uri
 
+ENTRY = ["-m", "parabench.commworker"]
 USAGE = """usage: bench comm [-m] [key=value ...]
 
 Collectives benchmark (nccl-tests style): time, algbw and busbw per operation and size, results
@@ -97,32 +96,11 @@ def _check_memory(job: CommJob, kind: str, largest: int) -> None:
 
 
 def launch(p: Prepared, run_dir: Path) -> tuple[int, str]:
-    """Start the workers and wait for them (launcher.setup_timeout_s at most). (exit code, reason)."""
+    """Start the workers and watch them (parabench.launchers; launcher.setup_timeout_s bounds the
+    whole launch: the workers report no steps). (exit code, reason)."""
     job = dataclasses.replace(p.job, device=dataclasses.replace(p.job.device, type=p.device))
-    adapter = get_adapter(job.backend.name)
-    launcher = get_launcher(adapter.capabilities.launcher)
-    cmd = launcher.command(
-        job,  # type: ignore[arg-type]  # the launch/backend fields of a JobSpec
-        job.launch.master_port,  # 0: the launcher takes one as it starts
-        str(run_dir),
-        entry=["-m", "parabench.commworker"],
-    )
-    (run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
-    env = launch_env(job)  # type: ignore[arg-type]
-    with open(run_dir / "logs" / "launcher.log", "w") as log:
-        proc = subprocess.Popen(
-            cmd,
-            env=launcher.process_env(env, os.environ),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=die_with_parent(launcher.stop_signal),  # the launcher and its workers never outlive bench comm
-        )
-    try:
-        return proc.wait(timeout=job.launch.setup_timeout_s), ""
-    except subprocess.TimeoutExpired:
-        _kill(proc, launcher.stop_signal)
-        return 1, f"not finished after {job.launch.setup_timeout_s:.0f} s (launcher.setup_timeout_s): killed"
+    # a CommJob has the launch, device and backend fields of a JobSpec that launching reads
+    return supervise(Launch.of(job, run_dir, entry=ENTRY))  # type: ignore[arg-type]
 
 
 def collect(p: Prepared, run_dir: Path) -> list[dict[str, Any]]:
@@ -267,8 +245,7 @@ def execute(p: Prepared, run_dir: Path) -> int:
     if rc != 0 or len(ranks) != p.job.launch.world_size:
         failure = f"run failed: {reason or f'launcher exit code {rc}'}; logs in {run_dir / 'logs'}"
         print(f"\nparabench comm: {failure}", file=sys.stderr)
-        for log in sorted((run_dir / "logs").glob("*.log")):
-            print(f"---- last lines of {log} ----\n{_tail(log)}", file=sys.stderr)
+        print(log_tails(run_dir / "logs"), file=sys.stderr)
         _record(p, run_dir, None, {}, failure)
         return 1
     rows = collect(p, run_dir)
@@ -312,8 +289,13 @@ def main(argv: list[str]) -> int:
         return exc.exit_code
     stamp = time.strftime("%Y%m%d-%H%M%S")
     status = 0
-    for i, p in enumerate(prepared):
-        name = f"{p.library.replace('/', '-')}-x{p.job.launch.world_size}"
-        base = Path(p.job.results_dir) / "runs" / p.job.tracking.experiment / stamp
-        status = max(status, execute(p, base / (f"{i}_{name}" if multirun else name)))
+    try:
+        for i, p in enumerate(prepared):
+            name = f"{p.library.replace('/', '-')}-x{p.job.launch.world_size}"
+            base = Path(p.job.results_dir) / "runs" / p.job.tracking.experiment / stamp
+            status = max(status, execute(p, base / (f"{i}_{name}" if multirun else name)))
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (parabench.errors.Interrupted): workers stopped
+        signum = stopped_by(exc)
+        print(f"bench comm: interrupted by {signum.name}: workers stopped", file=sys.stderr)
+        return 128 + signum
     return status

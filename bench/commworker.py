@@ -26,7 +26,7 @@ from parabench.adapters.registry import get_adapter
 from parabench.collectives import OPS, CommJob, expected_sum, input_value, options, stack_for
 from parabench.devices import DEVICES
 from parabench.errors import SpecError
-from parabench.launchers import get_launcher
+from parabench.launchers import get_launcher, stop_with_launcher
 from parabench.loop import write_json_atomic
 from parabench.spec import BackendSpec, DeviceSpec, LaunchSpec, TrackingSpec, build
 from parabench.worker import _redirect_output, _serve_msrun_scheduler
@@ -212,6 +212,7 @@ def comm_job(plain: Mapping[str, Any]) -> CommJob:
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_with_launcher()  # a SIGKILLed torchrun or msrun takes its workers with it
     if os.environ.get("MS_ROLE") == "MS_SCHED":
         return _serve_msrun_scheduler()
     run_dir = Path((sys.argv[1:] if argv is None else argv)[0])

@@ -17,7 +17,6 @@ import dataclasses
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,8 +38,8 @@ from parabench.convertworker import REQUEST, RESULT
 from parabench.errors import RunFailed, SpecError, UserError
 from parabench.hf import CONFIG, SINGLE, hf_config, load_weights, spec_fields
 from parabench.jobs import model_spec
-from parabench.launchers import get_launcher
-from parabench.runner import launch_env, prepare
+from parabench.launchers import Launch, stopped_by, supervise
+from parabench.runner import prepare
 from parabench.spec import JobSpec, TrackingSpec, to_dict
 from parabench.tracking import JobRun
 
@@ -248,28 +247,16 @@ def layout_text(identity: dict[str, Any]) -> str:
 # Launching one side.
 # --------------------------------------------------------------------------------------------
 def launch(job: JobSpec, run_dir: Path, request: dict[str, Any]) -> dict[str, Any]:
-    """Run the convert workers of ``job`` through its backend's launcher; rank 0's result."""
+    """Run the convert workers of ``job`` through its backend's launcher (parabench.launchers); rank 0's result."""
     (run_dir / "logs").mkdir(parents=True)
     (run_dir / "spec.json").write_text(job.to_json())
     (run_dir / REQUEST).write_text(json.dumps(request, indent=1))
     for name, text in get_adapter(job.backend.name).bundle_files(job).items():
         (run_dir / name).write_text(text)
-    launcher = get_launcher(get_adapter(job.backend.name).capabilities.launcher)
-    cmd = launcher.command(job, job.launch.master_port, str(run_dir), entry=ENTRY)
-    with open(run_dir / "logs" / "launcher.log", "w") as log:
-        try:
-            rc = subprocess.run(
-                cmd,
-                env=launcher.process_env(launch_env(job), os.environ),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                timeout=job.launch.setup_timeout_s,
-            ).returncode
-        except subprocess.TimeoutExpired:
-            rc = -1
+    rc, reason = supervise(Launch.of(job, run_dir, entry=ENTRY))  # launcher.setup_timeout_s bounds it
     if rc != 0 or not (run_dir / RESULT).exists():
-        raise RunFailed(f"{request['mode']} on {job.backend.name} failed (exit {rc}); logs in {run_dir / 'logs'}")
+        why = reason or f"exit {rc}, no {RESULT}"
+        raise RunFailed(f"{request['mode']} on {job.backend.name} failed ({why}); logs in {run_dir / 'logs'}")
     return json.loads((run_dir / RESULT).read_text())
 
 
@@ -492,6 +479,12 @@ def main(argv: list[str]) -> int:
     except RunFailed as exc:
         print(f"bench: convert failed: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (parabench.errors.Interrupted): workers stopped
+        signum = stopped_by(exc)
+        print(
+            f"bench: convert interrupted by {signum.name}: workers stopped; {p['out']} is incomplete", file=sys.stderr
+        )
+        return 128 + signum
     report(record)
     match = record["checksum_before"] == record["checksum_after"]
     if p["tracking"] is not None:

@@ -32,7 +32,7 @@ from parabench.adapters.registry import get_adapter
 from parabench.checkpoint import _ledger_checksum, read_marker, rng_state, write_marker
 from parabench.devices import DEVICES, drain_comm_threads
 from parabench.jobs import load_job
-from parabench.launchers import get_launcher
+from parabench.launchers import get_launcher, stop_with_launcher
 from parabench.worker import _redirect_output, _serve_msrun_scheduler
 
 REQUEST = "convert.json"
@@ -133,6 +133,7 @@ def _run(run_dir: Path, rank: int, local_rank: int, world: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_with_launcher()  # a SIGKILLed torchrun or msrun takes its workers with it
     if os.environ.get("MS_ROLE") == "MS_SCHED":
         return _serve_msrun_scheduler()
     argv = sys.argv[1:] if argv is None else argv

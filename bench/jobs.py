@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from parabench.adapters.base import Adapter
 from parabench.adapters.registry import get_adapter
 from parabench.confutil import available_options
 from parabench.errors import SpecError
@@ -122,3 +123,32 @@ def job_from_json(text: str) -> JobSpec:
 def load_job(path: str | Path) -> JobSpec:
     """The JobSpec of a run directory's ``spec.json``."""
     return job_from_json(Path(path).read_text())
+
+
+def usable_device(adapter: type[Adapter], kind: str, launch: LaunchSpec) -> Literal["cpu", "cuda", "npu"]:
+    """The device kind a job runs on here (``auto``: cuda > npu > cpu, among what this backend
+    supports and sees), or SpecError with ``bench env``'s reason why the backend or device cannot run."""
+    available = adapter.availability()
+    if not available.available:
+        raise SpecError(
+            "backend",
+            f"{adapter.name} cannot run here: {available.reason} "
+            "(launcher.dry_run=true writes the launch bundle without running)",
+        )
+    if kind == "auto":
+        kind = next(
+            (k for k in ("cuda", "npu") if k in adapter.capabilities.devices and adapter.device_presence(k).available),
+            "cpu",
+        )
+    presence = adapter.device_presence(kind)
+    if not presence.available:
+        raise SpecError(
+            "device",
+            f"{kind} requested but not usable here: {presence.reason} "
+            "(launcher.dry_run=true writes the launch bundle for a machine that has it)",
+        )
+    if launch.nnodes == 1 and kind != "cpu" and launch.nproc_per_node > presence.count:
+        raise SpecError(
+            "launcher.nproc_per_node", f"{launch.nproc_per_node} ranks but only {presence.count} {kind} device(s)"
+        )
+    return kind  # type: ignore[return-value]

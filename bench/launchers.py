@@ -1,8 +1,16 @@
-"""How worker processes are started: torchrun (PyTorch stacks) or msrun (MindSpore).
+"""How worker processes are started, watched and stopped: torchrun (PyTorch stacks) or msrun (MindSpore).
 
-An adapter names its launcher in ``capabilities.launcher``; the runner asks that launcher for the
+An adapter names its launcher in ``capabilities.launcher``; a command asks that launcher for the
 command line, and each worker asks it where it sits in the world (the two tools export different
 environment variables). The dry-run bundle (``launch.sh``) uses the same command, made relocatable.
+
+:func:`supervise` is the one place that starts workers, for ``bench run``, ``bench comm`` and
+``bench convert`` alike: a command describes what to launch (:class:`Launch`: the command line, the
+environment, the run directory, the watchdog's limits, its own work each poll and its graceful stop)
+and gets back the exit code and, where the workers were killed or failed, the reason. The launcher
+runs in a process group of its own that dies with this process (:func:`die_with_parent`); SIGINT and
+SIGTERM are recorded and acted on between polls (:class:`StopSignals`); a job that stops making
+progress is killed by the watchdog; the kill is the launcher's stop signal to its group, then SIGKILL.
 """
 
 from __future__ import annotations
@@ -17,11 +25,16 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from types import FrameType, TracebackType
+from typing import Any, ClassVar
 
 from parabench.adapters.registry import get_adapter
+from parabench.devices import AUTOLOAD_ENV, DEVICES
+from parabench.errors import Interrupted
 from parabench.spec import JobSpec
 
 WORKER = ["-m", "parabench.worker"]
@@ -330,3 +343,206 @@ def which(tool: str) -> str | None:
     """A launcher tool next to this interpreter first (a venv's bin need not be on PATH)."""
     beside = os.path.join(os.path.dirname(sys.executable), tool)
     return beside if os.access(beside, os.X_OK) else shutil.which(tool)
+
+
+# --------------------------------------------------------------------------------------------
+# Starting, watching and stopping the workers: the one launcher of every command.
+# --------------------------------------------------------------------------------------------
+POLL_S = 0.2
+TAIL_LINES = 25
+KILL_GRACE_S = 10.0  # after the launcher's stop signal, before SIGKILL to its group
+
+
+def launch_env(job: JobSpec) -> dict[str, str]:
+    """Environment the workers get on top of the caller's (logged, secrets excluded)."""
+    env = {
+        "PYTHONUNBUFFERED": "1",
+        # torch_npu without CANN breaks `import torch` (and torchrun) unless autoload is off;
+        # the NPU worker imports torch_npu explicitly (docs/sources.md#device-backend-autoload).
+        **AUTOLOAD_ENV,
+    }
+    env.update(DEVICES[job.device.type].launch_env(job.launch.nproc_per_node, job.device.threads_per_rank))
+    env.update(get_adapter(job.backend.name).launch_env(job))
+    return env
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What a command launches: :func:`supervise` starts, watches and stops it."""
+
+    launcher: type[Launcher]  # torchrun or msrun: its environment, name and stop signal
+    command: tuple[str, ...]
+    env: Mapping[str, str]  # the workers' environment on top of this shell's (Launcher.process_env)
+    run_dir: Path  # command.txt and logs/launcher.log are written here
+    # the watchdog: with ``poll``, no step finished for setup_timeout_s until step 1 (imports, JIT
+    # builds, the first step), then for hang_timeout_s between steps; without, the whole launch
+    # ends within setup_timeout_s. Either way the workers are killed and the reason returned.
+    setup_timeout_s: float
+    hang_timeout_s: float
+    # the command's own work every POLL_S (a progress bar, live metrics): returns rank 0's newest
+    # finished step, or None when it has no news
+    poll: Callable[[], int | None] | None = None
+    # SIGINT/SIGTERM while the workers run: a graceful stop (e.g. ask them for a last checkpoint)
+    # before the kill; returns how long to give them to exit on their own
+    on_stop: Callable[[], float] | None = None
+
+    @classmethod
+    def of(
+        cls,
+        job: JobSpec,
+        run_dir: Path,
+        *,
+        entry: Sequence[str] = WORKER,
+        env: Mapping[str, str] | None = None,
+        port: int | None = None,
+        poll: Callable[[], int | None] | None = None,
+        on_stop: Callable[[], float] | None = None,
+    ) -> Launch:
+        """``job``'s workers (``entry``: the per-rank module) through its backend's launcher; ``env``
+        defaults to :func:`launch_env`, ``port`` to launcher.master_port (0: the launcher takes one)."""
+        launcher = get_launcher(get_adapter(job.backend.name).capabilities.launcher)
+        port = job.launch.master_port if port is None else port
+        command = tuple(launcher.command(job, port, str(run_dir), entry=entry))
+        env = launch_env(job) if env is None else env
+        la = job.launch
+        return cls(launcher, command, env, run_dir, la.setup_timeout_s, la.hang_timeout_s, poll, on_stop)
+
+
+class StopSignals:
+    """SIGINT and SIGTERM (scancel, a time limit) while the workers run, recorded by the handler and
+    raised by the watch loop between its polls: an exception raised from inside the handler lands
+    wherever the main thread is, e.g. amid the live MLflow write, and left the store unable to take
+    the run's final status (it stayed RUNNING). A second signal acts at once (default handlers)."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._previous[signum] = signal.signal(signum, self._record)
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _record(self, signum: int, _frame: FrameType | None) -> None:
+        self.received = signum
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    def raise_if_received(self) -> None:
+        if self.received is not None:
+            raise Interrupted(self.received)
+
+
+def supervise(launch: Launch) -> tuple[int, str]:
+    """Start the launcher in a process group of its own that never outlives this process, watch it
+    until it exits, and return (exit code, reason): the watchdog's, or the failure's; "" when it
+    succeeded. SIGINT/SIGTERM (raised as :class:`parabench.errors.Interrupted`) stop the workers
+    (``on_stop``, then the kill) and propagate to the command."""
+    (launch.run_dir / "command.txt").write_text(shlex.join(launch.command) + "\n")
+    logs = launch.run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    first = launch.launcher.stop_signal
+    with StopSignals() as stop_signals:  # before the start: a signal during it is acted on too
+        with open(logs / "launcher.log", "w") as log:
+            proc = subprocess.Popen(
+                launch.command,
+                env=launch.launcher.process_env(launch.env, os.environ),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # the group the kill reaches: the launcher and its workers
+                preexec_fn=die_with_parent(first),  # the launcher and its workers never outlive bench
+            )
+        try:
+            reason = _watch(launch, proc, stop_signals)
+        except KeyboardInterrupt:
+            stop(proc, first, launch.on_stop)
+            raise
+        finally:
+            if proc.poll() is None:  # the command's own poll failed: no worker outlives it
+                kill(proc, first)
+    rc = proc.wait()
+    if rc != 0 and not reason:
+        reason = f"a worker failed ({launch.launcher.name} exit code {rc})"
+    return rc, reason
+
+
+def _watch(launch: Launch, proc: subprocess.Popen[bytes], stop_signals: StopSignals) -> str:
+    """Poll the workers until they exit: the command's own poll, the setup/hang watchdog (kills the
+    group and returns why), a stop signal (raised here, between polls). Returns "" or the kill reason."""
+    last_change, last_step = time.monotonic(), -1
+    while proc.poll() is None:
+        time.sleep(POLL_S)
+        stop_signals.raise_if_received()
+        step = launch.poll() if launch.poll is not None else None
+        stop_signals.raise_if_received()
+        if step is not None and step != last_step:
+            last_step, last_change = step, time.monotonic()
+        reason = _overdue(launch, last_step, time.monotonic() - last_change)
+        if reason:
+            kill(proc, launch.launcher.stop_signal)
+            return reason
+    return ""
+
+
+def _overdue(launch: Launch, last_step: int, quiet_s: float) -> str:
+    """Why the watchdog kills the workers now ("" while they are within their limit): ``quiet_s``
+    without a new step, before step 1 (setup: imports, JIT builds) or after it (a hang)."""
+    if launch.poll is None:  # no steps reported: the launch as a whole
+        limit = launch.setup_timeout_s
+        return f"not finished after {limit:.0f} s (launcher.setup_timeout_s): killed" if quiet_s > limit else ""
+    limit, key = (
+        (launch.setup_timeout_s, "setup_timeout_s") if last_step < 1 else (launch.hang_timeout_s, "hang_timeout_s")
+    )
+    return f"no step finished for {limit:.0f} s (launcher.{key}): killed" if quiet_s > limit else ""
+
+
+def stop(proc: subprocess.Popen[bytes], first: int, on_stop: Callable[[], float] | None = None) -> None:
+    """Stop the workers of a signalled command: ``on_stop`` first while they run (its grace period to
+    exit on their own), then :func:`kill`."""
+    if on_stop is not None and proc.poll() is None:
+        grace = on_stop()
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+    kill(proc, first)
+
+
+def kill(proc: subprocess.Popen[bytes], first: int = signal.SIGTERM) -> None:
+    """``first`` (the launcher's stop_signal) to the launcher's process group, SIGKILL KILL_GRACE_S later."""
+    for sig, wait in ((first, KILL_GRACE_S), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def stopped_by(exc: KeyboardInterrupt) -> signal.Signals:
+    """The signal that interrupted a command (Ctrl-C: SIGINT; parabench.errors.Interrupted: its own)."""
+    return signal.Signals(getattr(exc, "signum", signal.SIGINT))
+
+
+def tail(path: Path, n: int = TAIL_LINES) -> str:
+    """The last ``n`` lines of a log."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join(lines[-n:])
+
+
+def log_tails(logs: Path) -> str:
+    """The last lines of every log of a launch (ranks, the launcher, msrun's scheduler and workers)."""
+    return "\n".join(f"---- last lines of {log} ----\n{tail(log)}" for log in sorted(logs.glob("*.log")))

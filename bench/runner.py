@@ -16,11 +16,10 @@ import re
 import shlex
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from parabench import __version__, commreport, envreport, k8s, trackstore
 from parabench.adapters.base import check_capabilities
@@ -35,21 +34,19 @@ from parabench.checkpoint import (
     write_resume_file,
     write_stop_request,
 )
-from parabench.devices import AUTOLOAD_ENV, DEVICES, cpu_threads
-from parabench.errors import Interrupted, RunFailed, SpecError
+from parabench.devices import DEVICES, cpu_threads
+from parabench.errors import RunFailed, SpecError
 from parabench.faults import recovery_figures
 from parabench.flops import FORMULA, Peak, flops_per_token
-from parabench.jobs import from_config
-from parabench.launchers import die_with_parent, get_launcher, slurm_placement
+from parabench.jobs import from_config, usable_device
+from parabench.launchers import Launch, get_launcher, launch_env, log_tails, slurm_placement, supervise
 from parabench.metrics import summarize
 from parabench.runnames import job_run_name
-from parabench.spec import JobSpec, LaunchSpec, resolve_device, to_dict
+from parabench.spec import JobSpec, resolve_device, to_dict
 from parabench.tracking import JobRun, StepTail, flatten, git_sha, is_secret, store_uri
 
-POLL_S = 0.2
 LIVE_S = 2.0  # rank 0's finished steps go to MLflow in a batch this often during the run
 STOP_GRACE_S = 60.0  # run.checkpoint.on_signal: how long the workers get to write the last checkpoint
-TAIL_LINES = 25
 
 
 # --------------------------------------------------------------------------------------------
@@ -80,35 +77,6 @@ def prepare(plain: dict[str, Any]) -> JobSpec:
     return job
 
 
-def usable_device(adapter, kind: str, launch: LaunchSpec) -> Literal["cpu", "cuda", "npu"]:
-    """The device kind a job runs on here (``auto``: cuda > npu > cpu, among what this backend
-    supports and sees), or SpecError with ``bench env``'s reason why the backend or device cannot run."""
-    available = adapter.availability()
-    if not available.available:
-        raise SpecError(
-            "backend",
-            f"{adapter.name} cannot run here: {available.reason} "
-            "(launcher.dry_run=true writes the launch bundle without running)",
-        )
-    if kind == "auto":
-        kind = next(
-            (k for k in ("cuda", "npu") if k in adapter.capabilities.devices and adapter.device_presence(k).available),
-            "cpu",
-        )
-    presence = adapter.device_presence(kind)
-    if not presence.available:
-        raise SpecError(
-            "device",
-            f"{kind} requested but not usable here: {presence.reason} "
-            "(launcher.dry_run=true writes the launch bundle for a machine that has it)",
-        )
-    if launch.nnodes == 1 and kind != "cpu" and launch.nproc_per_node > presence.count:
-        raise SpecError(
-            "launcher.nproc_per_node", f"{launch.nproc_per_node} ranks but only {presence.count} {kind} device(s)"
-        )
-    return kind  # type: ignore[return-value]
-
-
 def _slurm_placement(launcher: dict[str, Any]) -> dict[str, Any]:
     """This node's nnodes/node_rank/master_addr from the Slurm allocation (launcher.slurm=true)."""
     try:
@@ -135,20 +103,6 @@ def _interrupted_status(exc: KeyboardInterrupt, tracker) -> str:
 # --------------------------------------------------------------------------------------------
 # Launch.
 # --------------------------------------------------------------------------------------------
-def launch_env(job: JobSpec) -> dict[str, str]:
-    """Environment the workers get on top of the caller's (logged, secrets excluded)."""
-    adapter = get_adapter(job.backend.name)
-    env = {
-        "PYTHONUNBUFFERED": "1",
-        # torch_npu without CANN breaks `import torch` (and torchrun) unless autoload is off;
-        # the NPU worker imports torch_npu explicitly (docs/sources.md#device-backend-autoload).
-        **AUTOLOAD_ENV,
-    }
-    env.update(DEVICES[job.device.type].launch_env(job.launch.nproc_per_node, job.device.threads_per_rank))
-    env.update(adapter.launch_env(job))
-    return env
-
-
 def _export(key: str, value: str) -> str:
     """One ``export`` line; a PATH-like value that extends this machine's keeps ``$KEY`` so the
     bundle extends the target machine's instead."""
@@ -214,71 +168,6 @@ class _Progress:
         self.bar.close()
 
 
-def _launcher_of(job: JobSpec):
-    """The launcher (torchrun, msrun) that starts and stops this job's workers."""
-    return get_launcher(get_adapter(job.backend.name).capabilities.launcher)
-
-
-def _kill(proc: subprocess.Popen, first: int = signal.SIGTERM) -> None:
-    """``first`` (the launcher's stop_signal) to the launcher's process group, SIGKILL 10 s later."""
-    for sig, wait in ((first, 10), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-class _StopSignals:
-    """SIGINT and SIGTERM (scancel, a time limit) while the workers run, recorded by the handler and
-    raised by the watch loop between its polls: an exception raised from inside the handler lands
-    wherever the main thread is, e.g. amid the live MLflow write, and left the store unable to take
-    the run's final status (it stayed RUNNING). A second signal acts at once (default handlers)."""
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _StopSignals:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            self._previous[signum] = signal.signal(signum, self._record)
-        return self
-
-    def __exit__(self, *_exc) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-
-    def _record(self, signum: int, _frame) -> None:
-        self.received = signum
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-    def raise_if_received(self) -> None:
-        if self.received is not None:
-            raise Interrupted(self.received)
-
-
-def _stop(job: JobSpec, proc: subprocess.Popen, run_dir: Path) -> None:
-    """SIGINT/SIGTERM to `bench run`: stop every worker of the job (its own process group). With
-    run.checkpoint.on_signal the workers first save at a step none of them has finished yet
-    (``stop.json``, read after every step) and exit; STOP_GRACE_S later the group is killed anyway."""
-    if job.run.checkpoint.on_signal and proc.poll() is None:
-        # ranks are at most one step apart (each step ends in an all-reduce): rank 0's last finished
-        # step + 2 is ahead of all, read now (a step read a poll ago was passed by short steps: no
-        # rank stopped, nothing saved)
-        write_stop_request(run_dir, max(_progress_step(run_dir), 0) + 2)
-        print(f"\nparabench: interrupted: saving a last checkpoint (up to {STOP_GRACE_S:.0f} s)", file=sys.stderr)
-        try:
-            proc.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            pass
-    _kill(proc, _launcher_of(job).stop_signal)
-
-
 def _progress(run_dir: Path) -> dict[str, Any] | None:
     """Rank 0's last finished step and its figures (``progress.json``, written after each step)."""
     try:
@@ -292,72 +181,49 @@ def _progress_step(run_dir: Path) -> int:
     return int((_progress(run_dir) or {}).get("step", -1))
 
 
-def _tail(path: Path, n: int = TAIL_LINES) -> str:
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return "(no log)"
-    return "\n".join(lines[-n:])
-
-
 def launch(job: JobSpec, run_dir: Path, env: dict[str, str], port: int, tracker=None) -> tuple[int, str]:
-    """Start the workers through the backend's launcher and watch them. Returns (exit code, reason).
-    With ``tracker``, rank 0's finished steps go to MLflow every LIVE_S while the workers run (this
-    process only reads the file rank 0 appends to after each step: nothing in the timed region)."""
-    launcher = _launcher_of(job)
-    cmd = launcher.command(job, port, str(run_dir))
-    (run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
-    total = job.run.warmup_steps + job.run.steps
-    bar = _Progress(total, f"{job.backend.name} x{job.launch.world_size}")
-    with open(run_dir / "logs" / "launcher.log", "w") as log:
-        proc = subprocess.Popen(
-            cmd,
-            env=launcher.process_env(env, os.environ),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=die_with_parent(launcher.stop_signal),  # the launcher and its workers never outlive bench run
-        )
-    live = _Live(job, run_dir, tracker)
-    with _StopSignals() as stop_signals:
-        try:
-            reason = _watch(job, proc, run_dir, live, bar, stop_signals)
-        except KeyboardInterrupt:
-            bar.close()
-            _stop(job, proc, run_dir)
-            raise
-    bar.close()
-    rc = proc.wait()
-    live.flush()
-    if rc != 0 and not reason:
-        reason = f"a worker failed ({launcher.name} exit code {rc})"
+    """Start the workers through the backend's launcher and watch them (parabench.launchers). Returns
+    (exit code, reason). With ``tracker``, rank 0's finished steps go to MLflow every LIVE_S while the
+    workers run (this process only reads the file rank 0 appends to after each step: nothing in the
+    timed region)."""
+    watch = _Watch(job, run_dir, tracker)
+    try:
+        rc, reason = supervise(Launch.of(job, run_dir, env=env, port=port, poll=watch.poll, on_stop=watch.on_stop))
+    finally:
+        watch.bar.close()
+    watch.live.flush()
     return rc, reason
 
 
-def _watch(job: JobSpec, proc: subprocess.Popen, run_dir: Path, live: _Live, bar: _Progress, stop_signals) -> str:
-    """Poll the workers until they exit: progress, live metrics, the setup/hang watchdog (kills the
-    group and returns why), a stop signal (raised here, between polls). Returns "" or the kill reason."""
-    last_change, last_step = time.monotonic(), -1
-    while proc.poll() is None:
-        time.sleep(POLL_S)
-        stop_signals.raise_if_received()
-        info = _progress(run_dir)
-        if info and info.get("step", 0) != last_step:
-            last_step, last_change = info["step"], time.monotonic()
-            bar.update(info)
-        live.poll()
-        stop_signals.raise_if_received()
-        # before the first step: setup (imports, JIT builds); afterwards: one step at a time
-        limit, key = (
-            (job.launch.setup_timeout_s, "setup_timeout_s")
-            if last_step < 1
-            else (job.launch.hang_timeout_s, "hang_timeout_s")
-        )
-        if time.monotonic() - last_change > limit:
-            _kill(proc, _launcher_of(job).stop_signal)
-            return f"no step finished for {limit:.0f} s (launcher.{key}): killed"
-    return ""
+class _Watch:
+    """What `bench run` does while its workers run: the progress bar and the live metrics every poll
+    (the watchdog times rank 0's steps), and on SIGINT/SIGTERM with run.checkpoint.on_signal a last
+    checkpoint at a step none of them has finished yet (``stop.json``, read after every step)."""
+
+    def __init__(self, job: JobSpec, run_dir: Path, tracker) -> None:
+        self.job, self.run_dir = job, run_dir
+        self.bar = _Progress(job.run.warmup_steps + job.run.steps, f"{job.backend.name} x{job.launch.world_size}")
+        self.live = _Live(job, run_dir, tracker)
+
+    def poll(self) -> int | None:
+        """Rank 0's newest finished step (None: no progress file yet); the bar and live metrics follow it."""
+        info = _progress(self.run_dir)
+        if info:
+            self.bar.update(info)
+        self.live.poll()
+        return int(info.get("step", 0)) if info else None
+
+    def on_stop(self) -> float:
+        """The grace period the workers get to write the last checkpoint (none without on_signal)."""
+        self.bar.close()
+        if not self.job.run.checkpoint.on_signal:
+            return 0.0
+        # ranks are at most one step apart (each step ends in an all-reduce): rank 0's last finished
+        # step + 2 is ahead of all, read now (a step read a poll ago was passed by short steps: no
+        # rank stopped, nothing saved)
+        write_stop_request(self.run_dir, max(_progress_step(self.run_dir), 0) + 2)
+        print(f"\nparabench: interrupted: saving a last checkpoint (up to {STOP_GRACE_S:.0f} s)", file=sys.stderr)
+        return STOP_GRACE_S
 
 
 class _Live:
@@ -562,8 +428,7 @@ def _report_failure(run_dir: Path, reason: str, tracker) -> None:
     cause = failure_cause(run_dir / "logs")
     print(f"\nparabench: run FAILED: {reason}" + (f": {cause}" if cause else ""), file=sys.stderr)
     if cause is None:
-        for log in sorted((run_dir / "logs").glob("*.log")):  # ranks, the launcher, msrun's scheduler/workers
-            print(f"---- last lines of {log} ----\n{_tail(log)}", file=sys.stderr)
+        print(log_tails(run_dir / "logs"), file=sys.stderr)  # ranks, the launcher, msrun's scheduler/workers
     tracker.set_tags({"failure_reason": (f"{reason}: {cause}" if cause else reason)[:5000]})
 
 

@@ -106,8 +106,7 @@ COMMANDS: dict[str, tuple[str, ...]] = {
 # redesign of issue 27 removes (docs/architecture.md says so), each with what it takes and where it
 # belongs. No new entry: a command needing another's code moves that code down to a building block.
 COMMAND_IMPORTS_DEBT: dict[tuple[str, str], str] = {
-    ("parabench.comm", "parabench.runner"): "usable_device, launch_env, _kill, _tail: the one launcher to come",
-    ("parabench.convert", "parabench.runner"): "prepare, launch_env: job validation and worker env, a building block",
+    ("parabench.convert", "parabench.runner"): "prepare: job validation, a building block",
     ("parabench.plan.search", "parabench.runner"): "prepare: validates a candidate layout as bench run would",
     ("parabench.comm", "parabench.envreport"): "versions(): package versions belong in devices, below both",
     ("parabench.runner", "parabench.envreport"): "versions(), cpu_info(): as above",

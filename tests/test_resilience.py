@@ -509,13 +509,14 @@ def test_the_stop_step_is_ahead_of_rank_0s_newest_step_not_of_the_watch_loops(tm
     signal came, no rank met the stop step and nothing was saved (a CI run failed so). The stop step
     is rank 0's newest finished step, read at the signal, + 2."""
     from parabench.checkpoint import STOP_FILE
-    from parabench.runner import _stop
+    from parabench.launchers import stop
+    from parabench.runner import _Watch
 
     (tmp_path / "progress.json").write_text(json.dumps({"step": 17}))
     launcher = subprocess.Popen(  # stands in for the launcher: ends once the stop request is written
         ["sh", "-c", f"while [ ! -e {STOP_FILE} ]; do sleep 0.05; done"], cwd=tmp_path, start_new_session=True
     )
-    _stop(job_of("run.checkpoint.on_signal=true"), launcher, tmp_path)
+    stop(launcher, signal.SIGTERM, _Watch(job_of("run.checkpoint.on_signal=true"), tmp_path, None).on_stop)
     assert launcher.wait(timeout=5) == 0
     assert json.loads((tmp_path / STOP_FILE).read_text())["step"] == 19
 
@@ -525,11 +526,11 @@ def test_a_stop_signal_never_lands_inside_a_write_of_the_watch_loop():
     write: the store then could not take the final status and the run stayed RUNNING (a CI run). The
     signal is recorded and raised between the loop's polls; a second one acts at once."""
     from parabench.errors import Interrupted
-    from parabench.runner import _StopSignals
+    from parabench.launchers import StopSignals
 
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     written = []
-    with _StopSignals() as stop_signals:
+    with StopSignals() as stop_signals:
         stop_signals.raise_if_received()  # nothing received: no raise
         os.kill(os.getpid(), signal.SIGTERM)  # arrives "during a write"
         written.append("the write finished")
