@@ -340,12 +340,14 @@ def test_deepspeed_to_megatron_tp2_and_pp2_and_back_to_zero1(ds_checkpoint, ddp_
     """ZeRO-3 -> megatron tp=2 (fused QKV and gate/up TP splits) resumed, ZeRO-3 -> megatron pp=2
     (stage assignment) resumed, and the tp=2 checkpoint -> ZeRO-1 resumed: each within 1e-5 of the
     uninterrupted ddp run. tp=2 x pp=2 (4 ranks) converts with matching checksums (read back
-    through Megatron's own loader)."""
+    through Megatron's own loader). The ZeRO-3 checkpoint is exported (a DeepSpeed launch) once, by
+    the tp=2 conversion: the pp=2 and tp=2 x pp=2 conversions import that same canonical state."""
     pytest.importorskip("megatron.core")
     rel = {}
-    for name, layout in (("tp2", ["backend.tp=2"]), ("pp2", ["backend.pp=2"])):
+    exported = tmp_path / "tp2" / "canonical"  # the ZeRO-3 checkpoint's canonical state, written by the tp=2 conversion
+    for name, layout, source in (("tp2", ["backend.tp=2"], ds_checkpoint[1]), ("pp2", ["backend.pp=2"], exported)):
         to_mg = tmp_path / name
-        printed = _convert([str(ds_checkpoint[1]), "--to", "megatron", *layout, "--out", str(to_mg), *TINY[:-2]])
+        printed = _convert([str(source), "--to", "megatron", *layout, "--out", str(to_mg), *TINY[:-2]])
         assert "(match)" in printed and f"{layout[0].split('.')[1]} world_size=2" in printed, printed
         _run(["backend=megatron", *layout, f"run.steps={STEPS}", f"run.resume={to_mg}"], tmp_path / f"r_{name}")
         rel[f"megatron {name}"] = _relative(_losses(tmp_path / f"r_{name}", "megatron"), ddp_losses)
@@ -359,9 +361,7 @@ def test_deepspeed_to_megatron_tp2_and_pp2_and_back_to_zero1(ds_checkpoint, ddp_
     print("vs ddp, steps 11-20:", {k: f"{v:.3g}" for k, v in rel.items()})
     assert all(v < 1e-5 for v in rel.values()), rel
 
-    printed = _convert(
-        [str(ds_checkpoint[1]), "--to", "megatron", *MEGATRON, "--out", str(tmp_path / "tp2pp2"), *TINY[:-2]]
-    )
+    printed = _convert([str(exported), "--to", "megatron", *MEGATRON, "--out", str(tmp_path / "tp2pp2"), *TINY[:-2]])
     assert "(match)" in printed and "tp=2 pp=2 world_size=4" in printed, printed
 
 
