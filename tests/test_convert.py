@@ -263,10 +263,6 @@ def _refused(argv: list[str], must_name: str, out: Path, capsys) -> None:
 def test_bad_input_is_refused_before_anything_is_written(ds_checkpoint, tmp_path, capsys):
     ckpt, out = ds_checkpoint[1], tmp_path / "out"
     _refused([str(ckpt), "--to", "fsdp", "--out", str(out), "model.hidden_size=128"], "model.hidden_size", out, capsys)
-    dist_opt = [*MEGATRON, "backend.distributed_optimizer=true"]
-    _refused(
-        [str(ckpt), "--to", "megatron", *dist_opt, "--out", str(out)], "backend.distributed_optimizer", out, capsys
-    )
     _refused([str(ckpt), "--to", "megatron", "--out", str(out), "backend.tp=3"], "backend.tp", out, capsys)
     partial = tmp_path / "partial"
     shutil.copytree(ckpt, partial)
