@@ -26,6 +26,70 @@ VOCAB = 2048
 FAST = ["+model=llama", f"model.vocab_size={VOCAB}", "data.seq_len=64", "run.warmup_steps=0"]
 
 
+# The conversion tests' model: smaller than FAST's, so a conversion's gathers and files stay small.
+TINY = [
+    "model.vocab_size=512",
+    "model.hidden_size=64",
+    "model.intermediate_size=128",
+    "model.num_hidden_layers=2",
+    "model.num_attention_heads=4",
+    "model.num_key_value_heads=2",
+    "launcher.nproc_per_node=2",
+    "tracking.enabled=false",
+]
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not: it only waits for its parent to read its exit)."""
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+def alive_with(text: str) -> list[int]:
+    """Pids of the live processes (not this one) whose command line holds ``text``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # not a process, or gone meanwhile
+            continue
+        if text in cmdline and alive(int(proc.name)) and int(proc.name) != os.getpid():
+            found.append(int(proc.name))
+    return found
+
+
+def assert_trains_like_the_canonical_model(engine, job, steps: int = 3) -> None:
+    """An in-process engine starts from the canonical weights, and its first ``steps`` losses equal
+    the canonical torch model's under AdamW and clipping on the same batches (relative 1e-5: fp32
+    rounding of a different kernel order)."""
+    import math
+
+    import torch
+
+    from parabench.adapters.torch_common import make_adamw
+    from parabench.data import TokenSource
+    from parabench.model import build_llama, canonical_weights, training_loss, weights_checksum
+
+    assert weights_checksum(engine.full_state_dict()) == weights_checksum(canonical_weights(job.model, job.run.seed))
+    ref = build_llama(job.model, seed=job.run.seed)
+    opt = make_adamw(list(ref.named_parameters()), job.optim)
+    source = TokenSource(job.data, job.model.vocab_size)
+    for step in range(steps):
+        batches = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in source.rank_micro_batches(step, 0, 1)]
+        got = float(engine.train_step(batches))
+        want = 0.0
+        for x, y in batches:
+            loss = training_loss(ref, job.model, x, y) / len(batches)
+            loss.backward()
+            want += float(loss)
+        torch.nn.utils.clip_grad_norm_(list(ref.parameters()), job.optim.grad_clip)
+        opt.step()
+        opt.zero_grad()
+        assert math.isclose(got, want, rel_tol=1e-5), (step, got, want)
+
+
 def bench(args: list[str], results: Path, timeout: float = 600, env: dict | None = None, cwd: Path | None = None):
     cmd = [sys.executable, "-m", "parabench", *args]
     if args and args[0] == "run":

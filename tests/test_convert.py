@@ -13,18 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST, bench
+from tests.conftest import FAST, TINY, bench
 
-TINY = [
-    "model.vocab_size=512",
-    "model.hidden_size=64",
-    "model.intermediate_size=128",
-    "model.num_hidden_layers=2",
-    "model.num_attention_heads=4",
-    "model.num_key_value_heads=2",
-    "launcher.nproc_per_node=2",
-    "tracking.enabled=false",
-]
 DS3 = ["backend=deepspeed", "backend.zero_stage=3"]
 MEGATRON = ["backend.tp=2", "backend.pp=2", "launcher.nproc_per_node=4"]
 STEPS = 20

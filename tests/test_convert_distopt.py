@@ -21,22 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST, bench, torchrun_script
+from tests.conftest import FAST, TINY, bench, torchrun_script
 
 pytest.importorskip("megatron.core")
 
 pytestmark = pytest.mark.megatron
 
-TINY = [
-    "model.vocab_size=512",
-    "model.hidden_size=64",
-    "model.intermediate_size=128",
-    "model.num_hidden_layers=2",
-    "model.num_attention_heads=4",
-    "model.num_key_value_heads=2",
-    "launcher.nproc_per_node=2",
-    "tracking.enabled=false",
-]
 DISTOPT = ["backend=megatron", "backend.distributed_optimizer=true"]
 STEPS = 20
 SAVED = 10

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, bench
+from conftest import REPO, alive, alive_with, bench
 from parabench.errors import Interrupted
 from parabench.launchers import Launch, Torchrun, supervise
 
@@ -25,26 +25,6 @@ def _launch(tmp_path: Path, script: str, **kw) -> Launch:
     """``sh -c SCRIPT`` standing in for the launcher (its children for the workers), torchrun's stop signal."""
     limits = {"setup_timeout_s": 60.0, "hang_timeout_s": 60.0, **kw.pop("limits", {})}
     return Launch(Torchrun, ("sh", "-c", script), {}, tmp_path, **limits, **kw)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-
-
-def _alive_with(text: str) -> list[int]:
-    """Pids of the live (not zombie) processes whose command line holds ``text``."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:  # not a process, or gone meanwhile
-            continue
-        if text in cmdline and _alive(int(proc.name)) and int(proc.name) != os.getpid():
-            found.append(int(proc.name))
-    return found
 
 
 def _worker(tmp_path: Path) -> str:
@@ -59,9 +39,9 @@ def _worker_pid(tmp_path: Path) -> int:
 def _worker_ended(tmp_path: Path) -> bool:
     """The worker has ended (the kill reached it; it may take a moment to go once the launcher is gone)."""
     deadline = time.monotonic() + 5
-    while _alive(_worker_pid(tmp_path)) and time.monotonic() < deadline:
+    while alive(_worker_pid(tmp_path)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return not _alive(_worker_pid(tmp_path))
+    return not alive(_worker_pid(tmp_path))
 
 
 def test_the_watchdog_kills_a_launch_that_does_not_finish_and_its_whole_group(tmp_path):
@@ -108,7 +88,7 @@ def test_a_stop_signal_is_raised_between_polls_after_the_graceful_stop_and_the_g
         return None
 
     def on_stop() -> float:
-        events.append(("on_stop", _alive(_worker_pid(tmp_path))))
+        events.append(("on_stop", alive(_worker_pid(tmp_path))))
         return 0.2
 
     with pytest.raises(Interrupted) as raised:
@@ -135,9 +115,9 @@ def _run_dir(results: Path, marker: str, timeout: float = 300) -> Path:
 def _no_orphans(where: Path) -> list[int]:
     """The processes still running from ``where`` (killed here, so a failing test leaves none)."""
     deadline = time.monotonic() + 30
-    while _alive_with(str(where)) and time.monotonic() < deadline:
+    while alive_with(str(where)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    orphans = _alive_with(str(where))
+    orphans = alive_with(str(where))
     for pid in orphans:
         os.kill(pid, signal.SIGKILL)
     return orphans
@@ -163,10 +143,10 @@ def _comm_running(results: Path) -> tuple[subprocess.Popen, Path, list[int]]:
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     run_dir = _run_dir(results, "comm.json")
     deadline = time.monotonic() + 300
-    while len(_alive_with(str(run_dir))) < 3:
+    while len(alive_with(str(run_dir))) < 3:
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.2)
-    return proc, run_dir, _alive_with(str(run_dir))
+    return proc, run_dir, alive_with(str(run_dir))
 
 
 @pytest.mark.full
@@ -187,7 +167,7 @@ def test_a_killed_comm_launcher_takes_its_workers_with_it(results):
     proc, run_dir, _ = _comm_running(results)
     (torchrun,) = [
         pid
-        for pid in _alive_with(str(run_dir))
+        for pid in alive_with(str(run_dir))
         if "torch.distributed.run" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
     ]
     os.kill(torchrun, signal.SIGKILL)

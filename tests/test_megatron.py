@@ -6,7 +6,6 @@ loading; step-0 loss within 1e-5 relative; loss after 10 optimizer steps within 
 """
 
 import dataclasses
-import math
 
 import pytest
 
@@ -14,7 +13,7 @@ pytest.importorskip("megatron.core")
 
 from run_matrix import STEPS, assert_parity
 
-from conftest import FAST, assert_refused_before_launch, bench, summaries
+from conftest import FAST, assert_refused_before_launch, assert_trains_like_the_canonical_model, bench, summaries
 
 pytestmark = pytest.mark.megatron
 
@@ -111,12 +110,9 @@ def test_engine_in_process_matches_the_canonical_model(tmp_path):
     from parabench import redirect
     from parabench.adapters.base import WorkerContext
     from parabench.adapters.megatron import MegatronAdapter
-    from parabench.adapters.torch_common import make_adamw
     from parabench.confutil import compose, to_plain
-    from parabench.data import TokenSource
     from parabench.devices import DEVICES
     from parabench.jobs import from_config
-    from parabench.model import build_llama, canonical_weights, causal_lm_loss, weights_checksum
     from parabench.spec import resolve_device
 
     job = resolve_device(
@@ -134,25 +130,8 @@ def test_engine_in_process_matches_the_canonical_model(tmp_path):
             WorkerContext(job=job, rank=0, world_size=1, local_rank=0, device=DEVICES["cpu"](0), run_dir=tmp_path)
         )
         try:
-            assert weights_checksum(engine.full_state_dict()) == weights_checksum(
-                canonical_weights(job.model, job.run.seed)
-            )
             assert engine.data_parallel() == (0, 1)
-            ref = build_llama(job.model, seed=job.run.seed)
-            opt = make_adamw(list(ref.named_parameters()), job.optim)
-            source = TokenSource(job.data, job.model.vocab_size)
-            for step in range(3):
-                batches = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in source.rank_micro_batches(step, 0, 1)]
-                got = float(engine.train_step(batches))
-                want = 0.0
-                for x, y in batches:
-                    loss = causal_lm_loss(ref(x), y) / len(batches)
-                    loss.backward()
-                    want += float(loss)
-                torch.nn.utils.clip_grad_norm_(list(ref.parameters()), job.optim.grad_clip)
-                opt.step()
-                opt.zero_grad()
-                assert math.isclose(got, want, rel_tol=1e-5), (step, got, want)
+            assert_trains_like_the_canonical_model(engine, job)
             state = engine.model_state_bytes()
             n = job.model.num_params()
             assert state.params + state.grads + state.optimizer == 16 * n  # fp32 AdamW, replicated

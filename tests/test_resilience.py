@@ -19,7 +19,18 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import FAST, REPO, TWENTY, assert_refused_before_launch, bench, mlflow_runs, only_summary, run_ok
+from conftest import (
+    FAST,
+    REPO,
+    TWENTY,
+    alive,
+    alive_with,
+    assert_refused_before_launch,
+    bench,
+    mlflow_runs,
+    only_summary,
+    run_ok,
+)
 from parabench.checkpoint import MARKER, Checkpointer, check_compatible, job_identity, newest_complete, plan_resume
 from parabench.confutil import compose, to_plain
 from parabench.errors import SpecError
@@ -343,19 +354,6 @@ def test_injected_exception_fails_the_run_once(results):
     assert run["status"] == "FAILED"
 
 
-def _alive_with(text: str) -> list[int]:
-    """Pids of the live (not zombie) processes whose command line holds ``text``."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:  # not a process, or gone meanwhile
-            continue
-        if text in cmdline and _alive(int(proc.name)):
-            found.append(int(proc.name))
-    return found
-
-
 @pytest.mark.full
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's prctl")
 @pytest.mark.parametrize("backend", ["ddp", "mindspore"])  # torchrun, msrun
@@ -365,14 +363,14 @@ def test_sigkill_of_bench_run_ends_the_launcher_and_its_workers(results, backend
     `bench run` on that store closes the run left RUNNING as KILLED, with the reason (issue 26
     case 5)."""
     proc, run_dir = _start_until_step(results, [*FAST, f"backend={backend}", "run.steps=100000"], 2)
-    started = _alive_with(str(run_dir))
+    started = alive_with(str(run_dir))
     assert len(started) >= 2, started  # the launcher and rank 0
     proc.kill()
     proc.wait(timeout=30)
     deadline = time.monotonic() + 60  # torchrun's agent gives its workers 30 s to stop, then kills them
-    while _alive_with(str(run_dir)) and time.monotonic() < deadline:
+    while alive_with(str(run_dir)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    orphans = _alive_with(str(run_dir))
+    orphans = alive_with(str(run_dir))
     for pid in orphans:  # a failing test leaves nothing training on this machine
         os.kill(pid, signal.SIGKILL)
     assert orphans == [], f"orphans train on after kill -9 of bench run: {orphans} (started: {started})"
@@ -400,22 +398,15 @@ def test_sigkill_of_torchrun_ends_its_workers_and_fails_the_run(results):
     os.kill(launcher, signal.SIGKILL)
     _, err = proc.communicate(timeout=120)
     deadline = time.monotonic() + 10
-    while [pid for pid in ranks if _alive(pid)] and time.monotonic() < deadline:
+    while [pid for pid in ranks if alive(pid)] and time.monotonic() < deadline:
         time.sleep(0.2)
-    orphans = [pid for pid in ranks if _alive(pid)]
+    orphans = [pid for pid in ranks if alive(pid)]
     for pid in orphans:  # a failing test leaves nothing training on this machine
         os.kill(pid, signal.SIGKILL)
     assert orphans == [], f"workers train on after kill -9 of torchrun: {orphans}"
     assert proc.returncode == 1 and "run failed" in err, err[-3000:]
     (run,) = (row for _, row in mlflow_runs(results).iterrows())
     assert run["status"] == "FAILED"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
 
 
 @pytest.mark.full
@@ -426,7 +417,7 @@ def test_sigterm_to_a_mindspore_run_stops_msrun_and_its_workers(results):
     proc, run_dir = _start_until_step(results, [*FAST, "backend=mindspore", "run.steps=100000"], 2)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=90)
-    orphans = _alive_with(str(run_dir))
+    orphans = alive_with(str(run_dir))
     for pid in orphans:  # a failing test leaves nothing training on this machine
         os.kill(pid, signal.SIGKILL)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
