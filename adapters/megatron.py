@@ -470,6 +470,33 @@ class _Counters:
             self._undo.pop()()
 
 
+def moe_config(spec: ModelSpec, opts: MegatronOptions) -> dict:
+    """The canonical MoE block as megatron-core's MoELayer (docs/moe.md#megatron): top-k over the
+    logits then softmax over the k (= Mixtral's softmax, top-k, renormalised), dropless (no
+    capacity factor), SequentialMLP experts (no grouped GEMM kernel on a CPU). Megatron's own
+    load-balancing loss is off: it is computed per layer and divided by top-k (moe_utils.
+    switch_load_balancing_loss_func), not Mixtral's over all layers' tokens together, so the
+    engine adds the canonical one to the loss (:meth:`MegatronEngine._aux_loss`)."""
+    if not spec.is_moe:
+        return {}
+    return {
+        "num_moe_experts": spec.num_local_experts,
+        "moe_router_topk": spec.num_experts_per_tok,
+        "moe_ffn_hidden_size": spec.expert_intermediate_size,
+        "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": False,
+        "moe_expert_capacity_factor": None,
+        "moe_grouped_gemm": False,
+        "moe_token_dispatcher_type": opts.moe_token_dispatcher,
+        # also on the config, not only in parallel_state: the expert linears read it to mark their
+        # weights expert-parallel (allreduce=False); unset, Megatron's DDP broadcast rank 0's
+        # experts over the dp group at start and all-reduced expert grads across the ep ranks
+        "expert_model_parallel_size": opts.ep,
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+    }
+
+
 class MegatronEngine(Engine):
     def __init__(self, ctx: WorkerContext, redirect_cuda: bool = True):
         """``redirect_cuda=False`` when something else already maps CUDA onto the device (MindSpeed's
@@ -657,35 +684,8 @@ class MegatronEngine(Engine):
             # still in flight (overlapped p2p) then reads reused memory and the next stage gets
             # garbage (seen: wrong losses for micro-batches 3 and 4 at pp=2, vpp=2). Keep outputs.
             deallocate_pipeline_outputs=self.device_type == "cuda",
-            **self._moe_config(),
+            **moe_config(self.ctx.job.model, self.opts),
         )
-
-    def _moe_config(self) -> dict:
-        """The canonical MoE block as megatron-core's MoELayer (docs/moe.md#megatron): top-k over the
-        logits then softmax over the k (= Mixtral's softmax, top-k, renormalised), dropless (no
-        capacity factor), SequentialMLP experts (no grouped GEMM kernel on a CPU). Megatron's own
-        load-balancing loss is off: it is computed per layer and divided by top-k (moe_utils.
-        switch_load_balancing_loss_func), not Mixtral's over all layers' tokens together, so the
-        engine adds the canonical one to the loss (:meth:`_aux_loss`)."""
-        spec = self.ctx.job.model
-        if not spec.is_moe:
-            return {}
-        return {
-            "num_moe_experts": spec.num_local_experts,
-            "moe_router_topk": spec.num_experts_per_tok,
-            "moe_ffn_hidden_size": spec.expert_intermediate_size,
-            "moe_router_score_function": "softmax",
-            "moe_router_pre_softmax": False,
-            "moe_expert_capacity_factor": None,
-            "moe_grouped_gemm": False,
-            "moe_token_dispatcher_type": self.opts.moe_token_dispatcher,
-            # also on the config, not only in parallel_state: the expert linears read it to mark their
-            # weights expert-parallel (allreduce=False); unset, Megatron's DDP broadcast rank 0's
-            # experts over the dp group at start and all-reduced expert grads across the ep ranks
-            "expert_model_parallel_size": self.opts.ep,
-            "moe_router_load_balancing_type": "none",
-            "moe_aux_loss_coeff": 0.0,
-        }
 
     def _capture_router_logits(self, model) -> None:
         """Keep each MoE layer's router logits of the running forward (``TopKRouter.gating``, wrapped
