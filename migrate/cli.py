@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from parabench.migrate.core import MODES, TARGETS, Options
-from parabench.migrate.engine import run
+from parabench.migrate.engine import UnsafePath, run
 from parabench.migrate.report import summary_text, write_report
 from parabench.migrate.rules._base import all_rules
 
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return _main(argv)
-    except UsageError as exc:
+    except (UsageError, UnsafePath) as exc:
         print(f"bench migrate: error: {exc}", file=sys.stderr)
         return 2
 

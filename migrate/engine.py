@@ -17,6 +17,7 @@ import re
 import shutil
 import stat
 import sys
+import tempfile
 from pathlib import Path
 
 from parabench.migrate.apply_rules import migrate_python
@@ -326,21 +327,61 @@ def _unique_anchors(a: list[str], b: list[str], alo: int, ahi: int, blo: int, bh
     return run
 
 
+class UnsafePath(Exception):
+    """A path the migration would write through (a link or an existing file it must not replace)."""
+
+
 def _copy(task: Task) -> None:
     if task.dest is None or os.path.abspath(task.dest) == os.path.abspath(task.src):
         return
-    os.makedirs(os.path.dirname(task.dest), exist_ok=True)
-    shutil.copy2(task.src, task.dest)
+    with open(task.src, "rb") as fh:
+        _write(task, fh.read())
+    shutil.copystat(task.src, task.dest)
 
 
 def _write(task: Task, data: bytes) -> None:
-    os.makedirs(os.path.dirname(task.dest), exist_ok=True)
+    """``data`` to ``task.dest`` through a temporary file created exclusively in its folder (mkstemp:
+    O_EXCL, so a link planted under a predictable name is never written through), then renamed over
+    the destination (a rename replaces a link at ``dest`` itself, never its target)."""
+    folder, name = os.path.split(task.dest)
+    os.makedirs(folder, exist_ok=True)
     mode = stat.S_IMODE(os.stat(task.src).st_mode)
-    tmp = task.dest + ".bench-migrate.tmp"
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-    os.chmod(tmp, mode)
-    os.replace(tmp, task.dest)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".bench-migrate.tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.chmod(tmp, mode)
+        os.replace(tmp, task.dest)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _check_backups(targets: list[str]) -> None:
+    """Before any backup is written: none may replace a file or go through a link."""
+    for target in targets:
+        if os.path.lexists(target):
+            raise UnsafePath(
+                f"backup {target} already exists (or is a link): move it away or choose another --backup suffix"
+            )
+
+
+def _backup(src: str, target: str) -> None:
+    """Keep ``src`` as ``target`` (--backup): created exclusively, never through a link."""
+    with open(src, "rb") as fh:
+        data = fh.read()
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+    shutil.copystat(src, target)
+
+
+def _relinked(path: Path, root: Path, dest: Path, out: Path) -> str:
+    """The link text for the output's copy of the in-tree link ``path``: its target's place in the
+    output, relative to the link (an absolute link text would point back into the source tree)."""
+    target = Path(os.path.realpath(path)).relative_to(os.path.realpath(root))
+    return os.path.relpath(out / target, dest.parent)
 
 
 def fixed_values(tasks: list[Task], options: Options, pool=None) -> tuple[FixedValues, ...]:
@@ -384,7 +425,7 @@ def run(
     starts = _entry_points(entries) if options.mode == "runtime" else {}
     tasks: list[Task] = []
     results: list[FileResult] = []
-    for _root, path, rel, how in entries:
+    for root, path, rel, how in entries:
         if how in SYMLINK_SKIPS:
             results.append(FileResult(rel, "symlink", "skipped", SYMLINK_SKIPS[how]))
             continue
@@ -394,7 +435,7 @@ def run(
                 dest = out / rel
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 if not dest.is_symlink():
-                    os.symlink(os.readlink(path), dest)
+                    os.symlink(_relinked(path, root, dest, out), dest)
             continue
         if in_place:
             dest: str | None = str(path)
@@ -414,9 +455,10 @@ def run(
         if in_place and backup:
             # back up exactly the files that will change, before anything is written
             probe = [dataclasses.replace(t, dest=None, diff=False) for t in tasks]
-            for t, r in zip(probe, _map(probe, options, pool, jobs, False)):
-                if r.status == "changed":
-                    shutil.copy2(t.src, t.src + backup)
+            changing = [t.src for t, r in zip(probe, _map(probe, options, pool, jobs, False)) if r.status == "changed"]
+            _check_backups([src + backup for src in changing])
+            for src in changing:
+                _backup(src, src + backup)
         results.extend(_map(tasks, options, pool, jobs, progress))
     results.sort(key=lambda r: r.path)
     return RunResult(options, [str(r) for r in roots], str(out) if out else None, results, in_place)
