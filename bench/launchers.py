@@ -93,6 +93,16 @@ def stop_with_launcher(sig: int = signal.SIGKILL) -> None:
     _signal_at_parent_death(ctypes.CDLL(None, use_errno=True), sig, launcher)
 
 
+# Credentials of the tracking server: only `bench` itself talks to MLflow, the workers never do, so
+# they do not inherit them (a worker's environment is readable by anything that runs in it).
+SECRET_ENV = frozenset({"MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"})
+
+
+def without_secrets(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` without the tracking server's credentials (SECRET_ENV)."""
+    return {k: v for k, v in env.items() if k not in SECRET_ENV}
+
+
 class Launcher:
     name: ClassVar[str]
     # what makes this launcher stop its workers: it gets this when bench dies (die_with_parent) and
@@ -124,7 +134,7 @@ class Launcher:
         """The environment to start this launcher with on this machine: ``here`` (this shell's), then
         the job's ``env``. Only a local start reads this shell; the bundle and the Kubernetes
         manifest carry ``env`` alone, so they never depend on the submitting environment."""
-        return {**here, **env}
+        return {**without_secrets(here), **env}
 
 
 def _c10d(job: JobSpec, port: int) -> bool:
@@ -277,7 +287,7 @@ class Msrun(Launcher):
     ) -> dict[str, str]:
         # msrun starts `python ...` found on PATH: this interpreter's bin first, so the workers run in
         # the runner's environment (a venv need not be activated).
-        out = {**here, **env}
+        out = {**without_secrets(here), **env}
         bin_dir, path = os.path.dirname(python), out.get("PATH", "")
         if path.split(os.pathsep)[0] != bin_dir:
             out["PATH"] = os.pathsep.join([bin_dir, path]) if path else bin_dir

@@ -188,3 +188,15 @@ def test_a_convert_launch_that_does_not_finish_is_killed_by_the_watchdog(tmp_pat
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "import on ddp failed (not finished after 1 s (launcher.setup_timeout_s): killed)" in proc.stderr
     assert _no_orphans(out) == []
+
+
+def test_workers_never_inherit_the_tracking_servers_credentials():
+    """Only `bench` talks to MLflow: the launcher and its workers start without the password or token
+    this shell holds (issue 33, item 7); the job's own environment and the rest of the shell's stay."""
+    from parabench.launchers import Msrun
+
+    here = {"PATH": "/usr/bin", "MLFLOW_TRACKING_PASSWORD": "pw", "MLFLOW_TRACKING_TOKEN": "tok", "HOME": "/h"}
+    for launcher in (Torchrun, Msrun):
+        env = launcher.process_env({"PYTHONUNBUFFERED": "1"}, here)
+        assert "MLFLOW_TRACKING_PASSWORD" not in env and "MLFLOW_TRACKING_TOKEN" not in env, launcher.name
+        assert env["HOME"] == "/h" and env["PYTHONUNBUFFERED"] == "1"
