@@ -521,7 +521,23 @@ def validate_common(
         raise SpecError("device.threads_per_rank", f"must be >= 0 (0 = automatic), got {device.threads_per_rank}")
     if device.peak_tflops is not None and device.peak_tflops <= 0:
         raise SpecError("device.peak_tflops", f"must be > 0 or null, got {device.peak_tflops}")
+    validate_launch_words(launch)
     validate_k8s(launch)
+
+
+# A host name, an IPv4 or a bracketed IPv6 address (with a %zone), and torchrun's rendezvous id: the
+# launch bundle and the Kubernetes command line put both into a shell line, where anything else (a
+# `$(...)`, a quote, a space) would run or split when the bundle runs.
+HOST = re.compile(r"[A-Za-z0-9._:%\[\]-]+")
+RDZV_ID = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def validate_launch_words(launch: LaunchSpec) -> None:
+    """launcher.master_addr and launcher.rdzv_id hold only the characters a host or an id has."""
+    if not HOST.fullmatch(launch.master_addr):
+        raise SpecError("launcher.master_addr", f"{launch.master_addr!r} is not a host name or an IP address")
+    if not RDZV_ID.fullmatch(launch.rdzv_id):
+        raise SpecError("launcher.rdzv_id", f"{launch.rdzv_id!r} may hold only letters, digits, '.', '_' and '-'")
 
 
 # Kubernetes object names (kubernetes.io/docs/concepts/overview/working-with-objects/names; docs/sources.md#kubernetes-names):

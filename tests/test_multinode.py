@@ -2,6 +2,7 @@
 
 import pytest
 
+from conftest import assert_refused_before_launch
 from parabench.confutil import compose, to_plain
 from parabench.jobs import from_config
 from parabench.launchers import Torchrun, expand_nodelist, slurm_placement
@@ -131,3 +132,26 @@ def test_submitit_slurm_preset_composes_one_task_per_node():
     launcher = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
     assert launcher["nodes"] == 2 and launcher["tasks_per_node"] == 1 and launcher["gpus_per_node"] == 8
     assert "SlurmLauncher" in launcher["_target_"]
+
+
+@pytest.mark.parametrize(
+    "override, must_name",
+    [
+        ("launcher.master_addr='$(touch {marker})'", "launcher.master_addr"),
+        ("launcher.master_addr='host\"; touch {marker}; \"'", "launcher.master_addr"),
+        ("launcher.rdzv_id='x$(touch {marker})'", "launcher.rdzv_id"),
+    ],
+)
+def test_shell_words_in_the_launch_bundle_are_refused_before_anything_is_written(
+    override, must_name, tmp_path, capsys, monkeypatch
+):
+    """launch.sh and the Kubernetes command line put master_addr and rdzv_id into a shell line: a value
+    holding `$(...)` or a quote ran when the bundle ran (issue 33, item 7). Refused, one line, no bundle."""
+    monkeypatch.chdir(tmp_path)
+    marker = tmp_path / "MARKER"
+    args = ["+model=llama", "launcher.dry_run=true", "launcher.nnodes=2", "launcher.master_port=29500"]
+    args.append(override.format(marker=marker))
+    if "rdzv_id" in override:
+        args.append("launcher.rdzv_backend=c10d")
+    assert_refused_before_launch(args, must_name, tmp_path, capsys)
+    assert not marker.exists() and not list(tmp_path.rglob("launch.sh"))
