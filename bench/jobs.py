@@ -33,6 +33,7 @@ from parabench.spec import (
     TrackingSpec,
     build,
     validate_common,
+    validate_launch_words,
     validate_moe,
     validate_parallel,
     validate_resilience,
@@ -70,6 +71,7 @@ def from_config(cfg: Mapping[str, Any]) -> JobSpec:
         raise SpecError(extra[0], "unknown top-level key")
 
     validate_common(model, data, optim, device, launch, run)
+    validate_launch_words(launch)
     validate_moe(model)
     validate_resilience(run, launch, fault)
     parallel = adapter.parallel_dims(options, launch.world_size, model)

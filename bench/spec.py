@@ -521,7 +521,6 @@ def validate_common(
         raise SpecError("device.threads_per_rank", f"must be >= 0 (0 = automatic), got {device.threads_per_rank}")
     if device.peak_tflops is not None and device.peak_tflops <= 0:
         raise SpecError("device.peak_tflops", f"must be > 0 or null, got {device.peak_tflops}")
-    validate_launch_words(launch)
     validate_k8s(launch)
 
 
