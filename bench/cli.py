@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 from parabench import __version__, trackstore
 from parabench.confutil import compose, expand_sweep, register_resolvers, register_spec_defaults, to_plain
 from parabench.devices import AUTOLOAD_ENV
-from parabench.errors import RunFailed, UserError
+from parabench.errors import RunFailed, UserError, stopped_by
 from parabench.tracking import close_abandoned, end_own_runs, store_uri, sync_main
 
 USAGE = """usage: bench <command> [args]
@@ -213,8 +212,8 @@ def cmd_run(argv: list[str]) -> int:
         print(f"bench: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (parabench.errors.Interrupted)
-        signum = getattr(exc, "signum", signal.SIGINT)
-        name = signal.Signals(signum).name
+        signum = stopped_by(exc)
+        name = signum.name
         if prepared is not None:  # a sweep's parent run: Hydra's end callback does not run on a signal
             prepared.end_own_runs("KILLED", f"bench interrupted by {name}")
         print(f"bench: interrupted by {name}: workers stopped, run recorded as KILLED", file=sys.stderr)

@@ -26,9 +26,9 @@ from parabench.collectives import OPS, CommJob, Fit, SizePoint, fit_alpha_beta, 
 from parabench.commworker import comm_job
 from parabench.confutil import compose, expand_sweep, to_plain
 from parabench.devices import DEVICES
-from parabench.errors import SpecError, UserError
+from parabench.errors import SpecError, UserError, stopped_by
 from parabench.jobs import usable_device
-from parabench.launchers import Launch, log_tails, stopped_by, supervise
+from parabench.launchers import Launch, log_tails, supervise
 from parabench.tracking import JobRun, flatten, git_sha, store_uri
 
 ENTRY = ["-m", "parabench.commworker"]

@@ -35,10 +35,10 @@ from parabench.checkpoint import (
 )
 from parabench.confutil import compose, to_plain
 from parabench.convertworker import REQUEST, RESULT
-from parabench.errors import RunFailed, SpecError, UserError
+from parabench.errors import RunFailed, SpecError, UserError, stopped_by
 from parabench.hf import CONFIG, SINGLE, hf_config, load_weights, spec_fields
 from parabench.jobs import model_spec
-from parabench.launchers import Launch, stopped_by, supervise
+from parabench.launchers import Launch, supervise
 from parabench.runner import prepare
 from parabench.spec import JobSpec, TrackingSpec, to_dict
 from parabench.tracking import JobRun

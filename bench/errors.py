@@ -1,5 +1,7 @@
 """Errors that end a command with a one-line message (exit 2), never a traceback."""
 
+import signal
+
 
 class UserError(Exception):
     """Bad input from the user: printed as one line, exit status 2."""
@@ -28,3 +30,8 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, signum: int):
         self.signum = signum
         super().__init__(f"signal {signum}")
+
+
+def stopped_by(exc: KeyboardInterrupt) -> signal.Signals:
+    """The signal that interrupted a command (Ctrl-C: SIGINT; :class:`Interrupted`: its own)."""
+    return signal.Signals(getattr(exc, "signum", signal.SIGINT))

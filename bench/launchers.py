@@ -539,11 +539,6 @@ def kill(proc: subprocess.Popen[bytes], first: int = signal.SIGTERM) -> None:
             continue
 
 
-def stopped_by(exc: KeyboardInterrupt) -> signal.Signals:
-    """The signal that interrupted a command (Ctrl-C: SIGINT; parabench.errors.Interrupted: its own)."""
-    return signal.Signals(getattr(exc, "signum", signal.SIGINT))
-
-
 def tail(path: Path, n: int = TAIL_LINES) -> str:
     """The last ``n`` lines of a log."""
     try:

@@ -35,7 +35,7 @@ from parabench.checkpoint import (
     write_stop_request,
 )
 from parabench.devices import DEVICES, cpu_threads
-from parabench.errors import RunFailed, SpecError
+from parabench.errors import RunFailed, SpecError, stopped_by
 from parabench.faults import recovery_figures
 from parabench.flops import FORMULA, Peak, flops_per_token
 from parabench.jobs import from_config, usable_device
@@ -89,7 +89,7 @@ def _interrupted_status(exc: KeyboardInterrupt, tracker) -> str:
     """MLflow status of an interrupted job: KILLED (Ctrl-C, a SIGTERM to bench run), or FAILED with the
     reason when Slurm ended the job step: it sends SIGTERM on scancel, at the time limit, on
     preemption and when a node of the job fails (docs/sources.md#slurm)."""
-    signum = getattr(exc, "signum", signal.SIGINT)
+    signum = stopped_by(exc)
     env = os.environ
     array = (env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID"))  # a sweep's job: squeue's 42_1
     job_id = "_".join(array) if all(array) else env.get("SLURM_JOB_ID")  # type: ignore[arg-type]

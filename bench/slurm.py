@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -33,7 +32,7 @@ from hydra_plugins.hydra_submitit_launcher import submitit_launcher
 from omegaconf import OmegaConf
 
 from parabench.confutil import register_resolvers
-from parabench.errors import RunFailed, UserError
+from parabench.errors import RunFailed, UserError, stopped_by
 from parabench.spec import tracking_from_config
 from parabench.tracking import PARENT_ENV, store_uri
 
@@ -145,7 +144,7 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
         try:
             return super().__call__(sweep_overrides, job_dir_key, job_num, job_id, singleton_state)
         except KeyboardInterrupt as exc:  # SIGTERM (parabench.errors.Interrupted): the runner recorded FAILED
-            name = signal.Signals(getattr(exc, "signum", signal.SIGINT)).name
+            name = stopped_by(exc).name
             why = f"interrupted by {name} on {socket.gethostname()} (scancel, or the job's time limit)"
             return _failed(sweep_overrides, RunFailed(why))
         except SystemExit as exc:
