@@ -8,6 +8,8 @@ This module imports neither torch nor the code being migrated; libcst loads only
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -92,17 +94,53 @@ def _codes(text: str | None, known: list[str]) -> frozenset[str] | None:
     return codes
 
 
+# `git status` runs code the repository's own config names: its core.fsmonitor hook, the clean
+# filter of a .gitattributes driver (filter.<name>.clean/process, run on files whose stat data
+# changed) and, when it refreshes the index, the post-index-change hook (git-config(1), githooks(5);
+# docs/sources.md#git-status-runs-code). The target tree is someone else's: none of them may run.
+SAFE_GIT = ["git", "--no-optional-locks", "-c", "core.fsmonitor=false", "-c", f"core.hooksPath={os.devnull}"]
+FILTER_KEY = re.compile(r"^filter\.(.+)\.[^.]+$")
+
+
+def _filter_names(cwd: Path) -> set[str]:
+    """The filter drivers the repository's config (and its submodules' under its git dir) defines;
+    reading config runs nothing."""
+    common = subprocess.run(
+        SAFE_GIT + ["rev-parse", "--git-common-dir"], cwd=cwd, capture_output=True, text=True, timeout=30
+    )
+    configs = [["config", "--null", "--get-regexp", r"^filter\."]]
+    if common.returncode == 0:
+        git_dir = (cwd / common.stdout.strip()).resolve()
+        configs += [
+            ["config", "--file", str(c), "--includes", "--null", "--get-regexp", r"^filter\."]
+            for c in sorted(git_dir.glob("modules/**/config"))
+        ]
+    names = set()
+    for args in configs:
+        out = subprocess.run(SAFE_GIT + args, cwd=cwd, capture_output=True, text=True, timeout=30).stdout
+        names |= {m.group(1) for item in out.split("\0") if (m := FILTER_KEY.match(item.split("\n", 1)[0]))}
+    return names
+
+
+def _safe_git(cwd: Path) -> list[str]:
+    """``git`` with every command the repository could make it run switched off."""
+    names = sorted(_filter_names(cwd))
+    off = [f"filter.{n}.{var}=" for n in names for var in ("clean", "smudge", "process")]
+    off += [f"filter.{n}.required=false" for n in names]
+    return SAFE_GIT + [arg for setting in off for arg in ("-c", setting)]
+
+
 def _git_clean(path: Path) -> tuple[bool, str]:
     """True when ``path`` lies in a git work tree with nothing uncommitted or untracked under it."""
     cwd = path if path.is_dir() else path.parent
     try:
         inside = subprocess.run(
-            ["git", "rev-parse", "--is-inside-work-tree"], cwd=cwd, capture_output=True, text=True, timeout=30
+            SAFE_GIT + ["rev-parse", "--is-inside-work-tree"], cwd=cwd, capture_output=True, text=True, timeout=30
         )
         if inside.returncode != 0 or inside.stdout.strip() != "true":
             return False, "not a git work tree"
         st = subprocess.run(
-            ["git", "status", "--porcelain", "--", str(path.resolve())],
+            _safe_git(cwd) + ["status", "--porcelain", "--", str(path.resolve())],
             cwd=cwd,
             capture_output=True,
             text=True,
