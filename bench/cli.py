@@ -182,7 +182,8 @@ def cmd_run(argv: list[str]) -> int:
         args = get_args_parser().parse_args(argv)
     except SystemExit:  # argparse already printed the reason
         return 2
-    try:
+    try:  # before Hydra saves, prints or pickles an override: a login stays in MLflow's variables
+        args.overrides = trackstore.overrides_without_credentials(args.overrides, os.environ)
         prepared = _preflight(args)
     except UserError as exc:
         print(f"bench: error: {exc}", file=sys.stderr)

@@ -35,6 +35,7 @@ from parabench.confutil import register_resolvers
 from parabench.errors import RunFailed, UserError, stopped_by
 from parabench.spec import tracking_from_config
 from parabench.tracking import PARENT_ENV, store_uri
+from parabench.trackstore import redact
 
 POLL_S = 1.0  # result files are looked for this often
 STATE_EVERY_S = 5.0  # the controller is asked for a job's state at most this often
@@ -216,7 +217,7 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
         params = []
         for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
-            print(f"parabench: submitting #{idx}: {' '.join(filter_overrides(overrides))}", flush=True)
+            print(f"parabench: submitting #{idx}: {redact(' '.join(filter_overrides(overrides)))}", flush=True)
             params.append((list(overrides), "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state()))
         jobs = executor.map_array(self, *zip(*params))
         print(f"parabench: Slurm job(s) {', '.join(j.job_id for j in jobs)}; logs in {init['folder']}", flush=True)

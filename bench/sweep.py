@@ -19,6 +19,7 @@ from parabench.compare import build_sections, load_runs, metric_key, report_dict
 from parabench.runnames import stamp
 from parabench.spec import tracking_from_config
 from parabench.tracking import PARENT_ENV, JobRun, git_sha
+from parabench.trackstore import redact
 
 
 class MultirunCallback(Callback):
@@ -34,7 +35,7 @@ class MultirunCallback(Callback):
         if not tracking.enabled or config.get("launcher", {}).get("dry_run"):  # a dry run records no runs
             return
         sweep = config.hydra.sweep.dir
-        overrides = list(config.hydra.overrides.task)
+        overrides = [redact(o) for o in config.hydra.overrides.task]  # the cli moved a login out already
         self._parent = JobRun(tracking, results_dir, Path(sweep))  # spooled in the sweep directory
         experiment = raw.get("experiment") if isinstance(raw.get("experiment"), str) else None
         run_id = self._parent.start(

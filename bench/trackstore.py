@@ -38,7 +38,11 @@ PROBE_TIMEOUT_S = 5.0
 PROBE_ENDPOINT = "/api/2.0/mlflow/experiments/get-by-name"
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"  # docs/sources.md#mlflow-experiment-kind
 TRAINING_KIND = "custom_model_development"
-USERINFO = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
+# The user-info of a URI: up to its last '@' before the path, as urlsplit takes it; also as Hydra
+# escapes a URI in the overrides it saves and prints (``http\://user\:pw@host``).
+USERINFO = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*\\*://)([^/\s]+)@")
+HYDRA_ESCAPE = re.compile(r"\\(.)")  # an escaped character of a Hydra override value: \: \= \, ...
+URI_KEY = "tracking.uri"
 HTTP_RETRIES = {
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
@@ -87,15 +91,50 @@ def credentials_to_env(uri: str, environ: MutableMapping[str, str]) -> str:
     parts = urlsplit(uri)
     if "@" not in parts.netloc or scheme(uri) not in ("http", "https"):
         return uri
-    user, _, password = parts.netloc.rsplit("@", 1)[0].partition(":")
-    environ["MLFLOW_TRACKING_USERNAME"] = unquote(user)
-    if password:
-        environ["MLFLOW_TRACKING_PASSWORD"] = unquote(password)
+    _userinfo_to_env(parts.netloc.rsplit("@", 1)[0], environ)
     return without_credentials(uri)
 
 
+def _userinfo_to_env(userinfo: str, environ: MutableMapping[str, str]) -> None:
+    user, _, password = userinfo.partition(":")
+    environ["MLFLOW_TRACKING_USERNAME"] = unquote(user)
+    if password:
+        environ["MLFLOW_TRACKING_PASSWORD"] = unquote(password)
+
+
+def overrides_without_credentials(overrides: list[str], environ: MutableMapping[str, str]) -> list[str]:
+    """Command-line overrides with the ``user:password@`` of an http(s) ``tracking.uri`` moved into
+    MLflow's variables (as :func:`credentials_to_env`). Called before Hydra sees the overrides: Hydra
+    saves them (``.hydra/``, ``multirun.yaml``), prints a sweep's job lines, and hands them to the
+    sweep's parent run and to submitit's pickles, escaped (``http\\://user\\:pw@``). A database
+    URI keeps its login (its store needs it there); a sweep over several logins is refused."""
+    out = []
+    for override in overrides:
+        name, eq, value = override.partition("=")
+        if not eq or name.lstrip("+~") != URI_KEY:
+            out.append(override)
+            continue
+        logins = {HYDRA_ESCAPE.sub(r"\1", m.group(2)) for m in USERINFO.finditer(value) if _is_http(m)}
+        if len(logins) > 1:
+            raise SpecError(
+                URI_KEY,
+                "a sweep over URIs with different user:password@ parts; give one login in "
+                "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD instead",
+            )
+        for login in logins:
+            _userinfo_to_env(login, environ)
+        out.append(name + "=" + USERINFO.sub(lambda m: m.group(1) if _is_http(m) else m.group(0), value))
+    return out
+
+
+def _is_http(userinfo: re.Match[str]) -> bool:
+    """Whether a :data:`USERINFO` match is that of an http(s) URI (escaped or not)."""
+    return scheme(HYDRA_ESCAPE.sub(r"\1", userinfo.group(1))) in ("http", "https")
+
+
 def redact(text: str) -> str:
-    """``text`` with the user-info part of every URI in it replaced by ``***``."""
+    """``text`` with the user-info part of every URI in it replaced by ``***`` (also in the escaped
+    form of Hydra's saved overrides)."""
     return USERINFO.sub(r"\1***@", text)
 
 

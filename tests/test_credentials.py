@@ -1,0 +1,83 @@
+"""A password given in ``tracking.uri`` (``http://user:password@host``) reaches MLflow through its
+standard variables and nothing else: not a file under the results or the sweep directory (Hydra's
+``.hydra/*.yaml`` and ``multirun.yaml``, submitit's pickles, the launch bundle), not the output, not
+an MLflow param, tag or run name (issue 33, items 3 and 5; docs/security.md).
+
+Hydra escapes a URI in the overrides it writes and prints (``http\\://user\\:pw@host``), so the
+credentials are moved out of the command line before Hydra sees it
+(:func:`parabench.trackstore.overrides_without_credentials`). The end-to-end sweep against an MLflow
+server with basic auth is in tests/test_mlflow_auth_ui.py.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST
+
+PASSWORD = "pw-9c41e7d2-unique"  # a unique string: a grep for it finds only leaks
+USER = "carol"
+DEAD = "127.0.0.1:9"  # discard port: nothing answers there
+TINY = [*FAST, "run.steps=2", "run.checksum=false", "device=cpu"]
+
+
+def leaks(root: Path, secret: str = PASSWORD) -> list[str]:
+    """Every file under ``root`` whose bytes (text, YAML, JSON or pickle) contain ``secret``."""
+    return [str(p) for p in root.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+
+
+@pytest.fixture
+def mlflow_env(monkeypatch):
+    """MLflow's credential variables restored after the test (bench sets them in its own process)."""
+    for key in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.setenv(key, "")  # recorded, so that teardown restores the unset state
+        monkeypatch.delenv(key)
+    return os.environ
+
+
+def test_redact_finds_the_escaped_form_hydra_writes():
+    from parabench.trackstore import redact
+
+    escaped = f"- tracking.uri=http\\://{USER}\\:{PASSWORD}@127.0.0.1\\:5000"  # .hydra/overrides.yaml
+    assert redact(escaped) == "- tracking.uri=http\\://***@127.0.0.1\\:5000"
+    assert PASSWORD not in redact(f"http://{USER}:p@ss{PASSWORD}@host/x")  # a raw '@': urlsplit's split
+
+
+def test_overrides_move_credentials_to_mlflow_variables(mlflow_env):
+    from parabench.errors import SpecError
+    from parabench.trackstore import overrides_without_credentials
+
+    given = ["+model=llama", f"tracking.uri=http://{USER}:{PASSWORD}@h1:5000,https://{USER}:{PASSWORD}@h2"]
+    assert overrides_without_credentials(given, mlflow_env) == [
+        "+model=llama",
+        "tracking.uri=http://h1:5000,https://h2",
+    ]
+    assert mlflow_env["MLFLOW_TRACKING_USERNAME"] == USER and mlflow_env["MLFLOW_TRACKING_PASSWORD"] == PASSWORD
+    escaped = [f"++tracking.uri=http\\://{USER}\\:p%40ss@h"]  # as Hydra writes it, percent-encoded '@'
+    assert overrides_without_credentials(escaped, mlflow_env) == ["++tracking.uri=http\\://h"]
+    assert mlflow_env["MLFLOW_TRACKING_PASSWORD"] == "p@ss"
+    database = ["tracking.uri=postgresql://u:dbpw@db/mlflow"]  # the store's own login: MLflow needs it there
+    assert overrides_without_credentials(database, mlflow_env) == database
+    with pytest.raises(SpecError, match="tracking.uri: .*MLFLOW_TRACKING_USERNAME"):
+        overrides_without_credentials(["tracking.uri=http://a:1@h1,http://b:2@h2"], mlflow_env)
+
+
+def test_sweep_never_writes_or_prints_the_uri_password(tmp_path, capsys, monkeypatch, mlflow_env):
+    """`bench run -m` (a dry run: Hydra writes its .hydra files, multirun.yaml and job lines all the
+    same): the password is in no file and no output, and is in MLflow's variable for the client."""
+    from parabench.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    uri = f"http://{USER}:{PASSWORD}@{DEAD}"
+    args = ["run", "-m", *TINY, "run.seed=1,2", f"tracking.uri={uri}", "launcher.dry_run=true"]
+    code = main([*args, f"run.results_dir={tmp_path / 'results'}", f"hydra.sweep.dir={tmp_path / 'sweep'}"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert len(list((tmp_path / "sweep").rglob("launch.sh"))) == 2, out  # both jobs wrote their bundle
+    assert (tmp_path / "sweep" / "multirun.yaml").is_file() and list((tmp_path / "sweep").rglob("overrides.yaml"))
+    assert PASSWORD not in out + err
+    assert not leaks(tmp_path), f"password written to {leaks(tmp_path)}"
+    assert mlflow_env["MLFLOW_TRACKING_PASSWORD"] == PASSWORD  # MLflow's client sends it from there
