@@ -81,3 +81,37 @@ def test_sweep_never_writes_or_prints_the_uri_password(tmp_path, capsys, monkeyp
     assert PASSWORD not in out + err
     assert not leaks(tmp_path), f"password written to {leaks(tmp_path)}"
     assert mlflow_env["MLFLOW_TRACKING_PASSWORD"] == PASSWORD  # MLflow's client sends it from there
+
+
+def test_slurm_submission_never_writes_prints_or_pickles_the_uri_password(tmp_path, capsys, monkeypatch, mlflow_env):
+    """`hydra/launcher=slurm_torchrun`: what bench submits - submitit's pickled launcher, config and
+    overrides, the sbatch script, the sweep's spool of its parent run - and what it prints hold no
+    password. Slurm is a stand-in (``sbatch`` answers a job id, nothing runs: the jobs are reported
+    failed); tests/test_mlflow_auth_ui.py runs a sweep end to end against a server with basic auth."""
+    from submitit.slurm.slurm import SlurmExecutor
+
+    from parabench import slurm
+    from parabench.cli import main
+
+    monkeypatch.setattr(slurm, "check_submission", lambda partition: None)  # no controller to ask
+    submitted = ["echo", "Submitted batch job 4242"]  # what sbatch answers (submitit parses the id)
+    monkeypatch.setattr(SlurmExecutor, "_make_submission_command", lambda self, path: submitted)
+    monkeypatch.setattr(slurm.SlurmLauncher, "_wait", staticmethod(lambda job: ([], "stopped by the test")))
+    monkeypatch.chdir(tmp_path)
+    uri = f"http://{USER}:{PASSWORD}@{DEAD}"
+    args = ["run", "-m", "hydra/launcher=slurm_torchrun", "launcher.slurm=true", *TINY, "run.seed=1,2"]
+    code = main(
+        [
+            *args,
+            f"tracking.uri={uri}",
+            f"run.results_dir={tmp_path / 'results'}",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        ]
+    )
+    out, err = capsys.readouterr()
+    assert code == 1 and "4242_0: stopped by the test" in err, out + err
+    assert "parabench: submitting #1: " in out and "tracking.uri=http\\://127.0.0.1\\:9" in out, out
+    pickles = list((tmp_path / "sweep").rglob("*_submitted.pkl"))
+    assert len(pickles) == 2 and all(b"127.0.0.1" in p.read_bytes() for p in pickles)  # the URI is in them
+    assert PASSWORD not in out + err
+    assert not leaks(tmp_path), f"password written to {leaks(tmp_path)}"
