@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from parabench import __version__, envreport
+from parabench import __version__, envreport, trackstore
 from parabench.adapters.registry import get_adapter
 from parabench.collectives import OPS, CommJob, Fit, SizePoint, fit_alpha_beta, stack_for, sweep
 from parabench.commworker import comm_job
@@ -280,8 +280,10 @@ def main(argv: list[str]) -> int:
         print(USAGE)
         return 0
     multirun = any(a in ("-m", "--multirun") for a in argv)
-    overrides = [a for a in argv if a not in ("-m", "--multirun")]
-    try:
+    try:  # a tracking.uri login goes to MLflow's variables, never into comm.json or the run's params
+        overrides = trackstore.overrides_without_credentials(
+            [a for a in argv if a not in ("-m", "--multirun")], os.environ
+        )
         combos = expand_sweep(overrides) if multirun else [overrides]
         prepared = [prepare(to_plain(compose(c, config_name="comm"))) for c in combos]
     except UserError as exc:

@@ -28,6 +28,7 @@ import html
 import io
 import json
 import math
+import os
 import statistics
 import sys
 from collections.abc import Iterable
@@ -784,7 +785,8 @@ def main(argv: list[str]) -> int:
 def _run(args) -> int:
     from mlflow.tracking import MlflowClient
 
-    uri = args.tracking_uri or default_store_uri("results")
+    # a login in the URI goes to MLflow's variables: the report, its MLflow copy and the messages get the rest
+    uri = trackstore.credentials_to_env(args.tracking_uri or default_store_uri("results"), os.environ)
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).exists():
         raise UserError(f"--tracking-uri: no MLflow store at {uri} (run `bench run` first or pass --tracking-uri)")
     # an unknown scheme, or a server that does not answer or refuses us: one line, not minutes of retries

@@ -115,3 +115,35 @@ def test_slurm_submission_never_writes_prints_or_pickles_the_uri_password(tmp_pa
     assert len(pickles) == 2 and all(b"127.0.0.1" in p.read_bytes() for p in pickles)  # the URI is in them
     assert PASSWORD not in out + err
     assert not leaks(tmp_path), f"password written to {leaks(tmp_path)}"
+
+
+def test_compare_messages_hold_no_uri_password(tmp_path, capsys, monkeypatch, mlflow_env):
+    """`bench compare --tracking-uri http://user:pw@host`: MLflow's client is given the URI without
+    the login, so neither bench's message nor MLflow's (which quotes the URL) holds the password. The
+    server is one that answered the pre-flight probe and then went away (nothing listens)."""
+    from parabench import compare, trackstore
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(trackstore, "probe_server", lambda *args, **kwargs: None)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    uri = f"http://{USER}:{PASSWORD}@{DEAD}"
+    code = compare.main(["--tracking-uri", uri, "--runs", "0123abcd", "--no-log", "--out", str(tmp_path / "r")])
+    out, err = capsys.readouterr()
+    assert code == 2 and err.startswith(f"bench compare: error: --runs: no run '0123abcd' in http://{DEAD}"), err
+    assert PASSWORD not in out + err and not leaks(tmp_path)
+    assert mlflow_env["MLFLOW_TRACKING_PASSWORD"] == PASSWORD
+
+
+def test_comm_config_and_params_hold_no_uri_password(tmp_path, monkeypatch, mlflow_env):
+    """`bench comm tracking.uri=http://user:pw@host`: the composed config - written to comm.json and
+    flattened into the MLflow run's params - has the URI without the login (the run itself is not
+    started here; tests/test_mlflow_auth_ui.py records one on a server with basic auth)."""
+    from parabench import comm
+
+    seen = []
+    monkeypatch.setattr(comm, "execute", lambda p, run_dir: seen.append(p) or 0)
+    uri = f"http://{USER}:{PASSWORD}@{DEAD}"
+    base = ["backend=ddp", "device=cpu", "launcher.nproc_per_node=2", "comm.max_bytes=4K"]
+    assert comm.main(["-m", *base, f"tracking.uri={uri}", f"run.results_dir={tmp_path}"]) == 0
+    assert [p.plain["tracking"]["uri"] for p in seen] == [f"http://{DEAD}"]
+    assert PASSWORD not in repr(seen) and mlflow_env["MLFLOW_TRACKING_PASSWORD"] == PASSWORD
