@@ -17,7 +17,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -181,12 +183,69 @@ def _apply(client, state: dict[str, Any], record: dict[str, Any], run_dir: Path,
         client.log_batch(run_id, tags=[RunTag(k, v) for k, v in record["tags"].items()])
     elif op == "artifacts":  # log_artifact replaces a file of the same path: sending twice is harmless
         for rel in record["files"]:
-            path = run_dir / rel
-            if path.is_file():
-                folder = str(Path(rel).parent)
-                client.log_artifact(run_id, str(path), None if folder == "." else folder)
+            _upload_confined(client, run_id, run_dir, str(rel))
     elif op == "end":
         client.set_terminated(run_id, record["status"], end_time=record["time"])
+
+
+def _open_confined(run_dir: Path, rel: str) -> int:
+    """A read-only descriptor of the regular file ``rel`` inside ``run_dir``, opened one path component
+    at a time without following a link (``O_NOFOLLOW``, relative to the folder's descriptor: nothing
+    can be swapped in between); OSError naming why not. A spool is data: its file list may name a
+    link, a ``..`` or an absolute path (a spool on a shared disk), and nothing outside the run
+    directory is ever uploaded."""
+    parts = Path(rel).parts
+    if not parts or Path(rel).is_absolute() or ".." in parts:
+        raise OSError("outside the run directory")
+    fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            flags = os.O_RDONLY | os.O_NOFOLLOW | (0 if last else os.O_DIRECTORY)
+            try:
+                child = os.open(part, flags | getattr(os, "O_NONBLOCK", 0), dir_fd=fd)
+            except OSError as exc:
+                link = os.path.islink(os.path.join(run_dir, *parts[: i + 1]))
+                raise OSError("a symbolic link" if link else exc.strerror) from None
+            os.close(fd)
+            fd = child
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:  # a hard link can name a file elsewhere
+            raise OSError("not a regular file" if not stat.S_ISREG(st.st_mode) else "a hard link")
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _upload_confined(client: Any, run_id: str | None, run_dir: Path, rel: str) -> None:
+    """Upload ``run_dir/rel`` as the artifact ``rel`` if it is a file of the run directory (a copy of
+    what was opened, so the upload is what was checked); else one line saying why not."""
+    import tempfile
+
+    try:
+        fd = _open_confined(run_dir, rel)
+    except FileNotFoundError:
+        return  # listed but gone (a log rotated away): nothing to send
+    except OSError as exc:
+        print(
+            f"parabench: tracking: {_printable(rel)} of {run_dir}: not uploaded ({exc.strerror or exc}); only "
+            "files inside the run directory are, never links",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    with os.fdopen(fd, "rb") as src, tempfile.TemporaryDirectory(prefix="parabench-artifact-") as tmp:
+        copy = Path(tmp) / Path(rel).name
+        with open(copy, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        folder = str(Path(rel).parent)
+        client.log_artifact(run_id, str(copy), None if folder == "." else folder)
+
+
+def _printable(text: str, limit: int = 200) -> str:
+    """Text from a spool as one line of a message: control characters shown as '?', cut to ``limit``."""
+    return "".join(c if c.isprintable() else "?" for c in str(text))[:limit]
 
 
 class JobRun:
@@ -270,10 +329,14 @@ class JobRun:
         print(
             f"parabench: tracking: {trackstore.shown(store_uri(self.tracking, self.results_dir))} failed "
             f"({self.offline}); the run goes on, its tracking is spooled in {where}/{SPOOL_DIR}; "
-            f"upload it later with: bench sync {where}",
+            f"upload it later with: {self._sync_command(where)}",
             file=sys.stderr,
             flush=True,
         )
+
+    def _sync_command(self, run_dir: Path | str) -> str:
+        """What uploads this spool: bench sync sends only to the store the user names."""
+        return f"bench sync {run_dir} --tracking-uri {trackstore.without_credentials(store_uri(self.tracking, self.results_dir))}"
 
     def log_metrics(self, metrics: Iterable[tuple[str, float, int]]) -> None:
         """Record (key, value, step) triples; a (key, step) pair this run already has is left out."""
@@ -303,7 +366,7 @@ class JobRun:
         if self.offline and self.spool is not None:
             print(
                 f"parabench: tracking: the run ({status}) is spooled in {self.spool.folder}, not in MLflow; "
-                f"upload it with: bench sync {self.spool.run_dir}",
+                f"upload it with: {self._sync_command(self.spool.run_dir)}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -374,14 +437,39 @@ def _metrics_on_store(client, run_id: str, records: list[dict[str, Any]]) -> set
     return {(k, m.step) for k in sorted(keys) for m in client.get_metric_history(run_id, k)}
 
 
-def sync(run_dir: Path, uri: str | None = None) -> str:
-    """Send the records of ``run_dir``'s spool that its store has not got; one line saying what
-    was done. Running it again sends nothing: ``state.json`` counts what the store has, and a
-    metric (key, step) the run already has is left out."""
+def _check_spool_target(run_dir: Path, state: dict[str, Any], uri: str, named: bool) -> None:
+    """A spool is data: the store its ``state.json`` names is never where it is sent (a crafted spool
+    on a shared disk would receive the user's credentials at its own server). ``uri`` is the store the
+    user configured; unless the user named it (``named``: --tracking-uri), a spool written for another
+    store is refused, naming both. A local store's experiment name becomes a folder of artifacts:
+    one that leaves it is refused."""
+    written, target = str(state.get("store")), trackstore.without_credentials(uri)
+    if not named and written.rstrip("/") != target.rstrip("/"):
+        raise SpecError(
+            "RUN_DIR",
+            f"{run_dir}: its spool was written for the store {_printable(trackstore.shown(written))}, not the "
+            f"configured {trackstore.shown(uri)} (--tracking-uri, else $MLFLOW_TRACKING_URI, else --results-dir's "
+            "store); bench sync never takes the store from the spool: if that store is yours, name it "
+            "with --tracking-uri",
+        )
+    name = Path(str(state.get("experiment")))
+    if trackstore.scheme(uri) not in ("http", "https") and (name.is_absolute() or ".." in name.parts):
+        raise SpecError("RUN_DIR", f"{run_dir}: experiment name {_printable(str(name))!r} leaves the artifact folder")
+
+
+def sync(run_dir: Path, uri: str, named: bool = True) -> str:
+    """Send the records of ``run_dir``'s spool that the store ``uri`` has not got; one line saying
+    what was done. ``uri`` is the user's store, never the spool's (:func:`_check_spool_target`;
+    ``named``: the user gave it explicitly, so a spool written for another store goes there too).
+    Running it again sends nothing: ``state.json`` counts what the store has, and a metric (key,
+    step) the run already has is left out."""
     spool = Spool(run_dir)
     if not spool.exists():
         raise SpecError("RUN_DIR", f"{run_dir}: no tracking spool ({SPOOL_DIR}/{STATE_FILE}): not a run directory")
     state, records = spool.state(), spool.records()
+    _check_spool_target(run_dir, state, uri, named)
+    db = trackstore.sqlite_path(uri)  # a local store's artifacts go beside it, not where the spool says
+    state["results_dir"] = str(db.parent.resolve()) if db else state.get("results_dir", str(Path("results").resolve()))
     if state.get("pid") != os.getpid() and _writer_alive(state):
         return f"{run_dir}: still being written by bench run (pid {state['pid']}): left for later"
     ended = bool(records) and records[-1]["op"] == "end"
@@ -398,7 +486,7 @@ def sync(run_dir: Path, uri: str | None = None) -> str:
         ):
             spool.append(extra)
             records.append(extra)
-    target = uri or state["store"]
+    target = uri
     if trackstore.scheme(target) in ("http", "https"):
         # a server started moments ago (the usual case: sync runs once it is back) builds its store on
         # the first request (MLflow's SqlAlchemyStore connects and checks the schema): longer than the
@@ -451,7 +539,7 @@ def close_abandoned(results_dir: Path, store: str) -> list[str]:
         if records and records[-1]["op"] == "end":  # ended, only not uploaded: bench sync's business
             continue
         try:
-            lines.append("parabench: closed a run left RUNNING by a killed bench: " + sync(run_dir))
+            lines.append("parabench: closed a run left RUNNING by a killed bench: " + sync(run_dir, store))
         except SpecError as exc:
             lines.append(f"parabench: {run_dir}: left RUNNING by a killed bench, not closed: {exc}")
         except _store_errors() as exc:
@@ -473,9 +561,12 @@ def end_own_runs(results_dir: Path, store: str, status: str, why: str) -> list[s
         spool.append({"op": "tags", "tags": {"failure_reason": why}})
         spool.append({"op": "end", "status": status, "time": _now_ms()})
         try:
-            lines.append(sync(run_dir))
+            lines.append(sync(run_dir, store))
         except (SpecError, *_store_errors()) as exc:
-            lines.append(f"parabench: {run_dir}: {status} not recorded yet ({exc}); bench sync {run_dir} uploads it")
+            lines.append(
+                f"parabench: {run_dir}: {status} not recorded yet ({exc}); "
+                f"bench sync {run_dir} --tracking-uri {trackstore.without_credentials(store)} uploads it"
+            )
     return lines
 
 
@@ -492,9 +583,13 @@ def sync_main(argv: list[str]) -> int:
         "run_dirs", nargs="*", type=Path, help="run directories (default: every spooled run under --results-dir)"
     )
     p.add_argument(
-        "--tracking-uri", help="the store to upload to (default: the run's tracking.uri, without credentials)"
+        "--tracking-uri",
+        help="the store to upload to (default: $MLFLOW_TRACKING_URI, else --results-dir's local store); never the "
+        "one a spool names: a spool written for another store is refused unless this flag names the target",
     )
-    p.add_argument("--results-dir", type=Path, default=Path("results"), help="where to look without RUN_DIR")
+    p.add_argument(
+        "--results-dir", type=Path, default=Path("results"), help="where to look without RUN_DIR; its mlflow.db"
+    )
     try:
         args = p.parse_args(argv)
     except SystemExit as exc:
@@ -504,9 +599,10 @@ def sync_main(argv: list[str]) -> int:
         print(f"bench sync: nothing to upload under {args.results_dir}")
         return 0
     rc = 0
+    store = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_store_uri(str(args.results_dir))
     for run_dir in dirs:  # one line each; a failed one is left for the next sync
         try:
-            print(sync(run_dir, args.tracking_uri))
+            print(sync(run_dir, store, named=args.tracking_uri is not None))
         except SpecError as exc:
             print(f"bench sync: error: {exc}", file=sys.stderr)
             rc = max(rc, 2 if exc.key == "RUN_DIR" else 1)

@@ -370,7 +370,10 @@ def test_server_killed_mid_run_then_synced_equals_an_undisturbed_run(postgres, m
         assert hit.returncode == 0 and "Traceback" not in err, err[-3000:]
         assert "spooled in" in err and "bench sync" in err and "not reached" in out
         server = _serve(postgres, artifacts, port, log)
-        synced = [bench(["sync", str(tmp_path / "hit" / "run")], tmp_path, timeout=300) for _ in range(2)]
+        synced = [
+            bench(["sync", str(tmp_path / "hit" / "run"), "--tracking-uri", url], tmp_path, timeout=300)
+            for _ in range(2)
+        ]
         calm_out, calm_err = calm.communicate(timeout=600)
         assert calm.returncode == 0, calm_err[-3000:]
         client, calm_client = MlflowClient(tracking_uri=url), MlflowClient(tracking_uri=mlflow_server)
