@@ -20,6 +20,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from parabench import canonical, dsnative, mcnative, trackstore
@@ -28,10 +29,12 @@ from parabench.checkpoint import (
     LAYOUT_KEYS,
     MARKER,
     MODEL_IGNORED,
+    TMP,
     CheckpointError,
     job_identity,
     newest_complete,
     read_marker,
+    write_marker,
 )
 from parabench.confutil import compose, to_plain
 from parabench.convertworker import REQUEST, RESULT
@@ -314,6 +317,7 @@ def plan(args) -> dict[str, Any]:
     if tracking is not None:  # a server that does not answer is let through: the record is spooled in --out
         trackstore.check(tracking, key="--tracking-uri", unreachable_ok=True)
     out = Path(args.out).expanduser()
+    check_apart(src, out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise SpecError("--out", f"{out} exists and is not empty: choose a new directory")
     if args.to in NON_BACKENDS:
@@ -334,6 +338,24 @@ def plan(args) -> dict[str, Any]:
         "out": out,
         "tracking": tracking,
     }
+
+
+def check_apart(src: Path, out: Path) -> None:
+    """--out neither is, nor lies inside, nor holds the source: a canonical source is copied into
+    ``out/canonical`` (inside the source it copied itself until a RecursionError), and a native one
+    would get files that are not its own."""
+    source, target = src.resolve(), out.resolve()
+    where = (
+        "is the source"
+        if source == target
+        else "is inside the source"
+        if source in target.parents
+        else "holds the source"
+        if target in source.parents
+        else None
+    )
+    if where:
+        raise SpecError("--out", f"{out} {where} {src}: choose a directory apart from it")
 
 
 def _optimizer_line(p: dict[str, Any], manifest: dict[str, Any]) -> str:
@@ -377,7 +399,7 @@ def run(p: dict[str, Any]) -> dict[str, Any]:
     if tjob is not None:
         weights = str(canon / canonical.WEIGHTS)
         job = dataclasses.replace(tjob, model=dataclasses.replace(tjob.model, weights=weights))
-        result = launch(job, work / "import", {"mode": "import", "canonical": str(canon), "out": str(out)})
+        result = import_verified(job, canon, out, manifest["checksum"])
         record.update(
             target={"format": "native", "layout": layout_text(job_identity(tjob)), "checkpoint": result["checkpoint"]}
         )
@@ -392,6 +414,36 @@ def run(p: dict[str, Any]) -> dict[str, Any]:
     record["seconds"] = round(time.monotonic() - t0, 2)
     (out / RECORD).write_text(json.dumps(record, indent=1))
     return record
+
+
+def import_verified(job: JobSpec, canon: Path, out: Path, expected: str) -> dict[str, Any]:
+    """The target's import, published only once verified: the workers write ``step_N.tmp`` without a
+    COMPLETE marker (nothing run.resume accepts); when the checksum they read back through the
+    target framework equals ``expected`` the command writes the marker and renames it to ``step_N``.
+    A failure, an interrupt or a mismatch leaves no checkpoint under ``out``: the staging directory
+    is removed (a SIGKILL leaves it, unmarked)."""
+    try:
+        result = launch(job, out / WORK / "import", {"mode": "import", "canonical": str(canon), "out": str(out)})
+        staging, result["checkpoint"] = Path(result["staging"]), None
+        if result["checksum"] == expected:
+            ctx = SimpleNamespace(job=job, world_size=job.parallel.world_size)
+            result["checkpoint_bytes"] = write_marker(staging, int(result["step"]), ctx, None, converted=True)
+            final = staging.with_name(staging.name.removesuffix(TMP))
+            os.rename(staging, final)
+            _fsync_dir(out)
+            result["checkpoint"] = str(final)
+    finally:
+        for leftover in out.glob(f"step_*{TMP}"):
+            shutil.rmtree(leftover, ignore_errors=True)
+    return result
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _hf_checksums(out: Path, canon: Path, step: int) -> dict[str, Any]:
@@ -494,9 +546,8 @@ def main(argv: list[str]) -> int:
                 f"  mlflow: run {run_id} in experiment {p['tracking'].experiment} ({trackstore.shown(p['tracking'].uri)})"
             )
     if not match:
-        shutil.rmtree(record["target"].get("checkpoint") or "/nonexistent", ignore_errors=True)
         print(
-            "bench: convert failed: the canonical checksum changed; the converted checkpoint was removed",
+            "bench: convert failed: the canonical checksum changed; no converted checkpoint was published",
             file=sys.stderr,
         )
         return 1

@@ -9,8 +9,10 @@ Started by the backend's own launcher (torchrun or msrun) with the job of one si
 * ``import``: the TARGET backend with the target layout starts from the canonical weights (the job's
   ``model.weights``, the path every backend initialises from), takes the AdamW moments and step
   (``Engine.import_canonical``), exports again to check the canonical checksum, and writes a native
-  checkpoint (``Engine.save_checkpoint``) with per-rank harness files and a COMPLETE marker naming
-  the target job, so that ``bench run ... run.resume=<out>`` continues from it.
+  checkpoint (``Engine.save_checkpoint``) with per-rank harness files into ``step_N.tmp``, without a
+  marker: the command writes the COMPLETE marker naming the target job and renames it to ``step_N``
+  only once the checksum matches (parabench.convert.import_verified), so that ``bench run ...
+  run.resume=<out>`` continues from a verified checkpoint and never from a failed conversion.
 
 Rank 0 writes ``result.json`` (checksums, sizes) for the command to report.
 """
@@ -29,7 +31,7 @@ from typing import Any
 from parabench import canonical
 from parabench.adapters.base import WorkerContext
 from parabench.adapters.registry import get_adapter
-from parabench.checkpoint import _ledger_checksum, read_marker, rng_state, write_marker
+from parabench.checkpoint import TMP, _ledger_checksum, read_marker, rng_state
 from parabench.devices import DEVICES, drain_comm_threads
 from parabench.jobs import load_job
 from parabench.launchers import get_launcher, stop_with_launcher
@@ -85,12 +87,6 @@ def _fresh_harness(ctx, engine, step: int) -> dict[str, Any]:
     }
 
 
-def _publish(ctx, tmp: Path, final: Path, step: int) -> int:
-    total = write_marker(tmp, step, ctx, None, converted=True)
-    os.rename(tmp, final)
-    return total
-
-
 def _import(engine, ctx, request: dict[str, Any]) -> dict[str, Any]:
     import torch
 
@@ -100,8 +96,7 @@ def _import(engine, ctx, request: dict[str, Any]) -> dict[str, Any]:
     if state.moments is None:  # weights only: compare what was carried
         after = canonical.CanonicalState(after.weights, None, state.step, state.no_optimizer)
     step = int(saved[0]["step"]) if saved else state.step
-    final = Path(request["out"]) / f"step_{step:06d}"
-    tmp = final.with_name(final.name + ".tmp")
+    tmp = Path(request["out"]) / f"step_{step:06d}{TMP}"  # published by the command once verified
     if ctx.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "harness").mkdir(parents=True)
@@ -112,8 +107,7 @@ def _import(engine, ctx, request: dict[str, Any]) -> dict[str, Any]:
     ctx.comm.barrier()
     if ctx.rank != 0:
         return {}
-    nbytes = _publish(ctx, tmp, final, step)
-    return {"checksum": canonical.checksum(after), "checkpoint": str(final), "checkpoint_bytes": nbytes}
+    return {"checksum": canonical.checksum(after), "staging": str(tmp), "step": step}
 
 
 def _run(run_dir: Path, rank: int, local_rank: int, world: int) -> int:
