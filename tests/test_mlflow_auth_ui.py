@@ -124,7 +124,7 @@ def _leaks(root: Path, secret: str) -> list[str]:
     return [str(p) for p in root.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
 
 
-def _recorded(url: str, experiment: str, tmp_path: Path, monkeypatch):
+def _recorded(url: str, experiment: str, tmp_path: Path, monkeypatch, need_artifacts: bool = True):
     """(runs, text of every param, tag and artifact) of ``experiment`` on the server, read as admin."""
     from mlflow.artifacts import download_artifacts
     from mlflow.tracking import MlflowClient
@@ -141,7 +141,7 @@ def _recorded(url: str, experiment: str, tmp_path: Path, monkeypatch):
         dst = str(tmp_path / "artifacts" / run.info.run_id)
         where = download_artifacts(run_id=run.info.run_id, dst_path=dst, tracking_uri=url)
         files = [p for p in Path(where).rglob("*") if p.is_file()]
-        assert files, f"run {run.info.run_id} has no artifacts to search"
+        assert files or not need_artifacts, f"run {run.info.run_id} has no artifacts to search"
         texts += [p.read_bytes().decode(errors="replace") for p in files]
     return runs, texts
 
@@ -185,6 +185,48 @@ def test_wrong_credentials_are_refused_before_launch(auth_server, tmp_path):
     assert err.startswith("bench: error: tracking.uri:") and "refused the credentials (HTTP 401)" in err, err
     assert wrong not in proc.stdout + err and not (tmp_path / "results").exists()
     assert took < 120, f"refusal took {took:.0f} s"
+
+
+def test_login_in_the_uri_of_a_sweep_comm_and_compare_is_never_written(
+    auth_server, tmp_path, tmp_path_factory, monkeypatch
+):
+    """Issue 33 items 3 and 5: the login given in the URI (``http://alice:PASSWORD@host``) instead of
+    MLflow's variables. A ``-m`` sweep of two jobs (Hydra writes and prints its overrides, escaped),
+    ``bench comm`` and ``bench compare`` of the sweep (its report logged as a comparison run) record
+    as alice; the password is in no file under the working directory (bytes: YAML, JSON, spools,
+    SQLite), no output, no param, tag, run name or artifact, nor anywhere in the server's own store
+    (its SQLite file, artifact folder and log)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    uri = f"http://{USER}:{PASSWORD}@{auth_server.removeprefix('http://')}"
+    sweep = [*TINY, "run.seed=1,2", f"tracking.uri={uri}", "tracking.experiment=auth-sweep"]
+    procs = [bench(["run", "-m", *sweep, f"hydra.sweep.dir={work / 'sweep'}"], work / "results", 900, cwd=work)]
+    comm = ["backend=ddp", "device=cpu", "launcher.nproc_per_node=2", "comm.max_bytes=4K", "comm.iters=2"]
+    comm += [f"tracking.uri={uri}", "tracking.experiment=auth-comm", f"run.results_dir={work / 'results'}"]
+    procs.append(bench(["comm", *comm], work / "results", 600, cwd=work))
+    report = ["--experiment", "auth-sweep", "--tracking-uri", uri, "--format", "md", "--out", str(work / "report")]
+    procs.append(bench(["compare", *report], work / "results", 600, cwd=work))
+    for proc in procs:
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        assert "spooled" not in proc.stdout + proc.stderr, proc.stderr[-2000:]  # each reached the server
+        assert PASSWORD not in proc.stdout + proc.stderr
+    assert "tracking.uri=http\\://127.0.0.1\\:" in procs[0].stdout  # Hydra's job lines: the URI, escaped
+
+    recorded = []
+    # a bench comm run uploads no artifacts today (its JobRun has no run directory): its files are read in `work`
+    for experiment, count in (("auth-sweep", 3), ("auth-comm", 1), ("auth-sweep-comparisons", 1)):
+        runs, texts = _recorded(auth_server, experiment, tmp_path / experiment, monkeypatch, experiment != "auth-comm")
+        assert len(runs) == count and {r.info.status for r in runs} == {"FINISHED"}, experiment
+        recorded += [*texts, *(r.info.run_name for r in runs)]
+        query = f"username={USER}&resource_type=experiment&resource_id={runs[0].info.experiment_id}"
+        grant = _request(f"{auth_server}/api/3.0/mlflow/users/permissions/get?{query}", "admin", ADMIN_PASSWORD)
+        assert grant["permission"] == "MANAGE", (experiment, grant)  # alice created it: the login was used
+    assert not [t for t in recorded if PASSWORD in t], "password recorded in MLflow params, tags, names or artifacts"
+    assert len(list((work / "sweep").rglob("overrides.yaml"))) == 2 and (work / "report" / "report.json").is_file()
+    (server_root,) = tmp_path_factory.getbasetemp().glob("auth-server[0-9]*")  # the fixture's store, artifacts, log
+    assert (server_root / "mlflow.db").is_file() and (server_root / "artifacts").is_dir()
+    for root in (work, server_root):
+        assert not _leaks(root, PASSWORD), f"password written to {_leaks(root, PASSWORD)}"
 
 
 # --------------------------------------------------------------------------------------------
