@@ -468,7 +468,7 @@ def test_server_answering_an_error_mid_run_spools_then_sync_completes(postgres, 
         err = capsys.readouterr().err
         assert err.count("parabench: tracking:") == 2 and "bench sync" in err  # the failure, then the end
         _psql(postgres, "mlflow500", "ALTER TABLE latest_metrics_away RENAME TO latest_metrics")
-        first, second = sync(run_dir), sync(run_dir)
+        first, second = sync(run_dir, url), sync(run_dir, url)
         client = MlflowClient(tracking_uri=url)
         run = client.get_run(tracker.run_id)
         history = sorted((m.step, m.value) for m in client.get_metric_history(tracker.run_id, "loss"))
