@@ -89,11 +89,10 @@ def _request(url: str, user: str, password: str, body: dict | None = None) -> di
         return json.loads(resp.read() or b"{}")
 
 
-@pytest.fixture(scope="module")
-def auth_server(tmp_path_factory):
-    """MLflow's basic-auth app on SQLite (runs and users in their own files), with the user alice
-    created through the admin's REST API; yields the server's URL."""
-    root = tmp_path_factory.mktemp("auth-server")
+@contextlib.contextmanager
+def basic_auth_server(root: Path):
+    """MLflow's basic-auth app on SQLite in ``root`` (runs and users in their own files), with the user
+    alice created through the admin's REST API; yields the server's URL."""
     config = root / "basic_auth.ini"
     config.write_text(
         "[mlflow]\ndefault_permission = READ\n"
@@ -110,6 +109,7 @@ def auth_server(tmp_path_factory):
     }
     store = ["--app-name", "basic-auth", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}"]
     proc, url = _serve([*store, "--artifacts-destination", str(root / "artifacts")], root / "server.log", env)
+    (root / "url").write_text(url)  # which server this folder holds (server_root)
     try:
         _request(
             f"{url}/api/2.0/mlflow/users/create", "admin", ADMIN_PASSWORD, {"username": USER, "password": PASSWORD}
@@ -117,6 +117,18 @@ def auth_server(tmp_path_factory):
         yield url
     finally:
         _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def auth_server(tmp_path_factory):
+    with basic_auth_server(tmp_path_factory.mktemp("auth-server")) as url:
+        yield url
+
+
+def server_root(tmp_path_factory, url: str) -> Path:
+    """The folder of the server at ``url`` (its SQLite stores, artifacts and log)."""
+    (root,) = [d for d in tmp_path_factory.getbasetemp().glob("auth-server[0-9]*") if (d / "url").read_text() == url]
+    return root
 
 
 def _leaks(root: Path, secret: str) -> list[str]:
@@ -223,9 +235,9 @@ def test_login_in_the_uri_of_a_sweep_comm_and_compare_is_never_written(
         assert grant["permission"] == "MANAGE", (experiment, grant)  # alice created it: the login was used
     assert not [t for t in recorded if PASSWORD in t], "password recorded in MLflow params, tags, names or artifacts"
     assert len(list((work / "sweep").rglob("overrides.yaml"))) == 2 and (work / "report" / "report.json").is_file()
-    (server_root,) = tmp_path_factory.getbasetemp().glob("auth-server[0-9]*")  # the fixture's store, artifacts, log
-    assert (server_root / "mlflow.db").is_file() and (server_root / "artifacts").is_dir()
-    for root in (work, server_root):
+    store = server_root(tmp_path_factory, auth_server)
+    assert (store / "mlflow.db").is_file() and (store / "artifacts").is_dir()
+    for root in (work, store):
         assert not _leaks(root, PASSWORD), f"password written to {_leaks(root, PASSWORD)}"
 
 

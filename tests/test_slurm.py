@@ -19,6 +19,16 @@ import time
 from pathlib import Path
 
 import pytest
+from test_mlflow_auth_ui import (
+    ADMIN_PASSWORD,
+    PASSWORD,
+    USER,
+    _leaks,
+    _recorded,
+    _request,
+    basic_auth_server,
+    server_root,
+)
 
 from conftest import FAST, REPO, assert_refused_before_launch, bench, mlflow_runs
 
@@ -138,6 +148,13 @@ def slurm(tmp_path_factory) -> dict[str, str]:
         logs.close()
 
 
+@pytest.fixture(scope="module")
+def auth_server(tmp_path_factory):
+    """MLflow's basic-auth server (tests/test_mlflow_auth_ui.py) for a job given a login."""
+    with basic_auth_server(tmp_path_factory.mktemp("auth-server")) as url:
+        yield url
+
+
 def _job_ids(stdout: str) -> list[str]:
     found = re.search(r"Slurm job\(s\) ([\w, ]+);", stdout)
     assert found, stdout
@@ -192,6 +209,34 @@ def test_two_nodes_one_rank_each(slurm, results):
     assert child["params.launcher.nnodes"].iloc[0] == "2" and child["tags.world_size"].iloc[0] == "2"
     ranks = sorted(p.name for p in results.glob("runs/*/*/0_*/ranks/rank*.json"))
     assert ranks == ["rank0.json", "rank1.json"]
+
+
+@pytest.mark.full
+def test_login_in_the_tracking_uri_reaches_the_node_and_nothing_written(
+    slurm, auth_server, results, tmp_path, tmp_path_factory, monkeypatch
+):
+    """Issue 33 item 3: a Slurm job given the login in ``tracking.uri`` records as alice on MLflow's
+    basic-auth server - the login travels in MLflow's variables, which sbatch exports to the job
+    (the node's run would be refused without them) - and the password is in nothing bench submits or
+    the job writes (submitit's pickles and logs, Hydra's files, the run directory), nothing printed,
+    nothing recorded, and nothing in the server's store."""
+    uri = f"http://{USER}:{PASSWORD}@{auth_server.removeprefix('http://')}"
+    args = ["run", *SLURM_JOB, "launcher.nproc_per_node=1", *SMALL, f"tracking.uri={uri}", "tracking.experiment=slurm"]
+    proc = bench(args, results, 400, slurm, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "spooled" not in proc.stdout + proc.stderr and PASSWORD not in proc.stdout + proc.stderr
+    (job,) = _job_ids(proc.stdout)
+    assert _slurm_state(job, slurm) == "COMPLETED"
+    runs, recorded = _recorded(auth_server, "slurm", tmp_path / "downloaded", monkeypatch)
+    kinds = sorted((r.data.tags.get("parabench.kind"), r.info.status) for r in runs)
+    assert kinds == [("job", "FINISHED"), ("sweep", "FINISHED")], kinds  # the node recorded its run
+    query = f"username={USER}&resource_type=experiment&resource_id={runs[0].info.experiment_id}"
+    grant = _request(f"{auth_server}/api/3.0/mlflow/users/permissions/get?{query}", "admin", ADMIN_PASSWORD)
+    assert grant["permission"] == "MANAGE", grant  # alice created the experiment: the login was used
+    assert not [t for t in [*recorded, *(r.info.run_name for r in runs)] if PASSWORD in t]
+    assert list(results.rglob("*_submitted.pkl")) and list(results.rglob("*_log.out"))
+    for root in (tmp_path, server_root(tmp_path_factory, auth_server)):
+        assert not _leaks(root, PASSWORD), f"password written to {_leaks(root, PASSWORD)}"
 
 
 def _wait_for_steps(results: Path, proc: subprocess.Popen, jobs: int, timeout: float = 300) -> None:
