@@ -147,3 +147,15 @@ def test_comm_config_and_params_hold_no_uri_password(tmp_path, monkeypatch, mlfl
     assert comm.main(["-m", *base, f"tracking.uri={uri}", f"run.results_dir={tmp_path}"]) == 0
     assert [p.plain["tracking"]["uri"] for p in seen] == [f"http://{DEAD}"]
     assert PASSWORD not in repr(seen) and mlflow_env["MLFLOW_TRACKING_PASSWORD"] == PASSWORD
+
+
+def test_plan_calibration_from_a_server_holds_no_uri_password(tmp_path, capsys, monkeypatch, mlflow_env):
+    """`bench plan --calibrate EXP --tracking-uri http://user:pw@host` on a server that does not answer:
+    one line naming the option, without the password (it was a traceback quoting the URL with it)."""
+    from parabench.plan.command import main
+
+    monkeypatch.chdir(tmp_path)
+    code = main(["--calibrate", "nosuch", "--tracking-uri", f"http://{USER}:{PASSWORD}@{DEAD}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("bench: error: --tracking-uri: ") and len(err.splitlines()) == 1, err
+    assert PASSWORD not in err and mlflow_env["MLFLOW_TRACKING_PASSWORD"] == PASSWORD

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from parabench import trackstore
 from parabench.errors import SpecError, UserError
 from parabench.plan import calibrate
 from parabench.plan.cluster import Cluster, available, load, peak
@@ -221,7 +222,13 @@ def main(argv: list[str]) -> int:
         args = _parser().parse_intermixed_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
-    try:
+    try:  # a login in a URI goes to MLflow's variables: no message (MLflow's quote the URL) or file holds it
+        args.overrides = trackstore.overrides_without_credentials(args.overrides, os.environ)
+        if args.tracking_uri:
+            args.tracking_uri = trackstore.credentials_to_env(args.tracking_uri, os.environ)
+            trackstore.check(
+                TrackingSpec(uri=args.tracking_uri, experiment=args.calibrate or "Default"), key="--tracking-uri"
+            )
         if args.calibrate:
             print(calibrate.describe(calibrate.fit(args.calibrate, args.tracking_uri)))
             return 0
