@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from parabench import untrusted
 from parabench.adapters.base import CheckpointSupport, Engine, ModelStateBytes, WorkerContext
 from parabench.canonical import MOMENTS, CanonicalState
 from parabench.metrics import torch_model_state
@@ -137,8 +138,12 @@ class TorchEngine(Engine):
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         state = self._dcp_state()
+        trusted = (
+            self.ctx.job.run.trust_checkpoint
+        )  # else metadata and non-tensor items are checked (parabench.untrusted)
+        reader, planner = untrusted.dcp_reader(directory, trusted), untrusted.dcp_planner(directory, trusted)
         try:
-            dcp.load(state, checkpoint_id=str(directory))
+            dcp.load(state, storage_reader=reader, planner=planner)
         except CheckpointException as exc:
             raise OSError(dcp_failure(exc)) from None
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

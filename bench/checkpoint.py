@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from parabench import untrusted
 from parabench.adapters.registry import get_adapter
 from parabench.errors import SpecError
 from parabench.faults import fire_fault
@@ -267,6 +268,7 @@ def plan_resume(job: JobSpec, repeat: int | None = None, warn=None) -> Path | No
         )
     check_compatible(job, found[1], found[0])
     check_work_left(job, found[1], found[0])
+    untrusted.check_checkpoint(found[0], key="run.resume", trusted=job.run.trust_checkpoint)
     return found[0]
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from parabench import canonical, dsnative, mcnative, trackstore
+from parabench import canonical, dsnative, mcnative, trackstore, untrusted
 from parabench.adapters.registry import get_adapter
 from parabench.checkpoint import (
     LAYOUT_KEYS,
@@ -72,6 +72,12 @@ def _parser() -> argparse.ArgumentParser:
         "convert.json only)",
     )
     p.add_argument("--experiment", default="convert", help="MLflow experiment of that run (default: convert)")
+    p.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="unpickle the source with code allowed: only for a checkpoint whose source you trust that "
+        "holds globals beyond parabench's allowlist (docs/security.md); default: every pickle is checked first",
+    )
     p.add_argument("overrides", nargs="*", help="the target's layout and options, as bench run takes them")
     return p
 
@@ -112,9 +118,9 @@ def _hf_source(path: Path) -> tuple[str, Path, dict[str, Any]]:
     return "hf", path, {"identity": _identity(spec), "spec": spec, "layout": layout, "world_size": None}
 
 
-def _deepspeed_source(path: Path) -> tuple[str, Path, dict[str, Any]]:
+def _deepspeed_source(path: Path, trusted: bool) -> tuple[str, Path, dict[str, Any]]:
     """A checkpoint DeepSpeed's ``engine.save_checkpoint`` wrote, its config.json beside (parabench.dsnative)."""
-    meta = dsnative.inspect(path)
+    meta = dsnative.inspect(path, trusted)
     layout = (
         f"(engine.save_checkpoint {meta['tag_dir'].name}; ZeRO-{meta['stage'] if meta['stage'] == 3 else '1/2'}; "
         f"world_size={meta['world_size']}; DeepSpeed {meta['ds_version']})"
@@ -122,9 +128,9 @@ def _deepspeed_source(path: Path) -> tuple[str, Path, dict[str, Any]]:
     return "deepspeed", path, {**meta, "identity": _identity(meta["spec"]), "layout": layout}
 
 
-def _megatron_source(path: Path) -> tuple[str, Path, dict[str, Any]]:
+def _megatron_source(path: Path, trusted: bool) -> tuple[str, Path, dict[str, Any]]:
     """A checkpoint Megatron-LM's ``save_checkpoint`` wrote (torch_dist), its args giving the model (parabench.mcnative)."""
-    meta = mcnative.inspect(path)
+    meta = mcnative.inspect(path, trusted)
     distopt = f"; distributed optimizer {meta['distributed_optimizer']}" if meta.get("distributed_optimizer") else ""
     layout = (
         f"(Megatron-LM {meta['directory'].name}; torch_dist; saved at tp={meta['tp']} pp={meta['pp']}{distopt}; "
@@ -133,19 +139,20 @@ def _megatron_source(path: Path) -> tuple[str, Path, dict[str, Any]]:
     return "megatron", path, {**meta, "identity": _identity(meta["spec"]), "layout": layout}
 
 
-def find_source(text: str) -> tuple[str, Path, dict[str, Any]]:
+def find_source(text: str, trusted: bool = False) -> tuple[str, Path, dict[str, Any]]:
     """("native", step dir, marker), ("canonical", dir, manifest) or ("hf", dir, {identity, spec}): a
     canonical directory itself, a Hugging Face directory, else the native checkpoint (the newest
-    complete one of a directory), else a conversion's canonical/."""
+    complete one of a directory), else a conversion's canonical/. Every pickle a reader of it will
+    unpickle is checked first (parabench.untrusted) unless ``trusted``."""
     path = Path(text).expanduser()
     if not path.is_dir():
         raise SpecError("SRC", f"no such checkpoint directory: {path}")
     if (path / canonical.MANIFEST).exists():
         return _canonical_source(path)
     if dsnative.is_checkpoint(path):  # DeepSpeed's own (its `latest` file), possibly beside a config.json
-        return _deepspeed_source(path)
+        return _deepspeed_source(path, trusted)
     if mcnative.is_checkpoint(path):  # Megatron-LM's own (latest_checkpointed_iteration.txt, or an iter_N dir)
-        return _megatron_source(path)
+        return _megatron_source(path, trusted)
     if (path / CONFIG).is_file() and not (path / MARKER).exists():  # parabench checkpoints hold no config.json
         return _hf_source(path)
     try:
@@ -171,6 +178,7 @@ def find_source(text: str) -> tuple[str, Path, dict[str, Any]]:
     missing = [p for p in harness if not p.is_file()]
     if missing:
         raise SpecError("SRC", f"{missing[0]} is missing: an incomplete checkpoint of {len(harness)} ranks")
+    untrusted.check_checkpoint(found[0], trusted=trusted)
     return "native", found[0], marker
 
 
@@ -179,13 +187,14 @@ def _plain(backend: str, overrides: list[str]) -> dict[str, Any]:
     return to_plain(compose([*([] if named else ["+model=llama"]), f"backend={backend}", *overrides]))
 
 
-def source_job(identity: dict[str, Any], world_size: int) -> JobSpec:
+def source_job(identity: dict[str, Any], world_size: int, trusted: bool = False) -> JobSpec:
     """The job that wrote a checkpoint, rebuilt from its marker (backend, options, model, precision,
-    world size): the export launches exactly that layout."""
+    world size): the export launches exactly that layout, loading it as ``--trust-checkpoint`` says."""
     plain = _plain(identity["backend"], [])
     plain["backend"].update(identity["options"])
     plain["model"] = {"name": identity.get("model_name") or "model", **identity["model"]}
     plain["run"]["precision"] = identity["precision"]
+    plain["run"]["trust_checkpoint"] = trusted
     plain["launcher"]["nproc_per_node"] = world_size
     plain["tracking"] = {**plain.get("tracking", {}), "enabled": False}
     return prepare(plain)
@@ -303,7 +312,7 @@ def write_foreign_canonical(canon: Path, kind: str, src: Path, meta: dict[str, A
 # --------------------------------------------------------------------------------------------
 def plan(args) -> dict[str, Any]:
     """Everything checked, nothing written: the two jobs and where things go."""
-    kind, src, meta = find_source(args.src)
+    kind, src, meta = find_source(args.src, args.trust_checkpoint)
     if kind == "canonical":  # world_size and layout None/absent unless the source was a Hugging Face one
         identity, world, sjob = meta["source"]["job"], meta["source"]["world_size"], None
         layout = meta["source"].get("layout") or layout_text(identity)
@@ -311,7 +320,7 @@ def plan(args) -> dict[str, Any]:
         identity, world, sjob, layout = meta["identity"], meta["world_size"], None, meta["layout"]
     else:
         identity, world = meta["job"], int(meta["world_size"])
-        sjob, layout = source_job(identity, world), layout_text(identity)
+        sjob, layout = source_job(identity, world, args.trust_checkpoint), layout_text(identity)
         _check_convertible(sjob, "source")
     tracking = TrackingSpec(uri=args.tracking_uri, experiment=args.experiment) if args.tracking_uri else None
     if tracking is not None:  # a server that does not answer is let through: the record is spooled in --out

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from parabench import untrusted
 from parabench.canonical import MOMENTS, CanonicalState
 from parabench.errors import RunFailed, SpecError
 from parabench.hf import CONFIG, ignored, spec_fields
@@ -36,11 +37,12 @@ def is_checkpoint(path: Path) -> bool:
     return (path / LATEST).is_file()
 
 
-def _load(path: Path) -> dict[str, Any]:
-    import torch
-
-    try:  # DeepSpeed's own files pickle more than tensors (its config, versions): weights_only=False as it loads them
-        return torch.load(path, map_location="cpu", weights_only=False)
+def _load(path: Path, trusted: bool) -> dict[str, Any]:
+    # DeepSpeed's own files pickle more than tensors (its loss scaler, ZeRO stage enum): allowlisted
+    try:
+        return untrusted.load(path, trusted=trusted, map_location="cpu")
+    except ModuleNotFoundError as exc:
+        raise SpecError("SRC", f"{path} needs {exc.name} to be read (pip install deepspeed)") from None
     except (OSError, RuntimeError, EOFError, ValueError) as exc:
         raise SpecError("SRC", f"{path}: unreadable ({exc})") from None
 
@@ -77,14 +79,16 @@ def _ranks(tag_dir: Path, states: dict[str, Any]) -> int:
     return world
 
 
-def inspect(path: Path) -> dict[str, Any]:
+def inspect(path: Path, trusted: bool = False) -> dict[str, Any]:
     """Everything checked before anything is written (SpecError naming SRC): the tag directory, every
-    rank's file, and the parameter names and shapes DeepSpeed recorded against config.json."""
+    rank's file, and the parameter names and shapes DeepSpeed recorded against config.json. Every
+    pickle ds_to_universal will read is checked first (parabench.untrusted) unless ``trusted``."""
     tag_dir = _tag_dir(path)
     states_file = next((tag_dir / n for n in MODEL_STATES if (tag_dir / n).is_file()), None)
     if states_file is None:
         raise SpecError("SRC", f"{tag_dir}: no {' or '.join(MODEL_STATES)} (an incomplete DeepSpeed checkpoint)")
-    states = _load(states_file)
+    untrusted.check_checkpoint(tag_dir, trusted=trusted)
+    states = _load(states_file, trusted)
     world = _ranks(tag_dir, states)
     try:
         spec = model_spec(spec_fields({"path": str(path / CONFIG), "load_weights": False}))
@@ -100,16 +104,25 @@ def inspect(path: Path) -> dict[str, Any]:
     if extra:
         raise SpecError("SRC", f"the DeepSpeed checkpoint holds {extra[0]}, which the canonical model does not have")
     version = states.get("ds_version")
-    return {"spec": spec, "tag_dir": tag_dir, "world_size": world, "ds_version": version, "stage": _stage(tag_dir)}
+    stage = _stage(tag_dir)
+    return {
+        "spec": spec,
+        "tag_dir": tag_dir,
+        "world_size": world,
+        "ds_version": version,
+        "stage": stage,
+        "trusted": trusted,
+    }
 
 
 def _stage(tag_dir: Path) -> int:
     return 3 if any(tag_dir.glob("zero_pp_rank_*_model_states.pt")) else 1  # ZeRO 1/2 read alike
 
 
-def _step(tag_dir: Path) -> int:
+def _step(tag_dir: Path, trusted: bool) -> int:
     """AdamW's step counter, from rank 0's optimizer file (torch's AdamW keeps it per flat group)."""
-    optim = _load(next(p for p in sorted(tag_dir.iterdir()) if (m := OPTIM.match(p.name)) and m.group(1) == "0"))
+    rank0 = next(p for p in sorted(tag_dir.iterdir()) if (m := OPTIM.match(p.name)) and m.group(1) == "0")
+    optim = _load(rank0, trusted)
     outer = optim["optimizer_state_dict"]
     base = outer.get("optimizer_state_dict") or outer.get("base_optimizer_state")  # ZeRO-3 / ZeRO 1-2
     groups = base["state"] if isinstance(base, dict) else base  # ZeRO 1-2 keep a list of group states
@@ -122,7 +135,6 @@ def _step(tag_dir: Path) -> int:
 def read(meta: dict[str, Any], work: Path):
     """The canonical state (parabench.canonical.CanonicalState) of the checkpoint ``inspect`` checked,
     through ds_to_universal into ``work/universal/``; its log in ``work/logs/``."""
-    import torch
 
     tag_dir, out = meta["tag_dir"], work / "universal" / meta["tag_dir"].name
     (work / "logs").mkdir(parents=True, exist_ok=True)
@@ -138,7 +150,7 @@ def read(meta: dict[str, Any], work: Path):
 
     def value(name: str, state: str):
         # ZeRO 1/2: {"param": tensor, ...} (merge_tp_slices); ZeRO-3: the flat tensor (merge_zero3_slices)
-        saved = torch.load(zero / name / f"{state}.pt", map_location="cpu", weights_only=False)
+        saved = _load(zero / name / f"{state}.pt", meta["trusted"])
         flat = saved["param"] if isinstance(saved, dict) else saved
         if flat.numel() != math.prod(shapes[name]):
             raise RunFailed(f"{zero / name / state}.pt: {flat.numel()} values, {name} has shape {list(shapes[name])}")
@@ -146,4 +158,4 @@ def read(meta: dict[str, Any], work: Path):
 
     weights = {n: value(n, "fp32") for n in shapes}
     moments = {key: {n: value(n, key) for n in shapes} for key in MOMENTS}
-    return CanonicalState(weights, moments, _step(tag_dir))
+    return CanonicalState(weights, moments, _step(tag_dir, meta["trusted"]))

@@ -28,6 +28,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from parabench import untrusted
 from parabench.canonical import MOMENTS, CanonicalState
 from parabench.errors import SpecError
 from parabench.jobs import model_spec
@@ -93,16 +94,14 @@ def _check_format(directory: Path) -> None:
         raise SpecError("SRC", f"{directory}: sharded_backend {backend!r}; only 'torch_dist' is read")
 
 
-def _common(directory: Path) -> dict[str, Any]:
-    import torch
-
-    # Megatron-LM pickles its argparse namespace (and megatron-core enums): weights_only=False, as it
-    # loads it; unpickling imports megatron-core, whose import-time notes (no Transformer Engine/Apex)
-    # say nothing about reading a checkpoint
+def _common(directory: Path, trusted: bool) -> dict[str, Any]:
+    # Megatron-LM pickles its argparse namespace (and megatron-core enums): allowlisted
+    # (parabench.untrusted); the enums import megatron-core, whose import-time notes (no Transformer
+    # Engine/Apex) say nothing about reading a checkpoint
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            common = torch.load(directory / COMMON, map_location="cpu", weights_only=False)
+            common = untrusted.load(directory / COMMON, trusted=trusted, map_location="cpu")
     except ModuleNotFoundError as exc:
         raise SpecError(
             "SRC", f"{directory / COMMON} needs {exc.name} to be read (pip install megatron-core)"
@@ -182,13 +181,12 @@ def megatron_shapes(spec, te_names: bool) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _tensors(directory: Path) -> dict[str, Any]:
+def _tensors(directory: Path, trusted: bool) -> dict[str, Any]:
     """Every tensor key of the DCP files -> its TensorStorageMetadata; every data file must be there."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     try:
-        metadata = FileSystemReader(str(directory)).read_metadata()
+        metadata = untrusted.dcp_metadata(directory, trusted=trusted)
     except (OSError, RuntimeError, EOFError, ValueError) as exc:
         raise SpecError("SRC", f"{directory}: unreadable DCP metadata ({exc})") from None
     files = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
@@ -242,16 +240,18 @@ def _optimizer(
     return int(steps.pop())
 
 
-def inspect(path: Path) -> dict[str, Any]:
+def inspect(path: Path, trusted: bool = False) -> dict[str, Any]:
     """Everything checked before anything is written (SpecError naming SRC): the tracker, the format
-    and version, the args against the canonical Llama, every file, tensor name and shape."""
+    and version, every pickle (parabench.untrusted, unless ``trusted``), the args against the
+    canonical Llama, every file, tensor name and shape."""
     directory = _iteration_dir(path)
     _check_format(directory)
-    common = _common(directory)
+    untrusted.check_checkpoint(directory, trusted=trusted)
+    common = _common(directory, trusted)
     args = common["args"]
     spec = spec_from_args(args, name=(path if path != directory else path.parent).name)
     distopt = _distopt_format(args, common, directory)
-    tensors = _tensors(directory)
+    tensors = _tensors(directory, trusted)
     te_names = "decoder.layers.self_attention.linear_qkv.layer_norm_weight" in tensors
     wanted = megatron_shapes(spec, te_names)
     for key, shape in wanted.items():
@@ -284,6 +284,7 @@ def inspect(path: Path) -> dict[str, Any]:
         "tp": getattr(args, "tensor_model_parallel_size", 1),
         "pp": getattr(args, "pipeline_model_parallel_size", 1),
         "world_size": None,
+        "trusted": trusted,
     }
 
 
@@ -303,7 +304,10 @@ def read(meta: dict[str, Any]) -> CanonicalState:
     prefixes = [meta["weights_from"]] + ([f"{STATE}{m}." for m in MOMENTS] if meta["step"] is not None else [])
     dtypes = meta["dtypes"]
     state = {p + k: torch.empty(shape, dtype=dtypes[p + k]) for p in prefixes for k, shape in wanted.items()}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
+    reader = untrusted.dcp_reader(directory, meta["trusted"])
+    dcp.load(
+        state, storage_reader=reader, planner=untrusted.dcp_planner(directory, meta["trusted"], "SRC"), no_dist=True
+    )
     state = {k: v.float() for k, v in state.items()}
     weights = _canonical(state, meta["weights_from"], spec, meta["te_names"])
     if meta["step"] is None:

@@ -355,6 +355,9 @@ class RunSpec:
     results_dir: str = "results"
     checkpoint: CheckpointSpec = CheckpointSpec()
     resume: str = "auto"  # auto: newest complete checkpoint of run.checkpoint.dir | never | a checkpoint path
+    # unpickle the resumed checkpoint with code allowed, for one whose source you trust that needs
+    # globals beyond parabench's allowlist (docs/security.md); false: every pickle is checked first
+    trust_checkpoint: bool = False
 
 
 @dataclass(frozen=True)
