@@ -322,7 +322,9 @@ def plan(args) -> dict[str, Any]:
         identity, world = meta["job"], int(meta["world_size"])
         sjob, layout = source_job(identity, world, args.trust_checkpoint), layout_text(identity)
         _check_convertible(sjob, "source")
-    tracking = TrackingSpec(uri=args.tracking_uri, experiment=args.experiment) if args.tracking_uri else None
+    # a login in the URI goes to MLflow's variables: convert.json, the spool and the messages get the rest
+    uri = trackstore.credentials_to_env(args.tracking_uri, os.environ) if args.tracking_uri else None
+    tracking = TrackingSpec(uri=uri, experiment=args.experiment) if uri else None
     if tracking is not None:  # a server that does not answer is let through: the record is spooled in --out
         trackstore.check(tracking, key="--tracking-uri", unreachable_ok=True)
     out = Path(args.out).expanduser()
