@@ -26,10 +26,9 @@ from parabench.adapters.registry import get_adapter
 from parabench.collectives import OPS, CommJob, expected_sum, input_value, options, stack_for
 from parabench.devices import DEVICES
 from parabench.errors import SpecError
-from parabench.launchers import get_launcher, stop_with_launcher
+from parabench.launchers import get_launcher, redirect_output, serve_msrun_scheduler, stop_with_launcher
 from parabench.loop import write_json_atomic
 from parabench.spec import BackendSpec, DeviceSpec, LaunchSpec, TrackingSpec, build
-from parabench.worker import _redirect_output, _serve_msrun_scheduler
 
 # One operation on prepared buffers: (run once, the result to check, the expected result)
 Prepared = tuple[Callable[[], None], Callable[[], Any], Callable[[], Any]]
@@ -214,13 +213,13 @@ def comm_job(plain: Mapping[str, Any]) -> CommJob:
 def main(argv: list[str] | None = None) -> int:
     stop_with_launcher()  # a SIGKILLed torchrun or msrun takes its workers with it
     if os.environ.get("MS_ROLE") == "MS_SCHED":
-        return _serve_msrun_scheduler()
+        return serve_msrun_scheduler()
     run_dir = Path((sys.argv[1:] if argv is None else argv)[0])
     spec = json.loads((run_dir / "comm.json").read_text())
     job = comm_job(spec["config"])
     adapter = get_adapter(job.backend.name)
     rank, local_rank, world = get_launcher(adapter.capabilities.launcher).coords()
-    _redirect_output(run_dir, rank)
+    redirect_output(run_dir, rank)
     print(f"[parabench comm] rank {rank}/{world} pid {os.getpid()}", flush=True)
     try:
         ctx = WorkerContext(job, rank, world, local_rank, DEVICES[spec["device"]](local_rank), run_dir)  # type: ignore[arg-type]

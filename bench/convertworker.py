@@ -34,8 +34,7 @@ from parabench.adapters.registry import get_adapter
 from parabench.checkpoint import TMP, _ledger_checksum, read_marker, rng_state
 from parabench.devices import DEVICES, drain_comm_threads
 from parabench.jobs import load_job
-from parabench.launchers import get_launcher, stop_with_launcher
-from parabench.worker import _redirect_output, _serve_msrun_scheduler
+from parabench.launchers import get_launcher, redirect_output, serve_msrun_scheduler, stop_with_launcher
 
 REQUEST = "convert.json"
 RESULT = "result.json"
@@ -129,12 +128,12 @@ def _run(run_dir: Path, rank: int, local_rank: int, world: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     stop_with_launcher()  # a SIGKILLed torchrun or msrun takes its workers with it
     if os.environ.get("MS_ROLE") == "MS_SCHED":
-        return _serve_msrun_scheduler()
+        return serve_msrun_scheduler()
     argv = sys.argv[1:] if argv is None else argv
     run_dir = Path(argv[0])
     job = load_job(run_dir / "spec.json")
     rank, local_rank, world = get_launcher(get_adapter(job.backend.name).capabilities.launcher).coords()
-    _redirect_output(run_dir, rank)
+    redirect_output(run_dir, rank)
     print(f"[parabench convert] rank {rank}/{world} pid {os.getpid()}", flush=True)
     try:
         code = _run(run_dir, rank, local_rank, world)

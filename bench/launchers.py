@@ -77,6 +77,33 @@ def _signal_at_parent_death(libc: ctypes.CDLL, sig: int, parent: int) -> None:
         os.kill(os.getpid(), sig)
 
 
+def redirect_output(run_dir: Path, rank: int) -> None:
+    """This worker's stdout and stderr, file descriptors included (its frameworks' C++ logs), into
+    ``run_dir/logs/rank<rank>.log``: every worker of every command (run, comm, convert) logs alike."""
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    fd = os.open(logs / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+
+
+def serve_msrun_scheduler() -> int:
+    """msrun runs its scheduler with the workers' command: it computes nothing (CPU target whatever
+    the workers' device). init() returns only on failure; when all workers have left, it ends this
+    process itself."""
+    import mindspore
+    from mindspore.communication import init
+
+    mindspore.set_device("CPU")
+    init()
+    return 0
+
+
 def stop_with_launcher(sig: int = signal.SIGKILL) -> None:
     """Worker side, first thing: ask Linux for ``sig`` when the launcher that started this process
     (torchrun's agent, msrun) dies, however it dies (the OOM killer, ``kill -9``, a node agent), so no

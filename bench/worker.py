@@ -24,45 +24,20 @@ from parabench.commlog import CommLog
 from parabench.devices import DEVICES, drain_comm_threads
 from parabench.faults import record_detection, restart_count
 from parabench.jobs import load_job
-from parabench.launchers import get_launcher, stop_with_launcher
-
-
-def _redirect_output(run_dir: Path, rank: int) -> None:
-    logs = run_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    fd = os.open(logs / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
-    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
-
-
-def _serve_msrun_scheduler() -> int:
-    """msrun runs its scheduler with the workers' command: it computes nothing (CPU target whatever
-    the workers' device). init() returns only on failure; when all workers have left, it ends this
-    process itself."""
-    import mindspore
-    from mindspore.communication import init
-
-    mindspore.set_device("CPU")
-    init()
-    return 0
+from parabench.launchers import get_launcher, redirect_output, serve_msrun_scheduler, stop_with_launcher
 
 
 def main(argv: list[str] | None = None) -> int:
     started_wall = time.time()
     stop_with_launcher()  # a SIGKILLed torchrun or msrun takes its workers with it
     if os.environ.get("MS_ROLE") == "MS_SCHED":
-        return _serve_msrun_scheduler()
+        return serve_msrun_scheduler()
     argv = sys.argv[1:] if argv is None else argv
     run_dir = Path(argv[0])
     job = load_job(run_dir / "spec.json")
     adapter = get_adapter(job.backend.name)
     rank, local_rank, world = get_launcher(adapter.capabilities.launcher).coords()
-    _redirect_output(run_dir, rank)
+    redirect_output(run_dir, rank)
     (run_dir / "pids").mkdir(exist_ok=True)
     (run_dir / "pids" / f"rank{rank}").write_text(str(os.getpid()))
     print(f"[parabench worker] rank {rank}/{world} local_rank {local_rank} pid {os.getpid()}", flush=True)
