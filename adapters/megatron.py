@@ -121,6 +121,14 @@ class MegatronOptions:
     # num_local_experts / ep experts of every layer; the ep ranks are data-parallel ranks (ep divides dp)
     ep: int = 1
     moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"  # megatron-core's moe_token_dispatcher_type
+    # Activation recompute: TransformerConfig's fields of the same names (docs/megatron.md#activation-recompute).
+    # None: keep every activation; full: checkpoint whole decoder layers (their input only); selective:
+    # recompute the core attention (QK^T, softmax, its dropout and xV) in the backward.
+    recompute_granularity: Literal["full", "selective"] | None = None
+    # full only: uniform (every layer, in units of recompute_num_layers) | block (the first
+    # recompute_num_layers layers of each model chunk); None with full = uniform
+    recompute_method: Literal["uniform", "block"] | None = None
+    recompute_num_layers: int | None = None  # full only: layers per unit (uniform) or per chunk (block); None = 1
 
 
 def _layout(job: JobSpec, te_names: bool = False):
@@ -226,6 +234,47 @@ def _check_moe(job: JobSpec) -> None:
     ckpt = job.run.checkpoint
     if ckpt.every > 0 or ckpt.on_signal or job.run.resume not in ("auto", "never"):
         raise SpecError("run.checkpoint", "checkpoints of a MoE model on megatron are not checked yet")
+
+
+def recompute_settings(o: MegatronOptions) -> dict[str, Any]:
+    """TransformerConfig's recompute fields for these options: full without a method or a layer count
+    recomputes every layer on its own (uniform, units of 1 layer); megatron-core itself requires both."""
+    if o.recompute_granularity != "full":
+        return {"recompute_granularity": o.recompute_granularity}
+    return {
+        "recompute_granularity": "full",
+        "recompute_method": o.recompute_method or "uniform",
+        "recompute_num_layers": 1 if o.recompute_num_layers is None else o.recompute_num_layers,
+    }
+
+
+def _check_recompute(job: JobSpec) -> None:
+    """What megatron-core's recompute accepts (transformer_config.py ``__post_init__``; and
+    transformer_block.py ``_checkpointed_forward``: uniform steps through the chunk's layers in units of
+    recompute_num_layers and indexes past its last layer when the units do not divide them)."""
+    o = job.backend.options
+    if o.recompute_granularity != "full":
+        for key, value in (("recompute_method", o.recompute_method), ("recompute_num_layers", o.recompute_num_layers)):
+            if value is not None:
+                raise SpecError(
+                    f"backend.{key}",
+                    f"{key}={value} applies to full recompute only (recompute_granularity="
+                    f"{o.recompute_granularity or 'null'}): set backend.recompute_granularity=full or {key}=null",
+                )
+        return
+    n = recompute_settings(o)["recompute_num_layers"]
+    per_chunk = job.model.num_hidden_layers // (o.pp * o.vpp)
+    if not 1 <= n <= per_chunk:
+        raise SpecError(
+            "backend.recompute_num_layers",
+            f"must be between 1 and the {per_chunk} layers of a model chunk (num_hidden_layers / (pp x vpp)), got {n}",
+        )
+    if (o.recompute_method or "uniform") == "uniform" and per_chunk % n:
+        raise SpecError(
+            "backend.recompute_num_layers",
+            f"uniform recompute takes units of {n} layers, which do not divide the {per_chunk} layers of a "
+            f"model chunk (num_hidden_layers / (pp x vpp)): use a divisor or recompute_method=block",
+        )
 
 
 def _check_distopt_checkpoint(job: JobSpec) -> None:
@@ -372,6 +421,7 @@ class MegatronAdapter(Adapter):
             )
         _check_distopt_checkpoint(job)
         _check_moe(job)
+        _check_recompute(job)
 
     @classmethod
     def launch_env(cls, job: JobSpec) -> dict[str, str]:
@@ -383,6 +433,7 @@ class MegatronAdapter(Adapter):
         flags = (("sp", options.sequence_parallel), ("distopt", options.distributed_optimizer))
         degrees = [f"vpp{options.vpp}"] if options.vpp > 1 else []
         degrees += [f"ep{options.ep}"] if options.ep > 1 else []
+        degrees += [f"recompute-{options.recompute_granularity}"] if options.recompute_granularity else []
         return degrees + [word for word, on in flags if on]
 
     @classmethod
@@ -684,6 +735,7 @@ class MegatronEngine(Engine):
             # still in flight (overlapped p2p) then reads reused memory and the next stage gets
             # garbage (seen: wrong losses for micro-batches 3 and 4 at pp=2, vpp=2). Keep outputs.
             deallocate_pipeline_outputs=self.device_type == "cuda",
+            **recompute_settings(o),
             **moe_config(self.ctx.job.model, self.opts),
         )
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from parabench.adapters.base import Availability, Capabilities, Engine, WorkerContext
-from parabench.adapters.megatron import MegatronAdapter, MegatronEngine, MegatronOptions
+from parabench.adapters.megatron import MegatronAdapter, MegatronEngine, MegatronOptions, recompute_settings
 from parabench.devices import AUTOLOAD_TEXT, NPUDevice, cann_library, cann_version, package_version
 from parabench.errors import SpecError
 from parabench.spec import JobSpec
@@ -108,6 +108,9 @@ def mindspeed_argv(job: JobSpec) -> list[str]:
         args.append("--bf16")
     if o.cp > 1:
         args.append(f"--context-parallel-algo={o.context_parallel_algo}")
+    recompute = recompute_settings(o)
+    if recompute["recompute_granularity"] is not None:
+        args += [f"--{key.replace('_', '-')}={value}" for key, value in recompute.items()]
     for flag, on in (
         ("--sequence-parallel", o.sequence_parallel),
         ("--use-distributed-optimizer", o.distributed_optimizer),

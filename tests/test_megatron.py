@@ -40,6 +40,22 @@ INVALID = {
     ),
     "transformer engine on cpu": (M + ["backend.transformer_impl=transformer_engine"], "backend.transformer_impl"),
     "key of another backend": (M + ["+backend.zero_stage=2"], "backend.zero_stage"),
+    "recompute granularity unknown": (M + ["backend.recompute_granularity=partial"], "backend.recompute_granularity"),
+    "recompute method without full": (M + ["backend.recompute_method=block"], "backend.recompute_method"),
+    "recompute layers with selective": (
+        M + ["backend.recompute_granularity=selective", "backend.recompute_num_layers=1"],
+        "backend.recompute_num_layers",
+    ),
+    "uniform recompute units not dividing a chunk's layers": (
+        M + ["backend.recompute_granularity=full", "backend.recompute_num_layers=3"],
+        "backend.recompute_num_layers",
+    ),
+    "block recompute of more layers than a chunk has": (
+        M
+        + ["backend.recompute_granularity=full", "backend.recompute_method=block", "backend.pp=2"]
+        + ["backend.recompute_num_layers=3", "launcher.nproc_per_node=2"],
+        "backend.recompute_num_layers",
+    ),
 }
 
 
@@ -245,3 +261,69 @@ def test_megatron_metrics(e2e):
         assert s["extra.tp_decoder_allreduces_predicted_per_step"] == 4 * 4 * 2
         assert s["extra.rank0.tp_collectives_per_step"] >= s["extra.tp_decoder_allreduces_predicted_per_step"]
         assert s["extra.rank0.tp_comm_bytes_per_step"] > 0
+
+
+# Activation recompute (backend.recompute_*): label -> (overrides, the module whose forward the
+# backward runs again, how many of them one micro-batch recomputes on the 4-layer llama)
+RECOMPUTE = {
+    "full": (["backend.recompute_granularity=full"], "TransformerLayer", 4),
+    "full-uniform2": (
+        ["backend.recompute_granularity=full", "backend.recompute_method=uniform", "backend.recompute_num_layers=2"],
+        "TransformerLayer",
+        4,
+    ),
+    "full-block1": (
+        ["backend.recompute_granularity=full", "backend.recompute_method=block", "backend.recompute_num_layers=1"],
+        "TransformerLayer",
+        1,
+    ),
+    "selective": (["backend.recompute_granularity=selective"], "DotProductAttention", 4),
+}
+
+
+def _train_in_process(tmp_path, overrides: list[str], module: str) -> tuple[list[float], float]:
+    """A world of 1 trains 3 steps, checked against the canonical model (conftest); returns its losses
+    and how often ``module``'s forward ran per micro-batch."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from parabench.adapters.base import WorkerContext
+    from parabench.adapters.megatron import MegatronAdapter
+    from parabench.confutil import compose, to_plain
+    from parabench.devices import DEVICES
+    from parabench.jobs import from_config
+    from parabench.spec import resolve_device
+
+    cfg = to_plain(compose([*M, "data.seq_len=32", "data.global_batch_size=4", *overrides]))
+    job = resolve_device(from_config(cfg), "cpu")
+    store = tmp_path / f"store{len(list(tmp_path.iterdir()))}"  # a fresh file store per process group
+    timeout = datetime.timedelta(seconds=60)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1, timeout=timeout)
+    try:
+        ctx = WorkerContext(job=job, rank=0, world_size=1, local_rank=0, device=DEVICES["cpu"](0), run_dir=tmp_path)
+        engine = MegatronAdapter.create_engine(ctx)
+        try:
+            calls, losses, step = [], [], engine.train_step
+            for chunk in engine.chunks:
+                for m in chunk.modules():
+                    if type(m).__name__ == module:
+                        m.register_forward_hook(lambda *_: calls.append(1))
+            engine.train_step = lambda batches: losses.append(step(batches)) or losses[-1]
+            assert_trains_like_the_canonical_model(engine, job, steps=3)
+        finally:
+            engine.close()
+    finally:
+        dist.destroy_process_group()
+    return [float(x) for x in losses], len(calls) / (3 * job.grad_accum)
+
+
+@pytest.mark.parametrize("label", sorted(RECOMPUTE))
+def test_recompute_trains_bitwise_like_no_recompute(label, tmp_path):
+    """backend.recompute_*: the losses are the canonical model's (1e-5, as every engine) and bitwise
+    those of the same job without recompute, and the backward really ran the forwards again."""
+    overrides, module, recomputed = RECOMPUTE[label]
+    plain, plain_calls = _train_in_process(tmp_path, [], module)
+    losses, calls = _train_in_process(tmp_path, overrides, module)
+    assert losses == plain, (label, losses, plain)
+    assert (plain_calls, calls) == (4, 4 + recomputed), (label, plain_calls, calls)

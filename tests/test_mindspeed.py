@@ -195,3 +195,23 @@ def test_mindspeed_switches_travel_on_the_worker_command_line(tmp_path):
     ctx = WorkerContext(job=job, rank=0, world_size=1, local_rank=0, device=DEVICES["cpu"](0), run_dir=tmp_path)
     with pytest.raises(RuntimeError, match="sys.argv"):
         MindSpeedAdapter.create_engine(ctx)
+
+
+def test_mindspeed_recompute_flags_are_megatron_lms():
+    """backend.recompute_* (shared with the megatron adapter) reach MindSpeed's parser as Megatron-LM's
+    --recompute-granularity / --recompute-method / --recompute-num-layers; none without recompute."""
+    from parabench.adapters.mindspeed import mindspeed_argv
+    from parabench.confutil import compose, to_plain
+    from parabench.jobs import from_config
+
+    def argv(*overrides: str) -> list[str]:
+        job = from_config(to_plain(compose(["+model=llama", "backend=mindspeed", *overrides])))
+        return [a for a in mindspeed_argv(job) if a.startswith("--recompute-") and "activation" not in a]
+
+    assert argv() == []
+    assert argv("backend.recompute_granularity=selective") == ["--recompute-granularity=selective"]
+    assert argv("backend.recompute_granularity=full", "backend.recompute_method=block") == [
+        "--recompute-granularity=full",
+        "--recompute-method=block",
+        "--recompute-num-layers=1",
+    ]
