@@ -119,10 +119,26 @@ def basic_auth_server(root: Path):
         _stop(proc)
 
 
+# The session's basic-auth server: this module and tests/test_slurm.py record into the same one
+# (their experiments are apart: auth-*, slurm), so the full tier starts it once (~28 s under load).
+SESSION_AUTH_SERVER = pytest.StashKey[str]()
+
+
+def session_auth_server(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The URL of the basic-auth server shared by the session's modules: started by the first that
+    asks, stopped when the session ends (a module-scoped fixture in each module would start its own)."""
+    url = config.stash.get(SESSION_AUTH_SERVER, None)
+    if url is None:
+        stack = contextlib.ExitStack()
+        url = stack.enter_context(basic_auth_server(tmp_path_factory.mktemp("auth-server")))
+        config.add_cleanup(stack.close)
+        config.stash[SESSION_AUTH_SERVER] = url
+    return url
+
+
 @pytest.fixture(scope="module")
-def auth_server(tmp_path_factory):
-    with basic_auth_server(tmp_path_factory.mktemp("auth-server")) as url:
-        yield url
+def auth_server(request, tmp_path_factory):
+    return session_auth_server(request.config, tmp_path_factory)
 
 
 def server_root(tmp_path_factory, url: str) -> Path:

@@ -26,8 +26,8 @@ from test_mlflow_auth_ui import (
     _leaks,
     _recorded,
     _request,
-    basic_auth_server,
     server_root,
+    session_auth_server,
 )
 
 from conftest import FAST, REPO, assert_refused_before_launch, bench, mlflow_runs
@@ -149,10 +149,10 @@ def slurm(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def auth_server(tmp_path_factory):
-    """MLflow's basic-auth server (tests/test_mlflow_auth_ui.py) for a job given a login."""
-    with basic_auth_server(tmp_path_factory.mktemp("auth-server")) as url:
-        yield url
+def auth_server(request, tmp_path_factory):
+    """MLflow's basic-auth server for a job given a login: the session's, shared with
+    tests/test_mlflow_auth_ui.py (the experiment here, slurm, is this module's own)."""
+    return session_auth_server(request.config, tmp_path_factory)
 
 
 def _job_ids(stdout: str) -> list[str]:
