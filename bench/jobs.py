@@ -32,6 +32,7 @@ from parabench.spec import (
     RunSpec,
     TrackingSpec,
     build,
+    check_precision,
     validate_common,
     validate_launch_words,
     validate_moe,
@@ -56,6 +57,7 @@ def from_config(cfg: Mapping[str, Any]) -> JobSpec:
     optim = build(OptimSpec, cfg.get("optim"), "optim")
     device = build(DeviceSpec, cfg.get("device"), "device")
     launch = build(LaunchSpec, cfg.get("launcher"), "launcher")
+    check_precision(cfg.get("run"))
     run = build(RunSpec, cfg.get("run"), "run")
     tracking = build(TrackingSpec, cfg.get("tracking"), "tracking")
     fault = build(FaultSpec, cfg.get("fault"), "fault")

@@ -445,6 +445,24 @@ def validate_moe(model: ModelSpec) -> None:
         )
 
 
+# Precisions a user may ask for that no parabench backend runs, each with the real reason (the
+# Literal of RunSpec.precision lists the ones they run). docs/sources.md#fp8-training.
+UNRUN_PRECISIONS = {
+    "fp8": (
+        "fp8 training needs Transformer Engine's fp8 GEMMs on a device with fp8 tensor cores (CUDA compute "
+        "capability 8.9+: H100/H200-class, Ada); no parabench backend runs fp8 yet (megatron's Transformer "
+        "Engine fp8 recipe is not wired), and a CPU has no fp8 GEMMs: use bf16"
+    ),
+}
+
+
+def check_precision(node: Any) -> None:
+    """``run.precision`` (the raw config node ``run``) naming a precision no backend runs: refused with why."""
+    value = node.get("precision") if isinstance(node, Mapping) else None
+    if isinstance(value, str) and value in UNRUN_PRECISIONS:
+        raise SpecError("run.precision", UNRUN_PRECISIONS[value])
+
+
 def validate_common(
     model: ModelSpec, data: DataSpec, optim: OptimSpec, device: DeviceSpec, launch: LaunchSpec, run: RunSpec
 ) -> None:

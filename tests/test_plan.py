@@ -155,6 +155,24 @@ def test_impossible_batch_one_line_exit_2(capsys):
     assert "data.global_batch_size" in err and "3" in err
 
 
+@pytest.mark.parametrize("cluster", ["cpu", "h100-sxm"])
+def test_fp8_plan_names_the_reason_not_the_batch(cluster, capsys):
+    # was: a KeyError traceback on the CPU cluster (its GEMM peak), "no layout accepts a global batch"
+    # on the others
+    code, out, err = _plan(capsys, "+model=llama", f"cluster={cluster}", "run.precision=fp8")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("bench: error: run.precision: fp8 training needs Transformer Engine"), err
+    assert "global batch" not in err
+
+
+def test_one_key_refusing_every_layout_is_named_not_the_batch(capsys):
+    # fp16 is a precision megatron does not run: every candidate is refused by run.precision alone
+    args = ["plan.backends=[megatron]", "plan.micro_batch_sizes=[1]", "data.global_batch_size=8", "run.precision=fp16"]
+    code, out, err = _plan(capsys, "+model=llama", "cluster=cpu", *args)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("bench: error: run.precision: backend megatron does not support fp16"), err
+
+
 def test_fits_nowhere_says_by_how_much(capsys):
     code, out, err = _plan(capsys, "+model=llama3-70b", "cluster=cpu", "plan.backends=[ddp]")
     assert code == 2 and len(err.strip().splitlines()) == 1, err

@@ -58,3 +58,15 @@ def test_errors_name_the_choices():
     with pytest.raises(SpecError) as exc:
         get_adapter("nope")
     assert "ddp" in str(exc.value) and "fsdp" in str(exc.value)
+
+
+@pytest.mark.parametrize("backend", ["ddp", "megatron"])
+def test_fp8_is_refused_with_its_real_reason(backend, tmp_path, capsys, monkeypatch):
+    """fp8 names what it needs (Transformer Engine on a device with fp8 tensor cores), not the list of
+    precisions; bench plan says the same (tests/test_plan.py), not that no layout accepts the batch."""
+    monkeypatch.chdir(tmp_path)
+    err = assert_refused_before_launch(
+        ["+model=llama", f"backend={backend}", "run.precision=fp8"], "run.precision", tmp_path, capsys
+    )
+    assert "Transformer Engine" in err and "compute capability 8.9" in err and "no parabench backend" in err, err
+    assert "is not one of" not in err, err

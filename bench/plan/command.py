@@ -30,7 +30,7 @@ from parabench.plan.gemms import CURVES
 from parabench.plan.render import render
 from parabench.plan.search import Searched, backend_defaults, describe, emit_bundle, search
 from parabench.runnames import plan_experiment, stamp
-from parabench.spec import TrackingSpec, build
+from parabench.spec import TrackingSpec, build, check_precision
 from parabench.tracking import JobRun
 
 GIB = 1024**3
@@ -106,6 +106,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if not first.get("model"):
         raise SpecError("model", "no model chosen: add +model=NAME or +model=hf model.path=/path/to/config.json")
     mbs = [int(v) for v in _list(plan.get("micro_batch_sizes"))] or _micro_batches(first)
+    check_precision(first["run"])  # before the peak lookup and the search, which would blame the batch
     precision = first["run"]["precision"]
     pk = peak(cluster, precision, Path(first["run"]["results_dir"]) / ".cache")
     cal = _calibration(plan, args.tracking_uri)
@@ -147,6 +148,10 @@ def _refuse_if_empty(found: Searched, first: dict[str, Any]) -> None:
             f"{best.host_bytes / GIB:.2f} GiB per device to host memory, {-best.host_margin_bytes / GIB:.2f} GiB "
             f"more than the {best.host_capacity_bytes / GIB:.2f} GiB of host memory per device"
         )
+    if len(found.refusals) == 1:  # one key refused every layout: its own line, unless it is the batch's
+        ((key, line),) = found.refusals.items()
+        if not key.startswith("data."):
+            raise UserError(line)
     reasons = "; ".join(f"{k} ({n} layouts)" for k, n in sorted(found.invalid.items(), key=lambda kv: -kv[1]))
     gbs = first["data"]["global_batch_size"]
     raise SpecError(

@@ -28,6 +28,7 @@ class Searched:
     ranked: list[Estimate] = field(default_factory=list)  # fit, best first
     unfit: list[Estimate] = field(default_factory=list)  # valid but over the device memory, least over first
     invalid: dict[str, int] = field(default_factory=dict)  # reason -> how many layouts it rejected
+    refusals: dict[str, str] = field(default_factory=dict)  # reason -> the first refusal's whole line
     overrides: dict[int, list[str]] = field(default_factory=dict)  # id(estimate) -> bench run overrides
     plains: dict[int, dict[str, Any]] = field(default_factory=dict)
 
@@ -84,6 +85,7 @@ def search(
         except UserError as exc:
             reason = str(exc).split(":", 1)[0]  # the key that refused it
             out.invalid[reason] = out.invalid.get(reason, 0) + 1
+            out.refusals.setdefault(reason, str(exc))
             continue
         est = estimate(job, cluster, peak, cal, features=features)
         out.overrides[id(est)] = overrides
