@@ -23,7 +23,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from parabench import canonical, dsnative, mcnative, trackstore, untrusted
+from parabench import canonical, dsnative, hostmem, mcnative, trackstore, untrusted
 from parabench.adapters.registry import get_adapter
 from parabench.checkpoint import (
     LAYOUT_KEYS,
@@ -383,9 +383,42 @@ def _optimizer_line(p: dict[str, Any], manifest: dict[str, Any]) -> str:
 
 
 def run(p: dict[str, Any]) -> dict[str, Any]:
+    """The conversion, measured: its seconds, the bytes of the source's files and of those written to
+    --out and their rates, and the peak host memory of bench and its workers (parabench.hostmem)."""
+    t0 = time.monotonic()
+    with hostmem.PeakHostMemory() as peak:
+        record = _convert(p)
+    seconds = time.monotonic() - t0
+    read, written = _file_bytes(_read_dir(p)), _file_bytes(p["out"], skip=p["out"] / WORK)
+    record.update(
+        seconds=round(seconds, 2),
+        source_file_bytes=read,
+        written_file_bytes=written,
+        read_bytes_per_s=round(read / seconds),
+        written_bytes_per_s=round(written / seconds),
+        peak_host_memory_bytes=peak.bytes,
+        peak_host_memory_method=hostmem.METHOD,
+    )
+    (p["out"] / RECORD).write_text(json.dumps(record, indent=1))
+    return record
+
+
+def _read_dir(p: dict[str, Any]) -> Path:
+    """The directory a conversion reads: DeepSpeed's tag and Megatron-LM's iteration directory, else SRC."""
+    return (
+        Path(p["meta"].get("tag_dir") or p["meta"].get("directory") or p["src"]) if p["kind"] in FOREIGN else p["src"]
+    )
+
+
+def _file_bytes(root: Path, skip: Path | None = None) -> int:
+    """The bytes of the regular files under ``root`` (links not followed), ``skip``'s left out."""
+    files = (f for f in root.rglob("*") if f.is_file() and not f.is_symlink())
+    return sum(f.stat().st_size for f in files if skip is None or skip not in f.parents)
+
+
+def _convert(p: dict[str, Any]) -> dict[str, Any]:
     out, work = p["out"], p["out"] / WORK
     canon = out / "canonical"
-    t0 = time.monotonic()
     if p["kind"] == "native":
         launch(p["source_job"], work / "export", {"mode": "export", "source": str(p["src"]), "canonical": str(canon)})
     elif p["kind"] in FOREIGN:
@@ -422,8 +455,6 @@ def run(p: dict[str, Any]) -> dict[str, Any]:
         record.update(target={"format": "canonical", "path": str(canon)})
         record["checksum_after"] = canonical.checksum(canonical.load(canon)[0])  # read back from the files
     record["optimizer_line"] = _optimizer_line(p, manifest)
-    record["seconds"] = round(time.monotonic() - t0, 2)
-    (out / RECORD).write_text(json.dumps(record, indent=1))
     return record
 
 
@@ -489,6 +520,9 @@ def report(record: dict[str, Any]) -> None:
         f"  {record['optimizer_line']}",
         f"  written: {record['target'].get('checkpoint') or record['target'].get('path') or ', '.join(record['target'].get('files', []))}"
         f" ({record['seconds']:.1f} s)",
+        f"  files: read {record['source_file_bytes'] / 2**20:.2f} MiB ({record['read_bytes_per_s'] / 2**20:.1f} MiB/s), "
+        f"wrote {record['written_file_bytes'] / 2**20:.2f} MiB ({record['written_bytes_per_s'] / 2**20:.1f} MiB/s); "
+        f"peak host memory {record['peak_host_memory_bytes'] / 2**20:.0f} MiB (bench and its workers)",
     ]
     print("\n".join(lines), flush=True)
 
@@ -518,7 +552,11 @@ def log_to_mlflow(tracking: TrackingSpec, out: Path, record: dict[str, Any], sta
     run = JobRun(tracking, results_dir=str(db.parent if db else out), run_dir=out)
     run_id = run.start(f"convert {src['format']} -> {tgt['format']} {tgt.get('layout', '')}".rstrip(), params, tags)
     run.log_metrics(
-        [("tensors", record["tensors"], 0), ("bytes", record["bytes"], 0), ("seconds", record["seconds"], 0)]
+        [
+            (key, record[key], 0)
+            for key in ("tensors", "bytes", "seconds", "source_file_bytes", "written_file_bytes")
+            + ("read_bytes_per_s", "written_bytes_per_s", "peak_host_memory_bytes")
+        ]
     )
     run.log_artifacts([out / RECORD], out)
     run.end(status)

@@ -85,6 +85,8 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "parabench.stability",
             "parabench.confutil",
             "parabench.canonical",
+            "parabench.untrusted",
+            "parabench.hostmem",
         ),
     ),
     ("contract", ("parabench.spec", "parabench.errors", "parabench")),

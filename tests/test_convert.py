@@ -283,6 +283,23 @@ def _tiny_hf(directory: Path) -> Path:
     return directory
 
 
+def _assert_measured(record: dict, src: Path, out: Path, printed: str) -> None:
+    """convert.json's throughput and memory figures are what they say: the bytes of the source's
+    files and of those written to --out (its work folder and convert.json itself aside), over the
+    seconds; the peak host memory holds at least bench and a worker that imported torch."""
+    from parabench.convert import RECORD, WORK
+
+    def size(root: Path, skip: set[Path]) -> int:
+        return sum(f.stat().st_size for f in root.rglob("*") if f.is_file() and not skip & {f, *f.parents})
+
+    assert record["source_file_bytes"] == size(src, set()), record
+    assert record["written_file_bytes"] == size(out, {out / WORK, out / RECORD}), record
+    for key, total in (("read_bytes_per_s", "source_file_bytes"), ("written_bytes_per_s", "written_file_bytes")):
+        assert record[key] == pytest.approx(record[total] / record["seconds"], rel=0.01), record
+    assert record["peak_host_memory_bytes"] > 200 * 2**20, record
+    assert f"peak host memory {record['peak_host_memory_bytes'] / 2**20:.0f} MiB" in printed, printed
+
+
 @pytest.mark.e2e
 def test_hf_source_to_ddp_resumes_as_a_fresh_run(ddp_losses, tmp_path, capsys):
     """A Hugging Face directory as SOURCE: weights only, so the target starts fresh AdamW moments at
@@ -295,6 +312,7 @@ def test_hf_source_to_ddp_resumes_as_a_fresh_run(ddp_losses, tmp_path, capsys):
     assert "(match)" in printed and record["checksum_before"] == record["checksum_after"], printed
     assert "optimizer state: fresh AdamW, zero moments at step 0 (the source is a Hugging Face" in printed, printed
     assert record["fresh_optimizer"] and record["source"]["format"] == "hf", record
+    _assert_measured(record, hf, out, printed)
     _run(["backend=ddp", f"run.steps={STEPS}", f"run.resume={out}"], tmp_path / "r_ddp")
     resumed = _losses(tmp_path / "r_ddp", "ddp")
     print(f"ddp resumed from the converted hf directory vs ddp: {resumed == ddp_losses} bitwise")
@@ -413,6 +431,8 @@ def test_conversion_is_recorded_as_an_mlflow_run(tmp_path, capsys):
     assert run.data.params["source.format"] == "hf" and run.data.params["target.format"] == "canonical"
     assert run.data.params["source.step"] == "0" and "fresh AdamW" in run.data.params["optimizer"]
     assert run.data.metrics["tensors"] == record["tensors"] and run.data.metrics["bytes"] == record["bytes"]
+    for key in ("read_bytes_per_s", "written_bytes_per_s", "peak_host_memory_bytes", "source_file_bytes"):
+        assert run.data.metrics[key] == record[key] > 0, (key, run.data.metrics, record)
     tags = run.data.tags
     assert tags["parabench.checksum_before"] == tags["parabench.checksum_after"] == record["checksum_before"]
     assert "convert.json" in [a.path for a in client.list_artifacts(run.info.run_id)]
