@@ -134,6 +134,9 @@ class FSDPAdapter(Adapter):
         tensor_parallel=True,
         checkpoint=DCP_SUPPORT,
         convert=ConvertSupport(),
+        # the canonical MoE block under fully_shard: every expert a parameter sharded over all ranks
+        # like any other (no expert parallelism), the canonical dropless routing (docs/moe.md)
+        moe=True,
     )
     Options = FSDPOptions
 
@@ -160,6 +163,13 @@ class FSDPAdapter(Adapter):
 
     @classmethod
     def validate(cls, job: JobSpec) -> None:
+        if job.model.is_moe and job.parallel.tp > 1:
+            raise SpecError(
+                "backend.tp",
+                f"tp={job.parallel.tp} splits the dense MLP (torchtitan's plan), and a Mixture-of-Experts model's "
+                "experts have no tensor-parallel plan here: use tp=1 (the experts sharded over every rank) or "
+                "backend=megatron with backend.ep",
+            )
         if job.backend.options.cpu_offload and job.device.type == "cpu":
             raise SpecError(
                 "backend.cpu_offload", "offloading to the host needs an accelerator device (device=cuda or npu)"

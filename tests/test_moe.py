@@ -268,12 +268,19 @@ def test_mixtral_router_jitter_is_refused(tmp_path, capsys):
     assert_refused_before_launch(["+model=hf", f"model.path={tmp_path / 'm'}"], "router_jitter_noise", tmp_path, capsys)
 
 
-@pytest.mark.parametrize("backend", ["fsdp", "deepspeed", "mindspore", "mindspeed"])
+@pytest.mark.parametrize("backend", ["deepspeed", "mindspore", "mindspeed"])
 def test_backends_without_moe_refuse_it_before_launch(tmp_path, capsys, backend):
     line = assert_refused_before_launch(
         ["+model=moe-tiny", f"backend={backend}"], "model.num_local_experts", tmp_path, capsys
     )
     assert f"backend {backend}" in line and "expert parallelism" in line
+
+
+def test_fsdp_with_tensor_parallel_refuses_experts_before_launch(tmp_path, capsys):
+    line = assert_refused_before_launch(
+        ["+model=moe-tiny", "backend=fsdp", "backend.tp=2", "launcher.nproc_per_node=2"], "backend.tp", tmp_path, capsys
+    )
+    assert "experts have no tensor-parallel plan" in line
 
 
 @pytest.mark.full
@@ -436,6 +443,7 @@ def moe_runs(tmp_path_factory) -> dict[str, dict]:
     """moe-tiny on 2 ranks, STEPS steps each: ddp, megatron ep=2 (both token dispatchers) and ep=1 x dp=2."""
     runs = {
         "ddp": ["backend=ddp"],
+        "fsdp": ["backend=fsdp"],
         "ep2": ["backend=megatron", "backend.ep=2"],
         "ep1-dp2": ["backend=megatron"],
         "ep2-allgather": ["backend=megatron", "backend.ep=2", "backend.moe_token_dispatcher=allgather"],
@@ -450,6 +458,22 @@ def moe_runs(tmp_path_factory) -> dict[str, dict]:
         assert proc.returncode == 0, proc.stderr[-4000:]
         (out[label],) = summaries(results).values()
     return out
+
+
+@pytest.mark.full
+def test_fsdp_moe_matches_ddp_and_its_model_state_formula(moe_runs):
+    """FSDP2 shards every expert over both ranks like any parameter: the dense fsdp parity bounds
+    against ddp (step 0 within 1e-6, step 10 within 1e-4 relative), and each rank's params + grads +
+    AdamW moments = 16 bytes x all parameters (experts included) / 2: together the ranks hold every
+    parameter's 16 bytes, and each at most one padding row per parameter more than its half (FSDP2
+    splits dim 0 in equal chunks)."""
+    fs, n = moe_runs["fsdp"], moe_runs["ddp"]["num_params"]
+    assert fs["backend"] == "fsdp" and fs["model_state_expected_bytes"] == 8 * n
+    assert_parity(moe_runs["ddp"], fs, first=1e-6, after_ten=1e-4)
+    one_row_each = 16 * sum(math.prod(shape[1:]) for shape in _preset("moe-tiny").parameter_shapes().values())
+    held = [r["params"] + r["grads"] + r["optimizer"] for r in fs["model_state_per_rank"]]
+    assert len(held) == 2 and sum(held) >= 16 * n, (held, 16 * n)
+    assert all(h <= 8 * n + one_row_each for h in held), (held, 8 * n, one_row_each)
 
 
 @pytest.mark.full
