@@ -693,3 +693,57 @@ def test_emit_bundle_of_a_chosen_row(capsys, tmp_path):
         code == 2 and err.strip() == "bench: error: --row: row 4 is not one of the 3 ranked rows this plan shows (1-3)"
     )
     assert out == "" and not (tmp_path / "c").exists()
+
+
+# 32 layers of 512 tokens x 48 sequences on one CPU rank: megatron-core's local attention keeps the
+# scores, so without recompute the activations need ~50 GiB of the cluster's 11
+DEEP = ["model.num_hidden_layers=32", "data.seq_len=512", "data.global_batch_size=48"]
+
+
+def test_search_turns_to_megatron_recompute_when_memory_demands_it(capsys):
+    args = ["+model=llama", "cluster=cpu", "plan.backends=[megatron]", "plan.devices=1", *DEEP]
+    code, out, err = _plan(capsys, *args, "plan.micro_batch_sizes=[48]", "--format", "json")
+    assert code == 0, err
+    doc = json.loads(out)
+    (row,) = doc["ranked"]  # only full recompute fits: selective keeps 34 sbh per layer, 19.8 GiB
+    assert row["layout"] == "megatron tp1 pp1 recompute dp1 mbs48", row["layout"]
+    assert "backend.recompute_granularity=full" in row["overrides"].split()
+    rejected = {r["layout"]: r for r in doc["rejected"]}
+    assert set(rejected) == {"megatron tp1 pp1 dp1 mbs48", "megatron tp1 pp1 recompute-selective dp1 mbs48"}
+    # full recompute: one more forward of every layer, 3 -> 4 forward passes of the model FLOPs (CPU: FLOPs model)
+    assert row["step_s"] == pytest.approx(rejected["megatron tp1 pp1 dp1 mbs48"]["step_s"] * 4 / 3, rel=1e-9)
+    # a layout that fits without recompute is not offered with it (it would only be slower)
+    code, out, err = _plan(capsys, *args, "plan.micro_batch_sizes=[1]", "--format", "json")
+    assert code == 0, err
+    assert [r["layout"] for r in json.loads(out)["ranked"]] == ["megatron tp1 pp1 dp1 mbs1"]
+
+
+def test_megatron_recompute_memory_and_time_by_hand():
+    # Korthikanti et al. 2022, Table 2 (fp32: x 2), one rank, the CPU's local attention (scores kept)
+    m, s, b, h, a, L, V = 48, 512, 48, 256, 8, 32, 32000
+    jobs = {
+        g: _job("megatron", 1, *DEEP, f"data.micro_batch_size={m}", recompute_granularity=g)
+        for g in (None, "selective", "full")
+    }
+    block = _job("megatron", 1, *DEEP, f"data.micro_batch_size={m}", recompute_granularity="full",
+                 recompute_method="block", recompute_num_layers=8)  # fmt: skip
+    from parabench.plan.cluster import load
+    from parabench.plan.estimate import Calibration, estimate
+
+    cpu = load("cpu")
+    est = {g: estimate(j, cpu, 1.0, Calibration()) for g, j in {**jobs, "block": block}.items()}
+    logits = 2 * s * b * V * 4
+    layer = s * b * h * (34 + 5 * a * s / h) * 2
+    assert est[None].activations == pytest.approx(L * layer + logits)
+    assert est["selective"].activations == pytest.approx(L * 34 * s * b * h * 2 + logits)
+    assert est["full"].activations == pytest.approx(L * 2 * s * b * h * 2 + layer + logits)
+    # block 8 of 32: 8 layers keep their input only, 24 keep everything
+    assert est["block"].activations == pytest.approx(8 * 2 * s * b * h * 2 + 25 * layer + logits)
+    assert est["full"].compute_s == pytest.approx(est[None].compute_s * 4 / 3)
+    assert est["block"].compute_s == pytest.approx(est[None].compute_s * (1 + 8 / 32 / 3))
+    # selective: the attention core's forward once more, 4 L s (heads x head_dim) FLOPs per token (the
+    # forward third of PaLM's 12 L H Q T), against the model's FLOPs per token
+    from parabench.flops import flops_per_token
+
+    extra = 4 * L * s * h / flops_per_token(jobs[None].model, s)
+    assert est["selective"].compute_s == pytest.approx(est[None].compute_s * (1 + extra))

@@ -198,11 +198,14 @@ class Estimate:
         return self.bubble_s / self.step_s
 
 
-def activation_bytes(job: JobSpec, recompute: str, fused_attention: bool = False, vocab_parallel: bool = True) -> float:
+def activation_bytes(
+    job: JobSpec, recompute: str, fused_attention: bool = False, vocab_parallel: bool = True, recomputed: float = 1.0
+) -> float:
     """Activations a device holds at its peak (Korthikanti et al. 2022, Table 2, for 2-byte
     activations; fp32 doubles them) plus the fp32 logits and their gradient of the last stage
     (split over tp when lm_head is: ``vocab_parallel``).
-    ``recompute``: none | selective | full (docs/sources.md#activation-memory)."""
+    ``recompute``: none | selective | full (docs/sources.md#activation-memory); ``recomputed``: the
+    share of the layers full recompute covers (the others keep all their activations)."""
     m, d, o = job.model, job.data, job.backend.options
     s, b, h, a = d.seq_len, d.micro_batch_size, m.hidden_size, m.num_attention_heads
     t, p = getattr(o, "tp", 1), getattr(o, "pp", 1)
@@ -215,7 +218,7 @@ def activation_bytes(job: JobSpec, recompute: str, fused_attention: bool = False
     width = (4 if job.run.precision == "fp32" else 2) / 2
     layers = m.num_hidden_layers / p
     if recompute == "full":  # layer inputs kept; one layer's activations live during its recompute
-        stored = 2 * s * b * h * layers + per_layer
+        stored = 2 * s * b * h * layers * recomputed + per_layer * (layers * (1 - recomputed) + 1)
     else:
         stored = per_layer * layers
     in_flight = min(p, job.grad_accum)
@@ -251,10 +254,12 @@ def estimate(
     features = features or Features()
     states = prof.states(job)
     recompute = features.recompute or prof.recompute(job)
+    recomputed = 1.0 if features.recompute else prof.recomputed_layers(job)
     kind, layout = cluster.device_kind, prof.layout(job)
     acts = activation_bytes(
-        job, "selective" if recompute == "selective_op" else recompute, prof.fused_attention(job), layout.vocab_parallel
-    )
+        job, "selective" if recompute == "selective_op" else recompute, prof.fused_attention(job),
+        layout.vocab_parallel, recomputed,
+    )  # fmt: skip
     buffers = prof.buffers(job)
     overhead = cal.over(job.backend.name, cluster.device_kind)
     # without a host link (the CPU cluster) "offloaded" states stay in the same memory as the rest
@@ -262,7 +267,7 @@ def estimate(
     device = states.total - host + acts + buffers + overhead
     fpt = flops_per_token(job.model, job.data.seq_len)
     threads = (threads or threads_of(cluster)) if kind == "cpu" else None
-    compute, compute_model = _compute_s(job, layout, cluster, peak_tflops, cal, threads, recompute)
+    compute, compute_model = _compute_s(job, layout, cluster, peak_tflops, cal, threads, recompute, recomputed)
     framework = cal.per_micro_batch(job.backend.name, kind, threads, layout_key(layout)) * model_passes(job)
     comm = step_comm(
         job.model,
@@ -304,26 +309,39 @@ def estimate(
 
 def _compute_s(
     job: JobSpec, layout: Layout, cluster: Cluster, peak_tflops: float | None, cal: Calibration,
-    threads: int | None, recompute: str,
+    threads: int | None, recompute: str, recomputed: float = 1.0,
 ) -> tuple[float, str]:  # fmt: skip
     """(seconds of compute per step, the model used). A device kind with a GEMM efficiency curve
     (``gemms.CURVES``) and no efficiency of its own from recorded runs: the step's GEMMs at their
     shapes' efficiency (docs/plan.md#compute-from-gemm-shapes); otherwise (the CPU) the model FLOPs
-    at one calibrated efficiency, x 4/3 with full recomputation (one more forward)."""
+    at one calibrated efficiency. Full recomputation runs the recomputed layers' forward once more
+    (3 -> 4 forward passes: Narayanan et al. 2021, Eq. 3, docs/sources.md#megatron-activation-recompute),
+    selective the attention core's (QK^T and x V: PaLM's attention term's forward third)."""
     if not peak_tflops:
         return float("nan"), "flops"
     kind, name = cluster.device_kind, job.backend.name
     if kind in CURVES and not cal.calibrated(name, kind):
         shape = (job.model, job.data.seq_len, job.data.micro_batch_size, layout.tp, layout.cp, layout.vocab_parallel)
-        share = recompute_share(job.model, recompute)
+        share = recompute_share(job.model, recompute) * recomputed
         seconds = step_compute_s(
             forward_gemms(*shape), job.grad_accum, layout.pp, peak_tflops * 1e12, cal.curve(kind), share,
-            elementwise_elements(*shape),
+            elementwise_elements(*shape), attention_recompute=float(recompute == "selective"),
         )  # fmt: skip
         return seconds, "gemm-shapes"
-    flops = flops_per_token(job.model, job.data.seq_len) * job.tokens_per_step / job.parallel.world_size
+    fpt = flops_per_token(job.model, job.data.seq_len)
+    flops = fpt * job.tokens_per_step / job.parallel.world_size
     if recompute == "full":
-        flops *= 4 / 3
+        flops *= 1 + recomputed / 3
+    if recompute == "selective":  # PaLM's 12 L H Q T is forward + backward: the forward is a third
+        m = job.model
+        flops += (
+            4
+            * m.num_hidden_layers
+            * m.num_attention_heads
+            * m.head_dim
+            * job.data.seq_len
+            * (job.tokens_per_step / job.parallel.world_size)
+        )
     eff = cal.eff(name, kind, threads, layout_key(layout))
     return flops / (peak_tflops * 1e12 * eff), "flops"
 

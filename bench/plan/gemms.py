@@ -159,15 +159,17 @@ def elementwise_elements(
 
 def step_compute_s(
     gemms: list[Gemm], micro_batches: float, pp: int, peak_flops: float, curve: Curve, recompute: float,
-    elements: float = 0.0,
+    elements: float = 0.0, attention_recompute: float = 0.0,
 ) -> float:  # fmt: skip
     """Seconds of work a device does per step: forward + backward (3 x the forward GEMMs; the fused
     attention's backward 2.5 x its forward, FlashAttention-2 sec. 4.1) + the recomputed share of the
-    forward, the softmax's exponentials (one per score in the forward, one in the backward's
-    recomputation) at the special-function rate peak / ``sfu_ratio``, plus beta x the memory-bound
-    ``elements``, over its 1 / pp of the model, for every micro-batch."""
+    forward (and ``attention_recompute`` x the attention core's: Megatron's selective recompute), the
+    softmax's exponentials (one per score in the forward, one in the backward's recomputation) at the
+    special-function rate peak / ``sfu_ratio``, plus beta x the memory-bound ``elements``, over its
+    1 / pp of the model, for every micro-batch."""
     forward = sum(g.flops / (peak_flops * _eff(g, curve)) for g in gemms)
     attention = sum(g.flops / (peak_flops * _eff(g, curve)) for g in gemms if g.what.startswith("attention"))
     softmax = sum(g.scores for g in gemms) * curve.sfu_ratio / peak_flops
-    work = forward * (3.0 + recompute) + attention * (FLASH_BACKWARD - 2.0) + softmax * (2.0 + recompute)
+    work = forward * (3.0 + recompute) + attention * (FLASH_BACKWARD - 2.0 + attention_recompute)
+    work += softmax * (2.0 + recompute + attention_recompute)
     return (work + curve.beta * elements) * micro_batches / pp

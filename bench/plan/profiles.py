@@ -83,7 +83,7 @@ class Profile:
     states: Callable[[JobSpec], States]
     buffers: Callable[[JobSpec], float]  # bytes of communication buffers beside the model states
     overlap: Callable[[JobSpec], float]  # share of data-parallel communication hidden behind backward
-    recompute: Callable[[JobSpec], str]  # none | full
+    recompute: Callable[[JobSpec], str]  # none | selective | full
     # attention through a fused kernel (SDPA, Transformer Engine, npu_fusion_attention): the
     # s x s scores are recomputed in the backward, not stored (Korthikanti's 5as/h term drops)
     fused_attention: Callable[[JobSpec], bool] = lambda job: True
@@ -95,6 +95,11 @@ class Profile:
     param_overlap: Callable[[JobSpec], float] = lambda job: 0.0
     # share of the pipeline send/recv hidden behind compute
     pp_overlap: Callable[[JobSpec], float] = lambda job: 0.0
+    # with full recompute: the share of the decoder layers recomputed (Megatron's block method: fewer)
+    recomputed_layers: Callable[[JobSpec], float] = lambda job: 1.0
+    # backend options the search adds to a layout that does not fit without them, cheapest first
+    # (options the layouts above do not enumerate themselves: Megatron's recompute_granularity)
+    recompute_options: tuple[dict[str, Any], ...] = ()
 
     def widths(self, job: JobSpec) -> Widths:
         return Widths.for_precision(job.run.precision, self.grad_fp32(job))
@@ -402,6 +407,21 @@ def _mg_pp_overlap(job: JobSpec) -> float:
     return float(job.backend.options.vpp > 1 and job.device.type != "cpu")
 
 
+def _mg_recompute(job: JobSpec) -> str:
+    """backend.recompute_granularity (adapters/megatron.py): none | selective | full."""
+    return job.backend.options.recompute_granularity or "none"
+
+
+def _mg_recomputed_layers(job: JobSpec) -> float:
+    """Full recompute's share of a model chunk's layers: all (uniform), or the first
+    recompute_num_layers of each chunk (block; transformer_block.py ``_checkpointed_forward``)."""
+    o = job.backend.options
+    if o.recompute_granularity != "full" or o.recompute_method != "block":
+        return 1.0
+    per_chunk = job.model.num_hidden_layers // (o.pp * o.vpp)
+    return min(o.recompute_num_layers or 1, per_chunk) / per_chunk
+
+
 def _mg_layout(job: JobSpec) -> Layout:
     o, par = job.backend.options, job.parallel
     return Layout(
@@ -412,6 +432,9 @@ def _mg_layout(job: JobSpec) -> Layout:
         cp=o.cp,
         sequence_parallel=o.sequence_parallel,
         sharding="distributed_optimizer" if o.distributed_optimizer else "none",
+        # megatron-core's tensor_parallel.checkpoint is reentrant: the whole layer forward, its TP
+        # collectives included, runs again
+        recompute=_mg_recompute(job),  # type: ignore[arg-type]
     )
 
 
@@ -480,10 +503,13 @@ PROFILES: dict[str, Profile] = {
         _mg_states,
         _mg_buffers,
         lambda j: float(j.backend.options.overlap_grad_reduce),
-        lambda j: "none",
+        _mg_recompute,
         lambda j: j.device.type != "cpu",  # megatron-core's local attention (CPU) keeps the scores
         param_overlap=_mg_param_overlap,
         pp_overlap=_mg_pp_overlap,
+        recomputed_layers=_mg_recomputed_layers,
+        # selective (the attention core again) costs less than full (the whole forward again)
+        recompute_options=({"recompute_granularity": "selective"}, {"recompute_granularity": "full"}),
     ),
     "mindspore": Profile(
         _no_options, _dp_layout(lambda j: "none"), lambda j: True, _replicated, lambda j: 0.0, lambda j: 1.0, _ac

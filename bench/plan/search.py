@@ -77,23 +77,48 @@ def search(
     cal: Calibration,
     features: Features | None = None,
 ) -> Searched:
-    """``features``: what the stack does beyond the harness's options, for every candidate (published runs)."""
+    """``features``: what the stack does beyond the harness's options, for every candidate (published runs).
+    A layout that does not fit is tried again with each of its profile's ``recompute_options``, cheapest
+    first, until one fits (a layout that fits without recompute is only slower with it)."""
     out = Searched()
     for cfg, overrides in candidates(base, cluster, world, mbs):
-        try:
-            job = prepare(cfg)
-        except UserError as exc:
-            reason = str(exc).split(":", 1)[0]  # the key that refused it
-            out.invalid[reason] = out.invalid.get(reason, 0) + 1
-            out.refusals.setdefault(reason, str(exc))
+        est = _admit(out, cfg, overrides, cluster, peak, cal, features)
+        if est is None or est.fits or (features and features.recompute):
             continue
-        est = estimate(job, cluster, peak, cal, features=features)
-        out.overrides[id(est)] = overrides
-        out.plains[id(est)] = cfg
-        (out.ranked if est.fits else out.unfit).append(est)
+        for extra in PROFILES[est.job.backend.name].recompute_options:
+            variant = copy.deepcopy(cfg)
+            variant["backend"].update(extra)
+            more = [f"backend.{k}={_yaml(v)}" for k, v in extra.items()]
+            again = _admit(out, variant, [overrides[0], *more, *overrides[1:]], cluster, peak, cal, features)
+            if again is None or again.fits:
+                break
     out.ranked.sort(key=lambda e: (-e.tokens_per_s_per_device, e.device_bytes))
     out.unfit.sort(key=lambda e: e.shortfall_bytes)
     return out
+
+
+def _admit(
+    out: Searched,
+    cfg: dict[str, Any],
+    overrides: list[str],
+    cluster: Cluster,
+    peak: float | None,
+    cal: Calibration,
+    features: Features | None,
+) -> Estimate | None:
+    """Validate one candidate as bench run would and estimate it into ``out``; None: refused (counted)."""
+    try:
+        job = prepare(cfg)
+    except UserError as exc:
+        reason = str(exc).split(":", 1)[0]  # the key that refused it
+        out.invalid[reason] = out.invalid.get(reason, 0) + 1
+        out.refusals.setdefault(reason, str(exc))
+        return None
+    est = estimate(job, cluster, peak, cal, features=features)
+    out.overrides[id(est)] = overrides
+    out.plains[id(est)] = cfg
+    (out.ranked if est.fits else out.unfit).append(est)
+    return est
 
 
 def describe(e: Estimate) -> str:
@@ -112,8 +137,10 @@ def describe(e: Estimate) -> str:
             [f"tp{o.tp}"] + ([f"cp{o.cp}"] if o.cp > 1 else []) + [f"pp{o.pp}"] + ([f"v{o.vpp}"] if o.vpp > 1 else [])
         )
         bits += (["sp"] if o.sequence_parallel else []) + (["distopt"] if o.distributed_optimizer else [])
-    if getattr(o, "activation_checkpointing", False):
+    if getattr(o, "activation_checkpointing", False) or getattr(o, "recompute_granularity", None) == "full":
         bits.append("recompute")
+    if getattr(o, "recompute_granularity", None) == "selective":
+        bits.append("recompute-selective")
     bits.append(f"dp{e.job.parallel.dp} mbs{e.job.data.micro_batch_size}")
     return " ".join(bits)
 
