@@ -13,7 +13,14 @@ pytest.importorskip("megatron.core")
 
 from run_matrix import STEPS, assert_parity
 
-from conftest import FAST, assert_refused_before_launch, assert_trains_like_the_canonical_model, bench, summaries
+from conftest import (
+    FAST,
+    TWENTY,
+    assert_refused_before_launch,
+    assert_trains_like_the_canonical_model,
+    bench,
+    summaries,
+)
 
 pytestmark = pytest.mark.megatron
 
@@ -327,3 +334,18 @@ def test_recompute_trains_bitwise_like_no_recompute(label, tmp_path):
     losses, calls = _train_in_process(tmp_path, overrides, module)
     assert losses == plain, (label, losses, plain)
     assert (plain_calls, calls) == (4, 4 + recomputed), (label, plain_calls, calls)
+
+
+@pytest.mark.matrix("ddp", "megatron_tp")
+@pytest.mark.full
+@pytest.mark.parametrize("granularity", ["full", "selective"])
+def test_recompute_with_tp2_matches_ddp(matrix, granularity, tmp_path):
+    """tp2 on 2 gloo ranks with recompute (the recomputed forward repeats its TP all-reduces and uses
+    megatron's RNG tracker): the matrix's geometry, parity with ddp at the matrix's bounds, and losses
+    bitwise equal to the matrix's tp2 run without recompute."""
+    args = [*TWENTY, "backend=megatron/tp", f"backend.recompute_granularity={granularity}", "tracking.enabled=false"]
+    proc = bench(["run", *args], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (summary,) = summaries(tmp_path).values()
+    assert_parity(matrix["ddp"].summary, summary, first=1e-5, after_ten=1e-3)
+    assert summary["losses"] == matrix["megatron_tp"].summary["losses"]
