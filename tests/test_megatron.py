@@ -288,9 +288,9 @@ RECOMPUTE = {
 }
 
 
-def _train_in_process(tmp_path, overrides: list[str], module: str) -> tuple[list[float], float]:
+def _train_in_process(tmp_path, overrides: list[str]) -> tuple[list[float], dict[str, float]]:
     """A world of 1 trains 3 steps, checked against the canonical model (conftest); returns its losses
-    and how often ``module``'s forward ran per micro-batch."""
+    and how often each recomputable module's forward ran per micro-batch."""
     import datetime
 
     import torch.distributed as dist
@@ -307,33 +307,43 @@ def _train_in_process(tmp_path, overrides: list[str], module: str) -> tuple[list
     store = tmp_path / f"store{len(list(tmp_path.iterdir()))}"  # a fresh file store per process group
     timeout = datetime.timedelta(seconds=60)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1, timeout=timeout)
+    calls = {"TransformerLayer": 0, "DotProductAttention": 0}
     try:
         ctx = WorkerContext(job=job, rank=0, world_size=1, local_rank=0, device=DEVICES["cpu"](0), run_dir=tmp_path)
         engine = MegatronAdapter.create_engine(ctx)
         try:
-            calls, losses, step = [], [], engine.train_step
+            losses, step = [], engine.train_step
             for chunk in engine.chunks:
                 for m in chunk.modules():
-                    if type(m).__name__ == module:
-                        m.register_forward_hook(lambda *_: calls.append(1))
+                    if (name := type(m).__name__) in calls:
+                        m.register_forward_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
             engine.train_step = lambda batches: losses.append(step(batches)) or losses[-1]
             assert_trains_like_the_canonical_model(engine, job, steps=3)
         finally:
             engine.close()
     finally:
         dist.destroy_process_group()
-    return [float(x) for x in losses], len(calls) / (3 * job.grad_accum)
+    return [float(x) for x in losses], {k: n / (3 * job.grad_accum) for k, n in calls.items()}
 
 
-@pytest.mark.parametrize("label", sorted(RECOMPUTE))
-def test_recompute_trains_bitwise_like_no_recompute(label, tmp_path):
+@pytest.fixture(scope="module")
+def without_recompute(tmp_path_factory) -> tuple[list[float], dict[str, float]]:
+    return _train_in_process(tmp_path_factory.mktemp("no-recompute"), [])
+
+
+@pytest.mark.parametrize(
+    "label",
+    [pytest.param(k, marks=[] if k in ("full", "selective") else [pytest.mark.full]) for k in sorted(RECOMPUTE)],
+)
+def test_recompute_trains_bitwise_like_no_recompute(label, tmp_path, without_recompute):
     """backend.recompute_*: the losses are the canonical model's (1e-5, as every engine) and bitwise
-    those of the same job without recompute, and the backward really ran the forwards again."""
+    those of the same job without recompute, and the backward really ran the forwards again.
+    (full with uniform 2 and block 1: full tier.)"""
     overrides, module, recomputed = RECOMPUTE[label]
-    plain, plain_calls = _train_in_process(tmp_path, [], module)
-    losses, calls = _train_in_process(tmp_path, overrides, module)
+    plain, plain_calls = without_recompute
+    losses, calls = _train_in_process(tmp_path, overrides)
     assert losses == plain, (label, losses, plain)
-    assert (plain_calls, calls) == (4, 4 + recomputed), (label, plain_calls, calls)
+    assert (plain_calls[module], calls[module]) == (4, 4 + recomputed), (label, plain_calls, calls)
 
 
 @pytest.mark.matrix("ddp", "megatron_tp")
