@@ -231,9 +231,6 @@ def _check_moe(job: JobSpec) -> None:
         raise SpecError(
             "model.num_local_experts", f"MoE on megatron is checked with megatron-core 0.16 only, not {version}"
         )
-    ckpt = job.run.checkpoint
-    if ckpt.every > 0 or ckpt.on_signal or job.run.resume not in ("auto", "never"):
-        raise SpecError("run.checkpoint", "checkpoints of a MoE model on megatron are not checked yet")
 
 
 def recompute_settings(o: MegatronOptions) -> dict[str, Any]:

@@ -15,7 +15,14 @@ import pytest
 import torch
 from run_matrix import STEPS, assert_parity
 
-from conftest import assert_refused_before_launch, assert_trains_like_the_canonical_model, bench, mlflow_runs, summaries
+from conftest import (
+    assert_refused_before_launch,
+    assert_trains_like_the_canonical_model,
+    bench,
+    mlflow_runs,
+    run_ok,
+    summaries,
+)
 from parabench import confutil
 from parabench.errors import SpecError
 from parabench.flops import flops_per_token
@@ -377,7 +384,6 @@ INVALID_MEGATRON_MOE = {
         ["backend.distributed_optimizer=true", "launcher.nproc_per_node=2"],
         "backend.distributed_optimizer",
     ),
-    "checkpoints": (["run.checkpoint.every=5"], "run.checkpoint"),
 }
 
 
@@ -438,6 +444,9 @@ def test_megatron_moe_engine_in_process_matches_the_canonical_model(tmp_path):
         dist.destroy_process_group()
 
 
+MOE_COMMON = ["+model=moe-tiny", "data.seq_len=64", "run.warmup_steps=0", f"run.steps={STEPS}", "optim.lr=1e-3"]
+
+
 @pytest.fixture(scope="module")
 def moe_runs(tmp_path_factory) -> dict[str, dict]:
     """moe-tiny on 2 ranks, STEPS steps each: ddp, megatron ep=2 (both token dispatchers) and ep=1 x dp=2."""
@@ -453,8 +462,7 @@ def moe_runs(tmp_path_factory) -> dict[str, dict]:
         results = tmp_path_factory.mktemp(label)
         # lr 1e-3 (every run alike): at the default 3e-4 moe-tiny's loss fell by 0.07 in 10 steps, under
         # the 0.1 assert_parity asks of a run that trains
-        common = ["+model=moe-tiny", "data.seq_len=64", "run.warmup_steps=0", f"run.steps={STEPS}", "optim.lr=1e-3"]
-        proc = bench(["run", *common, *args, "launcher.nproc_per_node=2", "tracking.enabled=false"], results)
+        proc = bench(["run", *MOE_COMMON, *args, "launcher.nproc_per_node=2", "tracking.enabled=false"], results)
         assert proc.returncode == 0, proc.stderr[-4000:]
         (out[label],) = summaries(results).values()
     return out
@@ -487,3 +495,35 @@ def test_megatron_moe_matches_ddp_and_its_model_state_formula(moe_runs, label):
     assert_parity(moe_runs["ddp"], mg, first=1e-5, after_ten=1e-3)
     for rank in mg["model_state_per_rank"]:
         assert rank["params"] + rank["grads"] + rank["optimizer"] == mg["model_state_expected_bytes"], rank
+
+
+@pytest.mark.full
+def test_megatron_moe_killed_restarted_resumed_bitwise_and_converted_to_ddp(moe_runs, tmp_path):
+    """ep=2: checkpointed every 5 steps, rank 1 killed before step 13 with launcher.max_restarts=1 -
+    one command, restarted, resumed from step 10, all 20 losses equal to the uninterrupted ep=2 run's
+    (megatron-core's expert-parallel sharded state dict). Then step 10, experts and their AdamW
+    moments gathered over the expert ranks, converted to ddp (checksum read back through ddp equal)
+    and continued: from that common state, ddp's losses follow the uninterrupted ep=2 run's within
+    the megatron parity bounds (the first step's within 1e-5, the next nine within 1e-3 relative)."""
+    two = ["backend=megatron", "backend.ep=2", "launcher.nproc_per_node=2", "tracking.enabled=false"]
+    ckpt = tmp_path / "ckpt"
+    fault = ["fault.kind=kill", "fault.rank=1", "fault.step=12", "launcher.max_restarts=1"]
+    saved = ["run.checkpoint.every=5", f"run.checkpoint.dir={ckpt}", "run.checkpoint.keep=0"]
+    resumed = run_ok([*MOE_COMMON, *two, *saved, *fault], tmp_path / "killed")
+    full = moe_runs["ep2"]
+    assert resumed["resumed_step"] == 10 and resumed["restarts"] == 1, resumed
+    assert resumed["losses"] == full["losses"] and resumed["data_checksum"] == full["data_checksum"]
+    out = tmp_path / "ddp"
+    # the target's optimizer settings are the user's to give (a checkpoint's AdamW param groups hold
+    # them, and resuming keeps the checkpoint's): the run's lr
+    proc = bench(["convert", str(ckpt / "step_000010"), "--to", "ddp", "--out", str(out), "optim.lr=1e-3"], tmp_path)
+    assert proc.returncode == 0 and "(match)" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    continued = run_ok(
+        [*MOE_COMMON, "backend=ddp", "launcher.nproc_per_node=2", "tracking.enabled=false", f"run.resume={out}"],
+        tmp_path / "continued",
+    )
+    after = continued["losses"][-10:]
+    assert continued["resumed_step"] == 10 and len(full["losses"]) == STEPS == 20
+    assert abs(after[0] - full["losses"][10]) <= 1e-5 * abs(full["losses"][10]), (after, full["losses"])
+    for got, want in zip(after, full["losses"][10:], strict=True):
+        assert abs(got - want) <= 1e-3 * abs(want), (after, full["losses"][10:])
