@@ -218,6 +218,22 @@ def check_compatible(job: JobSpec, marker: dict[str, Any], path: Path) -> None:
     for key in sorted(support.options if support else ()):
         if saved.get("options", {}).get(key) != here["options"].get(key):
             raise SpecError(f"backend.{key}", f"checkpoint {path} was saved with {key}={saved['options'].get(key)}")
+    _check_optimizer_held(job, marker, path)
+
+
+def _check_optimizer_held(job: JobSpec, marker: dict[str, Any], path: Path) -> None:
+    """The AdamW settings a checkpoint's optimizer state holds (torch's param_groups keep lr, betas, eps
+    and weight_decay, and a resume restores them) must be this job's: else the run would train with
+    the checkpoint's values while recording its own. Markers from before parabench wrote them pass."""
+    saved, here = marker.get("optim"), to_dict(job.optim)
+    for key in OPTIMIZER_HELD if isinstance(saved, dict) else ():
+        old, new = saved.get(key), here[key]
+        if (list(old) if isinstance(old, (list, tuple)) else old) != (list(new) if isinstance(new, tuple) else new):
+            raise SpecError(
+                f"optim.{key}",
+                f"checkpoint {path} holds AdamW's {key}={old} in its optimizer state, which a resume restores, and "
+                f"this job has {new}: give optim.{key}={old} (or convert it with optim.{key}={new})",
+            )
 
 
 def check_support(job: JobSpec) -> None:
@@ -417,6 +433,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
             mod.set_rng_state_all(state[name])
 
 
+# the AdamW settings torch keeps in an optimizer's param_groups, restored with its state on resume
+OPTIMIZER_HELD = ("lr", "betas", "eps", "weight_decay")
+
+
 def write_marker(tmp: Path, step: int, ctx, run_id: str | None, **extra: Any) -> int:
     """Write ``COMPLETE`` into the checkpoint directory ``tmp``, last and fsynced: the step, the time,
     the job identity, the world size, the MLflow run id and the size of every file. Returns the files'
@@ -425,6 +445,8 @@ def write_marker(tmp: Path, step: int, ctx, run_id: str | None, **extra: Any) ->
         str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file() and p != tmp / MARKER
     }
     marker = {"step": step, "time": time.time(), "job": job_identity(ctx.job), "files": files}
+    optim = to_dict(ctx.job.optim)
+    marker["optim"] = {key: optim[key] for key in OPTIMIZER_HELD}
     marker.update(world_size=ctx.world_size, mlflow_run_id=run_id, **extra)
     with open(tmp / MARKER, "w") as f:
         json.dump(marker, f, indent=1)

@@ -204,9 +204,12 @@ def _given(overrides: list[str], key: str) -> bool:
     return any(o.lstrip("+~").split("=", 1)[0] == key for o in overrides)
 
 
-def target_job(name: str, overrides: list[str], identity: dict[str, Any], world_size: int | None) -> JobSpec:
-    """The target job: the source's model and precision, the source's world size unless given, and
-    the layout/options given as ``backend.*`` overrides; validated as bench run validates it."""
+def target_job(
+    name: str, overrides: list[str], identity: dict[str, Any], world_size: int | None, optim: dict | None = None
+) -> JobSpec:
+    """The target job: the source's model and precision, the source's world size unless given, the
+    AdamW settings its optimizer state holds (``optim``, from its marker) unless given, and the
+    layout/options given as ``backend.*`` overrides; validated as bench run validates it."""
     model_overrides = [o for o in overrides if o.lstrip("+~").startswith("model")]
     plain = _plain(name, [o for o in overrides if o not in model_overrides])
     source_model = {"name": identity.get("model_name") or "model", **identity["model"]}
@@ -223,6 +226,7 @@ def target_job(name: str, overrides: list[str], identity: dict[str, Any], world_
         plain["backend"].update({k: v for k, v in identity["options"].items() if not _given(overrides, f"backend.{k}")})
     if not _given(overrides, "run.precision"):
         plain["run"]["precision"] = identity["precision"]
+    plain["optim"].update({k: v for k, v in (optim or {}).items() if not _given(overrides, f"optim.{k}")})
     if not _given(overrides, "launcher.nproc_per_node") and world_size:  # a Hugging Face source has none
         plain["launcher"]["nproc_per_node"] = world_size
     plain["tracking"] = {**plain.get("tracking", {}), "enabled": False}
@@ -336,7 +340,8 @@ def plan(args) -> dict[str, Any]:
             raise SpecError(args.overrides[0].split("=", 1)[0], f"--to {args.to} takes no overrides")
         tjob = None
     else:
-        tjob = target_job(args.to, list(args.overrides), identity, world)
+        held = meta.get("optim") if kind == "native" else None  # the AdamW settings in its param_groups
+        tjob = target_job(args.to, list(args.overrides), identity, world, held)
         _check_convertible(tjob, "target")
     return {
         "kind": kind,

@@ -514,9 +514,8 @@ def test_megatron_moe_killed_restarted_resumed_bitwise_and_converted_to_ddp(moe_
     assert resumed["resumed_step"] == 10 and resumed["restarts"] == 1, resumed
     assert resumed["losses"] == full["losses"] and resumed["data_checksum"] == full["data_checksum"]
     out = tmp_path / "ddp"
-    # the target's optimizer settings are the user's to give (a checkpoint's AdamW param groups hold
-    # them, and resuming keeps the checkpoint's): the run's lr
-    proc = bench(["convert", str(ckpt / "step_000010"), "--to", "ddp", "--out", str(out), "optim.lr=1e-3"], tmp_path)
+    # the target's AdamW settings are the source's (its marker's optim.lr=1e-3, carried by bench convert)
+    proc = bench(["convert", str(ckpt / "step_000010"), "--to", "ddp", "--out", str(out)], tmp_path)
     assert proc.returncode == 0 and "(match)" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     continued = run_ok(
         [*MOE_COMMON, "backend=ddp", "launcher.nproc_per_node=2", "tracking.enabled=false", f"run.resume={out}"],

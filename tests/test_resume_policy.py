@@ -170,3 +170,28 @@ def test_an_explicit_resume_path_wins_over_an_earlier_runs_checkpoints_in_the_jo
     assert resume_source(job, run_dir) == mine
     auto = job_of(f"run.checkpoint.dir={folder}", "run.resume=auto", "run.steps=20")
     assert plan_resume(auto, warn=warned.append) == folder / "step_000015" and len(warned) == 1
+
+
+def test_a_checkpoint_holding_other_adamw_settings_is_refused_and_conversion_carries_them(tmp_path, capsys):
+    """A checkpoint's optimizer state holds AdamW's lr, betas, eps and weight decay (torch's
+    param_groups), which a resume restores: a job asking for other values would train with the
+    checkpoint's while recording its own. Refused in one line naming the key; the same values resume.
+    bench convert gives its target the source's values unless the user names others."""
+    from parabench.checkpoint import check_compatible, job_identity
+    from parabench.convert import target_job
+
+    ck = tmp_path / "ck"
+    path = fake_checkpoint(ck, 5, job_of())
+    marker = json.loads((path / "COMPLETE").read_text())
+    marker["optim"] = {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
+    (path / "COMPLETE").write_text(json.dumps(marker))
+    line = assert_refused_before_launch(
+        ["+model=llama", "run.warmup_steps=0", "run.steps=10", f"run.resume={path}"], "optim.lr", tmp_path, capsys
+    )
+    assert "holds AdamW's lr=0.001" in line and "give optim.lr=0.001" in line, line
+    check_compatible(job_of("optim.lr=1e-3"), marker, path)  # the same values: accepted
+    with pytest.raises(Exception, match="optim.betas"):
+        check_compatible(job_of("optim.lr=1e-3", "optim.betas=[0.9,0.999]"), marker, path)
+    identity = job_identity(job_of())
+    assert target_job("ddp", [], identity, 1, marker["optim"]).optim.lr == 1e-3
+    assert target_job("ddp", ["optim.lr=5e-4"], identity, 1, marker["optim"]).optim.lr == 5e-4

@@ -78,12 +78,15 @@ def test_a_dcp_metadata_file_with_a_payload_is_refused_unread(tmp_path, capsys):
     """Megatron-LM args that pass every check, and a ``.metadata`` that torch's FileSystemReader
     would ``pickle.load``."""
     pytest.importorskip("megatron.core")
+    import megatron.core.distributed  # noqa: F401 (its import-time log lines land here, not in the refusal's stderr)
+
     from tests.mcore_native_train import megatron_lm_args
 
     marker, out = tmp_path / "ran", tmp_path / "out"
     common = {"args": megatron_lm_args(3, 1, 1, False, None), "checkpoint_version": 3.0, "iteration": 3}
     iteration = _megatron_dir(tmp_path / "ckpt", common)
     (iteration / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    capsys.readouterr()
     _refused([str(iteration.parent), "--to", "ddp", "--out", str(out)], "builtins.exec", out, capsys)
     assert not marker.exists()
 
