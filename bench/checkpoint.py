@@ -389,7 +389,8 @@ def _free(path: Path) -> str:
         return ""
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """A directory's entries (a rename, a new file) made durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -524,9 +525,9 @@ class Checkpointer:
         if final.exists():  # the same step saved again (a resume from an older checkpoint):
             shutil.rmtree(aside, ignore_errors=True)  # moved aside, deleted once the new one is visible
             os.rename(final, aside)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         os.rename(tmp, final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         shutil.rmtree(aside, ignore_errors=True)
         self._prune()
         return total

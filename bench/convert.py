@@ -31,6 +31,7 @@ from parabench.checkpoint import (
     MODEL_IGNORED,
     TMP,
     CheckpointError,
+    fsync_dir,
     job_identity,
     newest_complete,
     read_marker,
@@ -477,20 +478,12 @@ def import_verified(job: JobSpec, canon: Path, out: Path, expected: str) -> dict
             result["checkpoint_bytes"] = write_marker(staging, int(result["step"]), ctx, None, converted=True)
             final = staging.with_name(staging.name.removesuffix(TMP))
             os.rename(staging, final)
-            _fsync_dir(out)
+            fsync_dir(out)
             result["checkpoint"] = str(final)
     finally:
         for leftover in out.glob(f"step_*{TMP}"):
             shutil.rmtree(leftover, ignore_errors=True)
     return result
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _hf_checksums(out: Path, canon: Path, step: int) -> dict[str, Any]:
