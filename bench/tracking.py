@@ -600,7 +600,6 @@ def sync_main(argv: list[str]) -> int:
         return 0
     rc = 0
     store = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_store_uri(str(args.results_dir))
-    store = trackstore.credentials_to_env(store, os.environ)  # a login in it: MLflow's variables, never printed
     for run_dir in dirs:  # one line each; a failed one is left for the next sync
         try:
             print(sync(run_dir, store, named=args.tracking_uri is not None))

@@ -161,17 +161,15 @@ def test_plan_calibration_from_a_server_holds_no_uri_password(tmp_path, capsys, 
     assert PASSWORD not in err and mlflow_env["MLFLOW_TRACKING_PASSWORD"] == PASSWORD
 
 
-def test_convert_keeps_a_login_in_tracking_uri_out_of_everything_it_writes(tmp_path, monkeypatch, capfd):
+def test_convert_keeps_a_login_in_tracking_uri_out_of_everything_it_writes(tmp_path, monkeypatch, capfd, mlflow_env):
     """``bench convert --tracking-uri http://user:pw@host`` (a server that does not answer: the record
     is spooled in --out): the password is in no file of --out and no output; it went to MLflow's
     variable."""
-    import os
     import socket
 
     from parabench.cli import main
     from tests.test_convert import _tiny_hf
 
-    monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)
     with socket.socket() as sock:  # a loopback port nothing listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -185,4 +183,4 @@ def test_convert_keeps_a_login_in_tracking_uri_out_of_everything_it_writes(tmp_p
     assert password not in printed.out + printed.err
     leaked = [p for p in out.rglob("*") if p.is_file() and password.encode() in p.read_bytes()]
     assert not leaked and (out / "tracking").is_dir(), leaked
-    assert os.environ["MLFLOW_TRACKING_PASSWORD"] == password
+    assert mlflow_env["MLFLOW_TRACKING_PASSWORD"] == password
