@@ -225,15 +225,21 @@ def _check_optimizer_held(job: JobSpec, marker: dict[str, Any], path: Path) -> N
     """The AdamW settings a checkpoint's optimizer state holds (torch's param_groups keep lr, betas, eps
     and weight_decay, and a resume restores them) must be this job's: else the run would train with
     the checkpoint's values while recording its own. Markers from before parabench wrote them pass."""
-    saved, here = marker.get("optim"), to_dict(job.optim)
+    saved, here = marker.get("optim"), optimizer_held(job)
     for key in OPTIMIZER_HELD if isinstance(saved, dict) else ():
-        old, new = saved.get(key), here[key]
-        if (list(old) if isinstance(old, (list, tuple)) else old) != (list(new) if isinstance(new, tuple) else new):
+        if saved.get(key) != here[key]:
             raise SpecError(
                 f"optim.{key}",
-                f"checkpoint {path} holds AdamW's {key}={old} in its optimizer state, which a resume restores, and "
-                f"this job has {new}: give optim.{key}={old} (or convert it with optim.{key}={new})",
+                f"checkpoint {path} holds AdamW's {key}={saved.get(key)} in its optimizer state, which a resume "
+                f"restores, and this job has {here[key]}: give optim.{key}={saved.get(key)} (or convert it with "
+                f"optim.{key}={here[key]})",
             )
+
+
+def optimizer_held(job: JobSpec) -> dict[str, Any]:
+    """:data:`OPTIMIZER_HELD` of the job, as its marker records them (JSON: betas a list)."""
+    optim = to_dict(job.optim)
+    return json.loads(json.dumps({key: optim[key] for key in OPTIMIZER_HELD}))
 
 
 def check_support(job: JobSpec) -> None:
@@ -446,8 +452,7 @@ def write_marker(tmp: Path, step: int, ctx, run_id: str | None, **extra: Any) ->
         str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file() and p != tmp / MARKER
     }
     marker = {"step": step, "time": time.time(), "job": job_identity(ctx.job), "files": files}
-    optim = to_dict(ctx.job.optim)
-    marker["optim"] = {key: optim[key] for key in OPTIMIZER_HELD}
+    marker["optim"] = optimizer_held(ctx.job)
     marker.update(world_size=ctx.world_size, mlflow_run_id=run_id, **extra)
     with open(tmp / MARKER, "w") as f:
         json.dump(marker, f, indent=1)
