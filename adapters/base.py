@@ -211,6 +211,13 @@ class Engine(ABC):
 
         return dist.get_rank(), dist.get_world_size()
 
+    def tokens_per_expert(self) -> list[list[int]] | None:
+        """Collective, after each step: the (token, slot) assignments the router made to each expert of
+        each MoE layer during that step, [layer][expert], summed over the ranks that routed distinct
+        tokens so every token of the global batch counts once (parabench.expertload); None for a
+        dense model or a backend that does not count them."""
+        return None
+
     def extra_metrics(self) -> dict[str, float]:
         """Backend-specific per-rank numbers (e.g. a measured pipeline bubble)."""
         return {}

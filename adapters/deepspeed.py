@@ -46,7 +46,7 @@ from parabench.adapters.base import (
     StateFormula,
     WorkerContext,
 )
-from parabench.canonical import MOMENTS, CanonicalState
+from parabench.canonical import MOMENTS, CanonicalState, Lazy
 from parabench.devices import ProbeFailed, resolve, run_probe
 from parabench.errors import SpecError
 from parabench.metrics import held_bytes, optimizer_state_tensors
@@ -492,19 +492,20 @@ class DeepSpeedEngine(Engine):
     def full_state_dict(self):
         """Full fp32 weights: the fp32 masters where DeepSpeed keeps them (gathered from the ZeRO
         partitions, a collective), else the parameters themselves (stage 0, fp32)."""
+        return {name: self._full_weight(p) for name, p in zip(self.names, self.params)}
+
+    def _full_weight(self, p):
+        """One parameter's full fp32 weight (collective under ZeRO: every rank calls it)."""
         from deepspeed.utils import safe_get_full_fp32_param
 
-        out = {}
-        for name, p in zip(self.names, self.params):
-            if hasattr(p, "ds_id"):
-                full = safe_get_full_fp32_param(p)  # an all-gather of the stage-3 partitions
-            elif hasattr(p, "_hp_mapping"):
-                full = _gather_hp_fragments(p)  # collective: every rank calls it, fragment or not
-            else:
-                full = self._master_for(p)
-                full = p if full is None else full
-            out[name] = full.detach().float().cpu().reshape(p.ds_shape if hasattr(p, "ds_shape") else p.shape).clone()
-        return out
+        if hasattr(p, "ds_id"):
+            full = safe_get_full_fp32_param(p)  # an all-gather of the stage-3 partitions
+        elif hasattr(p, "_hp_mapping"):
+            full = _gather_hp_fragments(p)  # collective: every rank calls it, fragment or not
+        else:
+            full = self._master_for(p)
+            full = p if full is None else full
+        return full.detach().float().cpu().reshape(_full_shape(p)).clone()
 
     # -- checkpoints ------------------------------------------------------------------------
     def save_checkpoint(self, directory: Path, *, async_save: bool = False) -> None:
@@ -542,13 +543,16 @@ class DeepSpeedEngine(Engine):
         else:  # no ZeRO: the client AdamW's own state, on the fp32 master where there is one
             master = self._master_for(p)
             full = self._basic_optimizer().state[p if master is None else master][key]
-        return full.detach().float().cpu().reshape(p.ds_shape if hasattr(p, "ds_shape") else p.shape).clone()
+        return full.detach().float().cpu().reshape(_full_shape(p)).clone()
 
     def export_canonical(self):
-
+        """One parameter's weight or moment at a time, gathered when canonical.write (or checksum)
+        reaches it, in the same order on every rank: a conversion holds one full tensor, not the model."""
         self._link_optimizer_fragments()
-        weights = self.full_state_dict()
-        moments = {k: {n: self._full_moment(p, k) for n, p in zip(self.names, self.params)} for k in MOMENTS}
+        params = dict(zip(self.names, self.params))
+        shapes = {n: tuple(_full_shape(p)) for n, p in params.items()}
+        weights = Lazy(shapes, lambda n: self._full_weight(params[n]))
+        moments = {k: Lazy(shapes, lambda n, k=k: self._full_moment(params[n], k)) for k in MOMENTS}
         steps = {float(s["step"]) for s in self._basic_optimizer().state.values() if "step" in s}
         if len(steps) > 1:
             raise RuntimeError(f"AdamW step counts differ between parameter groups: {sorted(steps)}")
@@ -754,6 +758,11 @@ def _gather_hp_fragments(param, optim_state_key: str | None = None):
         buf.narrow(0, address.start, address.numel).copy_(fragment)
     dist.all_reduce(buf, group=param._dp_group)
     return buf.view(torch.float32).view(param.shape)
+
+
+def _full_shape(p):
+    """A parameter's full shape (ZeRO-3 keeps it in ``ds_shape``; the tensor itself is empty)."""
+    return p.ds_shape if hasattr(p, "ds_shape") else p.shape
 
 
 def _tensors(value, depth: int = 0):

@@ -79,9 +79,10 @@ from parabench.adapters.megatron_compat import (
     patch_fp8_fallback,
     saved_distopt_format,
 )
-from parabench.canonical import MOMENTS, CanonicalState
+from parabench.canonical import MOMENTS, CanonicalState, Lazy, view
 from parabench.devices import package_version
 from parabench.errors import SpecError
+from parabench.expertload import RoutedTokens
 from parabench.metrics import held_bytes, optimizer_state_tensors
 from parabench.redirect import install
 from parabench.spec import JobSpec, ModelSpec, ParallelDims
@@ -192,6 +193,13 @@ def _moe_unchecked(o: MegatronOptions) -> list[tuple[str, bool, str]]:
             o.distributed_optimizer,
             "its expert-data-parallel sharding is not checked with MoE yet",
         ),
+        (
+            "backend.recompute_granularity",
+            o.recompute_granularity == "full",
+            "full recompute runs each layer's first forward without gradients, so the router logits the "
+            "load-balancing loss over all layers is computed from carry none (its gradient would be lost; "
+            "measured: step 1's loss off the canonical model's by 2.4e-5): use selective or null",
+        ),
     ]
 
 
@@ -284,6 +292,98 @@ def _check_distopt_checkpoint(job: JobSpec) -> None:
             raise SpecError("backend.distributed_optimizer", blocker)
 
 
+def _check_tensor_split(job: JobSpec) -> None:
+    """Every tensor-parallel split divides: heads, key/value heads, MLP rows, vocabulary."""
+    o, m = job.backend.options, job.model
+    if m.num_attention_heads % o.tp:
+        raise SpecError(
+            "backend.tp", f"model.num_attention_heads={m.num_attention_heads} is not divisible by tp={o.tp}"
+        )
+    qkv_rows = (m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim
+    if qkv_rows % o.tp or (o.tp % m.num_key_value_heads and m.num_key_value_heads % o.tp):
+        raise SpecError(
+            "backend.tp",
+            f"{m.num_key_value_heads} key/value heads cannot be split over tp={o.tp} (one must divide the other)",
+        )
+    for key, value in (("intermediate_size", m.intermediate_size), ("vocab_size", m.vocab_size)):
+        if value % o.tp:
+            raise SpecError("backend.tp", f"model.{key}={value} is not divisible by tp={o.tp}")
+
+
+def _check_pipeline(job: JobSpec) -> None:
+    """Pipeline stages and their virtual (interleaved) chunks hold whole, equal numbers of layers."""
+    o, m = job.backend.options, job.model
+    if o.vpp > 1 and o.pp == 1:
+        raise SpecError("backend.vpp", f"interleaving (vpp={o.vpp}) needs pipeline parallelism (pp >= 2)")
+    if m.num_hidden_layers % (o.pp * o.vpp):
+        key = "backend.vpp" if o.vpp > 1 else "backend.pp"
+        raise SpecError(
+            key,
+            f"model.num_hidden_layers={m.num_hidden_layers} is not divisible by pp x vpp = "
+            f"{o.pp} x {o.vpp} (every virtual stage needs the same number of layers)",
+        )
+
+
+def _check_sequence_and_context(job: JobSpec) -> None:
+    """Sequence parallelism shards over tp; context parallelism needs Transformer Engine on CUDA."""
+    o = job.backend.options
+    if o.sequence_parallel and o.tp == 1:
+        raise SpecError(
+            "backend.sequence_parallel", "sequence parallelism shards along the tensor-parallel group: needs tp > 1"
+        )
+    if o.sequence_parallel and job.data.seq_len % o.tp:
+        raise SpecError("backend.sequence_parallel", f"data.seq_len={job.data.seq_len} is not divisible by tp={o.tp}")
+    if o.cp > 1:
+        if job.device.type != "cuda":
+            raise SpecError(
+                "backend.cp",
+                f"context parallelism needs Transformer Engine attention (CUDA); megatron-core's "
+                f"local attention asserts context_parallel_size == 1 (device={job.device.type})",
+            )
+        if o.transformer_impl == "local":
+            raise SpecError("backend.cp", "context parallelism needs transformer_impl=transformer_engine or auto")
+        if job.data.seq_len % (2 * o.cp):
+            raise SpecError("backend.cp", f"data.seq_len={job.data.seq_len} is not divisible by 2 x cp = {2 * o.cp}")
+
+
+def _check_engine_options(job: JobSpec) -> None:
+    """Transformer Engine, the overlapped param gather, tied embeddings across stages, buckets."""
+    o, m = job.backend.options, job.model
+    if o.transformer_impl == "transformer_engine" and job.device.type != "cuda":
+        raise SpecError("backend.transformer_impl", f"Transformer Engine runs on CUDA only (device={job.device.type})")
+    if o.overlap_param_gather and not o.distributed_optimizer:
+        raise SpecError(
+            "backend.overlap_param_gather",
+            "overlapping the param all-gather needs backend.distributed_optimizer=true",
+        )
+    if m.tie_word_embeddings and o.pp > 1:
+        raise SpecError(
+            "model.tie_word_embeddings", "tied embeddings across pipeline stages are not mapped; use pp=1 or untied"
+        )
+    if o.bucket_size < 0:
+        raise SpecError("backend.bucket_size", f"must be >= 0 (0 = default), got {o.bucket_size}")
+
+
+def _check_micro_batches(job: JobSpec) -> None:
+    """An explicit micro-batch count matches the batch; the interleaved schedule needs a multiple of pp."""
+    o = job.backend.options
+    m_batches = job.grad_accum
+    if o.num_microbatches and o.num_microbatches != m_batches:
+        need = o.num_microbatches * job.data.micro_batch_size * job.parallel.dp
+        raise SpecError(
+            "backend.num_microbatches",
+            f"{o.num_microbatches} micro-batches per step need data.global_batch_size="
+            f"{need} (= num_microbatches x micro_batch_size x dp = {o.num_microbatches} x "
+            f"{job.data.micro_batch_size} x {job.parallel.dp}); it gives {m_batches}",
+        )
+    if o.vpp > 1 and m_batches % o.pp:
+        raise SpecError(
+            "backend.vpp",
+            f"the interleaved schedule needs micro-batches per step ({m_batches}) to be a multiple "
+            f"of pp={o.pp}: raise data.global_batch_size",
+        )
+
+
 class MegatronAdapter(Adapter):
     name = "megatron"
     capabilities = Capabilities(
@@ -342,80 +442,11 @@ class MegatronAdapter(Adapter):
 
     @classmethod
     def validate(cls, job: JobSpec) -> None:
-        o, m = job.backend.options, job.model
-        if m.num_attention_heads % o.tp:
-            raise SpecError(
-                "backend.tp", f"model.num_attention_heads={m.num_attention_heads} is not divisible by tp={o.tp}"
-            )
-        qkv_rows = (m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim
-        if qkv_rows % o.tp or (o.tp % m.num_key_value_heads and m.num_key_value_heads % o.tp):
-            raise SpecError(
-                "backend.tp",
-                f"{m.num_key_value_heads} key/value heads cannot be split over tp={o.tp} (one must divide the other)",
-            )
-        for key, value in (("intermediate_size", m.intermediate_size), ("vocab_size", m.vocab_size)):
-            if value % o.tp:
-                raise SpecError("backend.tp", f"model.{key}={value} is not divisible by tp={o.tp}")
-        if o.vpp > 1 and o.pp == 1:
-            raise SpecError("backend.vpp", f"interleaving (vpp={o.vpp}) needs pipeline parallelism (pp >= 2)")
-        if m.num_hidden_layers % (o.pp * o.vpp):
-            key = "backend.vpp" if o.vpp > 1 else "backend.pp"
-            raise SpecError(
-                key,
-                f"model.num_hidden_layers={m.num_hidden_layers} is not divisible by pp x vpp = "
-                f"{o.pp} x {o.vpp} (every virtual stage needs the same number of layers)",
-            )
-        if o.sequence_parallel and o.tp == 1:
-            raise SpecError(
-                "backend.sequence_parallel", "sequence parallelism shards along the tensor-parallel group: needs tp > 1"
-            )
-        if o.sequence_parallel and job.data.seq_len % o.tp:
-            raise SpecError(
-                "backend.sequence_parallel", f"data.seq_len={job.data.seq_len} is not divisible by tp={o.tp}"
-            )
-        if o.cp > 1:
-            if job.device.type != "cuda":
-                raise SpecError(
-                    "backend.cp",
-                    f"context parallelism needs Transformer Engine attention (CUDA); megatron-core's "
-                    f"local attention asserts context_parallel_size == 1 (device={job.device.type})",
-                )
-            if o.transformer_impl == "local":
-                raise SpecError("backend.cp", "context parallelism needs transformer_impl=transformer_engine or auto")
-            if job.data.seq_len % (2 * o.cp):
-                raise SpecError(
-                    "backend.cp", f"data.seq_len={job.data.seq_len} is not divisible by 2 x cp = {2 * o.cp}"
-                )
-        if o.transformer_impl == "transformer_engine" and job.device.type != "cuda":
-            raise SpecError(
-                "backend.transformer_impl", f"Transformer Engine runs on CUDA only (device={job.device.type})"
-            )
-        if o.overlap_param_gather and not o.distributed_optimizer:
-            raise SpecError(
-                "backend.overlap_param_gather",
-                "overlapping the param all-gather needs backend.distributed_optimizer=true",
-            )
-        if m.tie_word_embeddings and o.pp > 1:
-            raise SpecError(
-                "model.tie_word_embeddings", "tied embeddings across pipeline stages are not mapped; use pp=1 or untied"
-            )
-        if o.bucket_size < 0:
-            raise SpecError("backend.bucket_size", f"must be >= 0 (0 = default), got {o.bucket_size}")
-        m_batches = job.grad_accum
-        if o.num_microbatches and o.num_microbatches != m_batches:
-            need = o.num_microbatches * job.data.micro_batch_size * job.parallel.dp
-            raise SpecError(
-                "backend.num_microbatches",
-                f"{o.num_microbatches} micro-batches per step need data.global_batch_size="
-                f"{need} (= num_microbatches x micro_batch_size x dp = {o.num_microbatches} x "
-                f"{job.data.micro_batch_size} x {job.parallel.dp}); it gives {m_batches}",
-            )
-        if o.vpp > 1 and m_batches % o.pp:
-            raise SpecError(
-                "backend.vpp",
-                f"the interleaved schedule needs micro-batches per step ({m_batches}) to be a multiple "
-                f"of pp={o.pp}: raise data.global_batch_size",
-            )
+        _check_tensor_split(job)
+        _check_pipeline(job)
+        _check_sequence_and_context(job)
+        _check_engine_options(job)
+        _check_micro_batches(job)
         _check_distopt_checkpoint(job)
         _check_moe(job)
         _check_recompute(job)
@@ -570,18 +601,33 @@ class MegatronEngine(Engine):
 
     # -- construction ----------------------------------------------------------------------------
     def _build(self, torch) -> None:
-        from megatron.core.models.gpt.gpt_model import GPTModel
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-        job, o, spec = self.ctx.job, self.opts, self.ctx.job.model
+        o = self.opts
         ps = self._init_parallel_state(torch)
-        bf16 = job.run.precision == "bf16"
+        bf16 = self.ctx.job.run.precision == "bf16"
         dtype = torch.bfloat16 if bf16 else torch.float32
         use_te = self._use_te()
         config = self._transformer_config(dtype, use_te)
         self.config = config
         layer_spec = self._layer_spec(use_te, config)
 
+        chunks = self._build_chunks(torch, ps, config, layer_spec, use_te)
+        self.chunks = self._wrap_ddp(chunks, config)
+        self._build_optimizer(dtype)
+        self.forward_backward = self._wire_schedules(config)
+        self.counters.tp_group = ps.get_tensor_model_parallel_group()
+        self._instrument()
+        if o.distributed_optimizer:
+            patch_fp8_fallback(self.counters.patch)  # 0.12 without Transformer Engine
+        self.steps = 0
+        self.schedule_s = 0.0
+
+    def _build_chunks(self, torch, ps, config, layer_spec, use_te: bool) -> list:
+        """This rank's model chunks (one per virtual stage) as megatron-core GPTModels holding the
+        canonical weights' shards, on the device (wrapped for bf16)."""
+        from megatron.core.models.gpt.gpt_model import GPTModel
+
+        job, o, spec = self.ctx.job, self.opts, self.ctx.job.model
+        bf16 = job.run.precision == "bf16"
         chunks = []
         stage = ps.get_pipeline_model_parallel_rank()
         tp_rank = ps.get_tensor_model_parallel_rank()
@@ -589,6 +635,7 @@ class MegatronEngine(Engine):
         layout = _layout(job, te_names=use_te)
         self.layout, self.stage, self.tp_rank = layout, stage, tp_rank
         self._router_logits: list = []  # this micro-batch's router logits per MoE layer (the aux loss)
+        self.routed = None  # MoE: tokens per expert of this step (parabench.expertload)
         for c in range(o.vpp):
             vp_stage = c if o.vpp > 1 else None
             model = build_chunk(
@@ -613,10 +660,15 @@ class MegatronEngine(Engine):
 
                 model = Float16Module(config, model)
             chunks.append(model)
+        return chunks
 
-        self.chunks = self._wrap_ddp(chunks, config)
+    def _build_optimizer(self, dtype) -> None:
+        """megatron-core's Adam (AdamW semantics) over the chunks, constant LR, weight decay per group."""
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        opt = job.optim
+        o = self.opts
+        bf16 = self.ctx.job.run.precision == "bf16"
+        opt = self.ctx.job.optim
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam",
@@ -639,14 +691,6 @@ class MegatronEngine(Engine):
             group["weight_decay"] = opt.weight_decay * group.get("wd_mult", 1.0)
             group["lr"] = opt.lr * group.get("lr_mult", 1.0)
 
-        self.forward_backward = self._wire_schedules(config)
-        self.counters.tp_group = ps.get_tensor_model_parallel_group()
-        self._instrument()
-        if o.distributed_optimizer:
-            patch_fp8_fallback(self.counters.patch)  # 0.12 without Transformer Engine
-        self.steps = 0
-        self.schedule_s = 0.0
-
     def _load_canonical(self, model, chunk: int) -> None:
         """Model chunk ``chunk``'s canonical initial weights, mapped onto this tp/ep rank's shards, and
         the marks and MoE hooks Megatron's own initialisation would have left."""
@@ -659,6 +703,7 @@ class MegatronEngine(Engine):
         _mark_tensor_parallel(model)
         if spec.is_moe:
             self._capture_router_logits(model)
+            self._count_routed_tokens(model)
             define_router_gemm_without_te(self.counters.define)
 
     def _init_parallel_state(self, torch):
@@ -750,6 +795,35 @@ class MegatronEngine(Engine):
                     return logits
 
                 module.gating = gating
+
+    def _count_routed_tokens(self, model) -> None:
+        """Count each MoE layer's routed tokens (parabench.expertload) from the routing map its
+        ``TopKRouter`` returns, the one the token dispatcher sends by: a forward hook on this model's
+        routers only. ``layer_number`` is megatron-core's global 1-based layer number (offset by the
+        stage's first layer)."""
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        spec = self.ctx.job.model
+        if self.routed is None:
+            self.routed = RoutedTokens(spec.num_hidden_layers, spec.num_local_experts, self.ctx.device.torch_device)
+        routed = self.routed
+        for module in model.modules():
+            if isinstance(module, TopKRouter):
+                module.register_forward_hook(
+                    lambda router, _inputs, output: routed.add_routing_map(router.layer_number - 1, output[1])
+                )
+
+    def tokens_per_expert(self):
+        if self.routed is None:
+            return None
+        # Summed over tp x cp x dp, the group megatron-core itself sums its routers' local_tokens_per_expert
+        # over (moe_utils.get_updated_expert_bias): the ranks of one pipeline stage that route distinct
+        # tokens - data-parallel ranks their own rows (the expert-parallel ranks are data-parallel ranks
+        # and route their own tokens before the all-to-all), context-parallel ranks their sequence chunks,
+        # tensor-parallel ranks their sequence-parallel slices (megatron-core's MoELayer refuses tp > 1
+        # without sequence parallelism in training). pp > 1 is refused with a MoE model before launch,
+        # so this one stage holds every layer.
+        return self.routed.take(self.ps.get_tensor_and_data_parallel_group(with_context_parallel=True))
 
     def _aux_loss(self):
         """``router_aux_loss_coef`` x the Switch load-balancing loss over this micro-batch's router
@@ -970,10 +1044,12 @@ class MegatronEngine(Engine):
     def full_state_dict(self):
         return self._gather_canonical(lambda name, p: p)
 
-    def _gather_canonical(self, value_of):
+    def _gather_canonical(self, value_of, to_all: bool = True):
         """Canonical full tensors of ``value_of(name, param)`` over every chunk's parameters: gathered
         over the TP group and mapped back (fused QKV / gate-up split, megatron_mapping.from_megatron;
-        elementwise states such as AdamW moments map exactly as the weights do), then over the stages."""
+        elementwise states such as AdamW moments map exactly as the weights do), then over the stages.
+        ``to_all=False``: only tensor-parallel rank 0 gathers and maps (the others return what their
+        pipeline peers of the same tp rank hold: nothing), so rank 0 holds the whole state, not every rank."""
         import numpy as np
         import torch
         import torch.distributed as dist
@@ -986,7 +1062,18 @@ class MegatronEngine(Engine):
         for c, chunk in enumerate(self.chunks):
             local = {n: value_of(n, p).detach().float() for n, p in _unwrap(chunk).named_parameters()}
             shards = []
-            if tp > 1:
+            if tp > 1 and not to_all:
+                mine = self.tp_rank == 0
+                for name in sorted(local):
+                    parts = [torch.empty_like(local[name]) for _ in range(tp)] if mine else None
+                    dist.gather(
+                        local[name].contiguous(), parts, dst=ps.get_tensor_model_parallel_src_rank(), group=tp_group
+                    )
+                    local[name] = parts
+                if not mine:
+                    continue
+                shards = [{n: local[n][r].cpu().numpy() for n in local} for r in range(tp)]
+            elif tp > 1:
                 gathered = {}
                 for name in sorted(local):
                     parts = [torch.empty_like(local[name]) for _ in range(tp)]
@@ -1034,16 +1121,23 @@ class MegatronEngine(Engine):
                 return state
         raise RuntimeError("a megatron parameter is in none of the optimizer's groups")
 
+    def _gathered(self, value_of) -> Lazy:
+        """The canonical tensors of ``value_of`` gathered (a collective) when canonical.write or
+        checksum first reaches one of them, and dropped once it has passed them all: weights and
+        the two moments are held one group at a time, not together."""
+        shapes = self.ctx.job.model.parameter_shapes()
+        return Lazy(shapes, whole=lambda: self._gather_canonical(value_of, to_all=False), complete=self.ctx.rank == 0)
+
     def export_canonical(self):
         if self.opts.distributed_optimizer:  # each data-parallel rank holds slices: put them together
             params = [p for c in self.chunks for p in _unwrap(c).parameters()]
             whole, step = megatron_distopt.gather_whole(self._megatron_optimizers(), params)
-            weights = self._gather_canonical(lambda _n, p: whole[p]["param"])
-            moments = {k: self._gather_canonical(lambda _n, p, k=k: whole[p][k]) for k in MOMENTS}
+            weights = self._gathered(lambda _n, p: whole[p]["param"])
+            moments = {k: self._gathered(lambda _n, p, k=k: whole[p][k]) for k in MOMENTS}
             return CanonicalState(weights, moments, step)
         # the fp32 main copies, not the bf16 weights rounded from them: a bf16 run resumes exactly
-        weights = self._gather_canonical(lambda _n, p: self._main_param(p))
-        moments = {k: self._gather_canonical(lambda _n, p, k=k: self._adam_state(p)[k]) for k in MOMENTS}
+        weights = self._gathered(lambda _n, p: self._main_param(p))
+        moments = {k: self._gathered(lambda _n, p, k=k: self._adam_state(p)[k]) for k in MOMENTS}
         steps = {float(self._adam_state(p)["step"]) for c in self.chunks for p in _unwrap(c).parameters()}
         if len(steps) != 1:
             raise RuntimeError(f"AdamW step counts differ between parameters: {sorted(steps)}")
@@ -1062,8 +1156,8 @@ class MegatronEngine(Engine):
             params = dict(_unwrap(chunk).named_parameters())
             wanted = canonical_names(spec, self.layout, self.stage, c, self.ep_rank)
 
-            def shards(values, c=c, wanted=wanted):
-                full = {n: values[n].numpy() for n in wanted}
+            def shards(values, c=c, wanted=wanted):  # the full tensors read one at a time as the mapping takes them
+                full = view(values, wanted, lambda t: t.numpy() if hasattr(t, "numpy") else t)
                 return to_megatron(full, spec, self.layout, self.stage, c, self.tp_rank, self.ep_rank).items()
 
             if self.opts.distributed_optimizer:  # this rank's slices of the main params and moments

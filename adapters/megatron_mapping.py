@@ -166,7 +166,7 @@ def split_qkv(qkv: np.ndarray, spec: ModelSpec) -> tuple[np.ndarray, np.ndarray,
 
 def _rows(x: np.ndarray, r: int, t: int) -> np.ndarray:
     n = x.shape[0] // t
-    return np.ascontiguousarray(x[r * n : (r + 1) * n])
+    return x[r * n : (r + 1) * n].copy()  # a copy, not a view: the full tensor is freed once mapped
 
 
 def _cols(x: np.ndarray, r: int, t: int) -> np.ndarray:

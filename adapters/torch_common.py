@@ -11,9 +11,10 @@ import torch
 from parabench import untrusted
 from parabench.adapters.base import CheckpointSupport, Engine, ModelStateBytes, WorkerContext
 from parabench.canonical import MOMENTS, CanonicalState
+from parabench.expertload import RoutedTokens
 from parabench.metrics import torch_model_state
-from parabench.model import decay_mask, training_loss
-from parabench.spec import OptimSpec
+from parabench.model import DecoderLayer, decay_mask, route, training_loss
+from parabench.spec import ModelSpec, OptimSpec
 
 
 def adamw_param_groups(named_params: Sequence[tuple[str, torch.nn.Parameter]], spec: OptimSpec) -> list[dict]:
@@ -45,6 +46,26 @@ DCP_SUPPORT = CheckpointSupport(
 )
 
 
+def count_routed_tokens(model: torch.nn.Module, spec: ModelSpec, device) -> RoutedTokens | None:
+    """Count each MoE layer's routed tokens (parabench.expertload) through a forward hook on every
+    decoder layer of this engine's model (its own instance: nothing else is patched), from the router
+    logits the layer returns, routed as the block routes them (``parabench.model.route``). Under
+    activation checkpointing the recompute calls the layer's inner forward, not the module: once per
+    forward. None for a dense model."""
+    if not spec.is_moe:
+        return None
+    routed = RoutedTokens(spec.num_hidden_layers, spec.num_local_experts, device)
+    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
+    for index, layer in enumerate(layers):
+
+        def hook(_module, _inputs, output, index=index):
+            _, top_experts = route(output[1].detach(), spec.num_experts_per_tok)
+            routed.add_top_k(index, top_experts)
+
+        layer.register_forward_hook(hook)
+    return routed
+
+
 class TorchEngine(Engine):
     """Gradient accumulation over micro-batches, global-norm clipping, AdamW step.
 
@@ -70,6 +91,7 @@ class TorchEngine(Engine):
         self.autocast = (
             (lambda: torch.autocast(device_type, dtype=autocast_dtype)) if autocast_dtype else contextlib.nullcontext
         )
+        self.routed = count_routed_tokens(model, ctx.job.model, ctx.device.torch_device)
 
     def train_step(self, micro_batches):
         n = len(micro_batches)
@@ -87,6 +109,14 @@ class TorchEngine(Engine):
         # and the model-state accounting sees the gradients a rank really holds.
         self.optimizer.zero_grad(set_to_none=False)
         return total
+
+    def tokens_per_expert(self):
+        if self.routed is None:
+            return None
+        # every rank of ddp and fsdp is a data-parallel rank that routes rows of its own (fsdp's tensor
+        # parallelism, whose tp ranks share rows, is refused with a MoE model before launch): the sum
+        # over the world counts each token once
+        return self.routed.take(group=None)
 
     def clip_gradients(self, max_norm: float) -> None:
         """Scale the gradients to a global L2 norm of at most ``max_norm`` (over every rank's shard)."""

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 from parabench import untrusted
-from parabench.adapters.registry import get_adapter
 from parabench.errors import SpecError
 from parabench.faults import fire_fault
 from parabench.spec import JobSpec, to_dict
@@ -204,7 +203,7 @@ def check_compatible(job: JobSpec, marker: dict[str, Any], path: Path) -> None:
                 f"checkpoint {path} belongs to another model ({saved.get('model_name')}: {key}="
                 f"{saved.get('model', {}).get(key)}; this job: {job.model.name}: {key}={value})",
             )
-    support = get_adapter(job.backend.name).capabilities.checkpoint
+    support = job.backend.adapter.capabilities.checkpoint
     reshard = support.reshard if support else frozenset()
     for key in LAYOUT_KEYS:
         old, new = saved.get("layout", {}).get(key), here["layout"][key]
@@ -244,7 +243,7 @@ def optimizer_held(job: JobSpec) -> dict[str, Any]:
 
 def check_support(job: JobSpec) -> None:
     """run.checkpoint/run.resume/fault/max_restarts against what the backend declares."""
-    adapter = get_adapter(job.backend.name)
+    adapter = job.backend.adapter
     support, ckpt = adapter.capabilities.checkpoint, job.run.checkpoint
     wants = ckpt.every > 0 or ckpt.on_signal or job.run.resume not in ("auto", "never")
     if wants and support is None:
@@ -270,7 +269,7 @@ def plan_resume(job: JobSpec, repeat: int | None = None, warn=None) -> Path | No
     root = Path(job.run.checkpoint.dir) if job.run.checkpoint.dir else default_root(job, repeat)
     if root and root.exists() and not (root.is_dir() and os.access(root, os.R_OK | os.W_OK | os.X_OK)):
         raise SpecError("run.checkpoint.dir", f"{root} is not a readable and writable directory")
-    supported = get_adapter(job.backend.name).capabilities.checkpoint is not None
+    supported = job.backend.adapter.capabilities.checkpoint is not None
     own = newest_complete(root, warn) if root and supported else None
     if resume == "never":
         if own:

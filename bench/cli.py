@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from parabench import __version__, trackstore
-from parabench.confutil import compose, expand_sweep, register_resolvers, register_spec_defaults, to_plain
 from parabench.devices import AUTOLOAD_ENV
 from parabench.errors import RunFailed, UserError, stopped_by
+from parabench.hydraconfig import compose, expand_sweep, register_resolvers, register_spec_defaults, to_plain
+from parabench.jobs import prepare
 from parabench.tracking import close_abandoned, end_own_runs, store_uri, sync_main
 
 USAGE = """usage: bench <command> [args]
@@ -91,8 +92,6 @@ class _PreparedJobs:
     def add(self, plain: dict[str, Any], remote: bool = False) -> None:
         """Validate a job; one that ``remote`` (a Slurm node) runs is checked as far as it can be
         here, without this machine's devices and Slurm placement (its node prepares it again)."""
-        from parabench.runner import prepare
-
         if not remote:
             self.jobs[self._key(plain)] = prepare(plain)
             return
@@ -105,8 +104,6 @@ class _PreparedJobs:
         prepare({**plain, "launcher": {**launcher, "dry_run": True}})
 
     def job(self, plain: dict[str, Any]):
-        from parabench.runner import prepare
-
         job = self.jobs.get(self._key(plain)) if os.getpid() == self.pid else None
         return job if job is not None else prepare(plain)
 
@@ -238,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     if command == "run":
         return cmd_run(rest)
     if command == "comm":
-        from parabench.comm import main as comm_main
+        from parabench.comm.command import main as comm_main
 
         return comm_main(rest)
     if command == "compare":
@@ -248,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     if command == "sync":
         return sync_main(rest)
     if command == "convert":
-        from parabench.convert import main as convert_main
+        from parabench.convert.command import main as convert_main
 
         return convert_main(rest)
     if command == "plan":

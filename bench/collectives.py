@@ -1,7 +1,7 @@
 """What ``bench comm`` measures, as pure definitions: the operations and their bus-bandwidth
 factors, the size sweep, the expected result values of the correctness check, and the fitted
-latency/bandwidth (alpha-beta) model. No torch here: the front end (:mod:`parabench.comm`) checks a
-command before launch with these, and the per-rank worker (:mod:`parabench.commworker`) runs them.
+latency/bandwidth (alpha-beta) model. No torch here: the front end (:mod:`parabench.comm.command`) checks a
+command before launch with these, and the per-rank worker (:mod:`parabench.comm.worker`) runs them.
 
 Sizes and bandwidths follow nccl-tests (docs/sources.md#collectives-benchmark): ``size`` S is the
 largest buffer of the operation (all-reduce and broadcast: the buffer; all-gather: the gathered

@@ -8,14 +8,17 @@ moves over its links, the ZeRO paper's "2 Psi") and ``seconds`` inside the calls
 evaluated twice: with the elements the backend really communicates (its padding: DeepSpeed's flat
 buffers, FSDP2's dim-0 padding, Megatron's bucket padding) and without, so the padding is shown.
 Calls of at most a few elements (losses, gradient norms, overflow flags) are reported apart as
-``scalar``; the formulas have no term for them.
+``scalar``; the formulas have no term for them. Expert parallelism's all-to-all moves a routing-dependent
+share of the tokens per rank: its formula is the mean over the ranks, compared with the measured
+mean over the ranks (``comm_all_to_all_*``; the busiest rank moves at least as much).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from parabench.commvolume import Batch, step_comm
+from parabench.commlog import SCALAR_ELEMENTS
+from parabench.commvolume import Batch, moe_all_to_all, step_comm
 from parabench.plan.profiles import PROFILES
 from parabench.spec import JobSpec
 
@@ -58,7 +61,7 @@ def formula(job: JobSpec, padded: bool = True) -> dict[str, dict[str, float]] | 
         root_elements=profile.root_elements(job),
     )
     out: dict[str, dict[str, float]] = {}
-    for c in comm.collectives:
+    for c in (*comm.collectives, *_expert_parallel(job, batch, profile.widths(job))):
         rec = out.setdefault(c.kind, {"bytes": 0.0, "bus_bytes": 0.0, "calls": 0})
         rec["bytes"] += c.size_bytes * c.calls
         rec["bus_bytes"] += c.bus_bytes
@@ -66,10 +69,45 @@ def formula(job: JobSpec, padded: bool = True) -> dict[str, dict[str, float]] | 
     return out
 
 
+def _expert_parallel(job: JobSpec, batch: Batch, widths: Any) -> list[Any]:
+    """The all-to-all token dispatcher's collectives of a backend with an ``ep`` option (megatron's
+    ``backend.ep`` with ``moe_token_dispatcher=alltoall``); none for other dispatchers or ep = 1."""
+    options = job.backend.options
+    if getattr(options, "moe_token_dispatcher", "alltoall") != "alltoall":
+        return []
+    ep, par = getattr(options, "ep", 1), job.parallel
+    return moe_all_to_all(job.model, batch, widths, ep, pp=par.pp, cp=par.cp, scalar_elements=SCALAR_ELEMENTS)
+
+
+def all_to_all_rank_mean(job: JobSpec, results: list[dict[str, Any]]) -> float | None:
+    """all-to-all bytes per measured step, averaged over the ranks; None when no rank logged one."""
+    logs = [r.get("comm") or [] for r in results]
+    per_rank = []
+    for log in logs:
+        steps = [s["kinds"] for s in log if s["step"] >= job.run.warmup_steps] or [s["kinds"] for s in log]
+        per_rank.append(sum(s.get("all_to_all", {}).get("bytes", 0) for s in steps) / max(len(steps), 1))
+    return sum(per_rank) / len(per_rank) if any(per_rank) else None
+
+
+def _all_to_all_summary(job: JobSpec, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The all-to-all bytes per step, mean over ranks, measured and by formula (MoE expert parallelism)."""
+    profile = PROFILES.get(job.backend.name)
+    batch = Batch(job.data.seq_len, job.data.micro_batch_size, job.grad_accum)
+    terms = _expert_parallel(job, batch, profile.widths(job)) if profile is not None else []
+    want = sum(c.size_bytes * c.calls for c in terms if c.kind == "all_to_all")
+    got = all_to_all_rank_mean(job, results)
+    if got is None and not want:
+        return {}
+    out: dict[str, Any] = {"comm_all_to_all_rank_mean_bytes": got, "comm_all_to_all_formula_bytes": want or None}
+    if got is not None and want:
+        out["comm_all_to_all_diff_bytes"] = got - want
+    return out
+
+
 def comm_summary(job: JobSpec, results: list[dict[str, Any]], step_time_s: float) -> dict[str, Any]:
     got = measured(job, results)
     want, unpadded = formula(job), formula(job, padded=False)
-    out: dict[str, Any] = {"comm_measured": got, "comm_formula": want}
+    out: dict[str, Any] = {"comm_measured": got, "comm_formula": want, **_all_to_all_summary(job, results)}
     if got is not None:
         main = {k: v for k, v in got.items() if k != "scalar"}
         out["comm_bytes_per_step"] = sum(v["bytes"] for v in main.values())
@@ -114,5 +152,12 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
             f"    bus bytes/step: measured {s['comm_bus_bytes_per_step']:.0f} B, formula "
             f"{s['comm_formula_bus_bytes_per_step']:.0f} B, measured - formula = {s['comm_diff_bus_bytes']:+.0f} B "
             f"(sizes: {s['comm_diff_bytes']:+.0f} B; scalars apart); padding in the formula {s['comm_padding_bytes']:.0f} B"
+        )
+    if s.get("comm_all_to_all_formula_bytes"):
+        mean = s.get("comm_all_to_all_rank_mean_bytes") or 0.0
+        lines.append(
+            f"    all_to_all bytes/step, mean over ranks (dropless routing: the busiest rank moves more): measured "
+            f"{mean:.0f} B, formula {s['comm_all_to_all_formula_bytes']:.0f} B, measured - formula = "
+            f"{mean - s['comm_all_to_all_formula_bytes']:+.0f} B"
         )
     return lines

@@ -25,7 +25,11 @@ parallelism (docs/sources.md#communication-volume, #comm-volume-sharded, #comm-v
   activation (b x s x h, divided by t under sequence parallelism) forward and its gradient back;
   the interleaved schedule has v chunks per rank, so v times the boundaries;
 * context parallel (megatron-core context parallelism, ring attention): per layer and micro-batch,
-  cp - 1 ring steps passing a K and V chunk forward, and K, V plus their gradients backward.
+  cp - 1 ring steps passing a K and V chunk forward, and K, V plus their gradients backward;
+* expert parallel (GShard, Lepikhin et al. 2020 sec. 2.2; megatron-core's ``MoEAlltoAllTokenDispatcher``):
+  per MoE layer and micro-batch, the dispatch all-to-all of the T x k routed token rows and their
+  routing probabilities, the combine all-to-all back, and both again in the backward
+  (:func:`moe_all_to_all`).
 
 Units: ``size_bytes`` is one call's full tensor (nccl-tests' "size": the reduced buffer, the
 gathered output, the scattered input, the message); ``bus_bytes`` = size x the bus factor
@@ -43,8 +47,8 @@ from typing import Literal
 
 from parabench.spec import ModelSpec
 
-Kind = Literal["all_reduce", "all_gather", "reduce_scatter", "send", "recv"]
-Group = Literal["dp", "tp", "pp", "cp"]
+Kind = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "recv"]
+Group = Literal["dp", "tp", "pp", "cp", "ep"]
 Sharding = Literal[
     "none",
     "zero1",
@@ -57,7 +61,7 @@ Sharding = Literal[
     "deepspeed_zero2",
     "deepspeed_zero3_live",
 ]
-KINDS: tuple[Kind, ...] = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv")
+KINDS: tuple[Kind, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "recv")
 
 SRC_VOLUME = "docs/sources.md#communication-volume"
 SRC_SHARDED = "docs/sources.md#comm-volume-sharded"
@@ -65,6 +69,7 @@ SRC_TP = "docs/sources.md#comm-volume-tensor-parallel"
 SRC_PP = "docs/sources.md#comm-volume-pipeline"
 SRC_CP = "docs/sources.md#comm-volume-context-parallel"
 SRC_PAD = "docs/sources.md#comm-volume-padding"
+SRC_EP = "docs/sources.md#comm-volume-expert-parallel"
 
 
 def bus_factor(kind: Kind, n: int) -> float:
@@ -343,6 +348,28 @@ def _tensor_parallel(model: ModelSpec, layout: Layout, batch: Batch, widths: Wid
     return out
 
 
+def tp_backward_async(model: ModelSpec, layout: Layout, batch: Batch, widths: Widths) -> list[Collective]:
+    """Of the decoder layers' tensor-parallel collectives (``_tensor_parallel``), the ones megatron-core's
+    column-parallel linears (qkv, gate+up: two per layer) issue asynchronously in their backward,
+    without tp_comm_overlap (``LinearWithGradAccumulationAndAsyncCommunication.backward``,
+    megatron/core/tensor_parallel/layers.py; docs/sources.md#plan-tp-backward-overlap): with sequence
+    parallelism the re-gather of the input for the weight gradient (``async_op=True`` before the
+    input-gradient GEMM) and the input gradient's reduce-scatter (before the weight-gradient GEMM);
+    without it the input gradient's all-reduce (before the weight-gradient GEMM). A subset of
+    ``step_comm``'s: the same calls, listed again so a planner can tell them apart."""
+    t = layout.tp
+    if t <= 1:
+        return []
+    calls = batch.micro_batches * (model.num_hidden_layers // layout.pp) * 2
+    act = batch.micro_batch_size * batch.seq_len // layout.cp * model.hidden_size * widths.activation
+    if layout.sequence_parallel:
+        return [
+            Collective("all_gather", "tp", t, act, calls, "SP: column-parallel input re-gather (bwd, behind dgrad)", SRC_TP),
+            Collective("reduce_scatter", "tp", t, act, calls, "SP: column-parallel input-grad reduce-scatter (bwd, behind wgrad)", SRC_TP),
+        ]  # fmt: skip
+    return [Collective("all_reduce", "tp", t, act, calls, "TP: column-parallel input-grad all-reduce (bwd, behind wgrad)", SRC_TP)]  # fmt: skip
+
+
 def _pipeline(model: ModelSpec, layout: Layout, batch: Batch, widths: Widths) -> list[Collective]:
     p, v, m = layout.pp, layout.vpp, batch.micro_batches
     if p <= 1:
@@ -374,6 +401,53 @@ def _context_parallel(model: ModelSpec, layout: Layout, batch: Batch, widths: Wi
     ]
 
 
+def moe_all_to_all(
+    model: ModelSpec, batch: Batch, widths: Widths, ep: int, *, pp: int = 1, cp: int = 1, scalar_elements: int = 0
+) -> list[Collective]:
+    """Expert-parallel token dispatch and combine of one rank per step (megatron-core 0.16
+    ``token_dispatcher.py``, ``MoEAlltoAllTokenDispatcher``; docs/sources.md#comm-volume-expert-parallel).
+
+    Per MoE layer and micro-batch a rank holds T = b x s / cp tokens and, dropless, sends T x k rows
+    of h activations (its ``permutated_local_input_tokens``, also the rows bound for its own experts)
+    plus their T x k routing probabilities (activation dtype: the router's input dtype) in the
+    dispatch, receives the rows its experts were routed and sends those back in the combine; the
+    backward repeats each all-to-all with the splits swapped (probabilities included: they carry the
+    router's gradient). The dispatch's and the combine-backward's sizes are T x k rows on every rank;
+    the combine's and the dispatch-backward's are the rows the rank's experts received, which depends
+    on the routing: T x k on average over the ep ranks (every row sent is received once), so these
+    figures are exact for the mean over the ep ranks and a lower bound of the busiest one. Before the
+    dispatch the ranks all-gather their tokens per expert (E int64 each), a scalar-sized call when
+    ep x E <= ``scalar_elements`` (the communication log keeps those apart)."""
+    if ep <= 1 or not model.is_moe:
+        return []
+    m, layers = batch.micro_batches, model.num_hidden_layers // pp
+    rows = batch.micro_batch_size * batch.seq_len // cp * model.num_experts_per_tok
+    out = [
+        Collective(
+            "all_to_all",
+            "ep",
+            ep,
+            rows * model.hidden_size * widths.activation,
+            4 * m * layers,
+            "MoE token dispatch + combine, forward and backward (mean over ep ranks)",
+            SRC_EP,
+        ),
+        Collective(
+            "all_to_all",
+            "ep",
+            ep,
+            rows * widths.activation,
+            2 * m * layers,
+            "MoE routing probabilities with the dispatch, forward and backward",
+            SRC_EP,
+        ),
+    ]
+    counts = ep * model.num_local_experts
+    if counts > scalar_elements:
+        out.append(Collective("all_gather", "ep", ep, counts * 8, m * layers, "MoE tokens per expert", SRC_EP))
+    return out
+
+
 __all__ = [
     "KINDS",
     "Batch",
@@ -384,6 +458,7 @@ __all__ = [
     "bus_factor",
     "deepspeed_flat_numel",
     "fsdp2_padded_numel",
+    "moe_all_to_all",
     "ring_steps",
     "tp_shard_shapes",
     "round_up",

@@ -77,6 +77,9 @@ class RunRecord:
     comm_bytes_per_step: float | None = None  # bus bytes of the busiest rank per step (parabench.commreport)
     comm_formula_bytes_per_step: float | None = None
     comm_share_of_step: float | None = None
+    # MoE (parabench.expertload): max/mean tokens per expert of the worst layer, mean over steps and worst step
+    moe_load_imbalance: float | None = None
+    moe_load_imbalance_max: float | None = None
     params: dict[str, str] = field(default_factory=dict)  # the run's MLflow params (plan rows match on them)
     data: str = ""  # data source[:path], seed
     data_checksum: str = ""  # of the rows the run trained on (parabench.data.combined_checksum)
@@ -168,6 +171,8 @@ class Row:
             "comm_bytes_per_step": self.med("comm_bytes_per_step"),
             "comm_formula_bytes_per_step": self.med("comm_formula_bytes_per_step"),
             "comm_share_of_step": self.med("comm_share_of_step"),
+            "moe_load_imbalance": self.med("moe_load_imbalance"),
+            "moe_load_imbalance_max": self.med("moe_load_imbalance_max"),
         }
 
 
@@ -181,7 +186,7 @@ class Section:
 # --------------------------------------------------------------------------------------------
 # Reading MLflow.
 # --------------------------------------------------------------------------------------------
-def _f(metrics: dict, key: str) -> float | None:
+def _metric_or_none(metrics: dict, key: str) -> float | None:
     v = metrics.get(key)
     return float(v) if v is not None else None
 
@@ -243,8 +248,8 @@ def _record(client, run) -> RunRecord:
         seq_len=int(p.get("data.seq_len", 0)),
         tokens_per_s=m.get("tokens_per_s", 0.0),
         tokens_per_s_per_device=m.get("tokens_per_s_per_device", 0.0),
-        mfu=_f(m, "mfu"),
-        peak_tflops=_f(m, "peak_tflops_per_device"),
+        mfu=_metric_or_none(m, "mfu"),
+        peak_tflops=_metric_or_none(m, "peak_tflops_per_device"),
         peak_source=t.get("peak_source", ""),
         step_time_median_s=m.get("step_time_median_s", 0.0),
         rank_spread_s=m.get("rank_step_time_spread_s", 0.0),
@@ -254,9 +259,11 @@ def _record(client, run) -> RunRecord:
         losses=losses,
         state_per_rank=state,
         stability=stability.from_metrics(m),
-        comm_bytes_per_step=_f(m, "comm_bus_bytes_per_step"),
-        comm_formula_bytes_per_step=_f(m, "comm_formula_bus_bytes_per_step"),
-        comm_share_of_step=_f(m, "comm_share_of_step"),
+        comm_bytes_per_step=_metric_or_none(m, "comm_bus_bytes_per_step"),
+        comm_formula_bytes_per_step=_metric_or_none(m, "comm_formula_bus_bytes_per_step"),
+        comm_share_of_step=_metric_or_none(m, "comm_share_of_step"),
+        moe_load_imbalance=_metric_or_none(m, "moe_load_imbalance_mean"),
+        moe_load_imbalance_max=_metric_or_none(m, "moe_load_imbalance_max"),
         params=dict(p),
         **_conditions(m, p, t),
     )
@@ -516,6 +523,7 @@ COLUMNS = [
     ("comm_bytes_per_step", "comm/step"),
     ("comm_formula_bytes_per_step", "formula/step"),
     ("comm_share_of_step", "comm %"),
+    ("moe_load_imbalance", "expert load"),
     ("efficiency", "eff."),
     ("ratio", "ratio"),
 ]
@@ -528,6 +536,9 @@ def _fmt(key: str, value: Any, row: dict) -> str:
         return f"{value / 2**20:.1f} MiB"
     if key in ("comm_bytes_per_step", "comm_formula_bytes_per_step"):
         return f"{value / 2**20:.3f} MiB"
+    if key == "moe_load_imbalance":
+        worst = row.get("moe_load_imbalance_max")
+        return f"{value:.3f}" + (f" (max {worst:.3f})" if worst is not None else "")
     if key in ("mfu", "comm_share_of_step"):
         return f"{100 * value:.1f}%"
     if key == "efficiency":
@@ -589,6 +600,9 @@ def _legend(meta: dict[str, Any]) -> list[str]:
         "comm/step: bus bytes (sizes x nccl-tests' bus factor) the busiest rank moved in collectives per step, "
         + "scalars apart; formula/step: the layout's formula with the backend's padding; comm %: time inside "
         + "collective calls / step time (docs/comm.md)",
+        "expert load (MoE): max_e c_e / mean_e c_e, c_e = tokens routed to expert e (each of a token's k slots) "
+        + "summed over the ranks, mean = k x tokens / E; per step its worst layer, here the mean over the steps "
+        + "(max: the worst step); 1 = balanced, E/k = every token on the same k experts (docs/moe.md#tokens-per-expert)",
     ]
 
 
@@ -647,48 +661,10 @@ def render_html(report: dict[str, Any]) -> str:
         parts.append(f"<h2>{html.escape(title)}</h2>")
         if sec["note"]:
             parts.append(f"<p class='note'>{html.escape(sec['note'])}</p>")
-        heads = "".join(f"<th>{html.escape(h)}</th>" for _, h in COLUMNS)
-        body = ""
-        for r in sec["rows"]:
-            tds = "".join(
-                f"<td data-key='{k}'>{html.escape(_fmt(k, r.get(k) if k != 'repeats' else r['repeats'], r))}</td>"
-                for k, _ in COLUMNS
-            )
-            ids = html.escape(" ".join(r["run_ids"]))
-            tds += f"<td data-key='run_ids' class='ids'>{ids}</td>"
-            body += f"<tr data-variant='{html.escape(r['variant'])}' data-world='{r['world_size']}'>{tds}</tr>"
-        parts.append(f"<table id='table-{i}'><tr>{heads}<th>run ids</th></tr>{body}</table>")
+        parts.append(_section_table(sec, i))
         parts += [f"<p class='note'>{html.escape(n)}</p>" for n in _row_notes(sec)]
         parts += _stability_table(sec["rows"], i)
-        series_tp: dict[str, list[tuple[float, float]]] = {}
-        series_eff: dict[str, list[tuple[float, float]]] = {}
-        for r in sec["rows"]:
-            series_tp.setdefault(r["variant"], []).append((r["world_size"], r["tokens_per_s"]))
-            if r["efficiency"] is not None:
-                series_eff.setdefault(r["variant"], []).append((r["world_size"], 100 * r["efficiency"]))
-            elif r["world_size"] == 1:
-                series_eff.setdefault(r["variant"], []).append((1, 100.0))
-        parts.append("<div class='plots'>")
-        parts.append(
-            line_svg("Throughput vs devices", "devices (world size)", "tokens/s", series_tp, plot_id=f"throughput-{i}")
-        )
-        parts.append(
-            line_svg(
-                "Scaling efficiency vs devices",
-                "devices (world size)",
-                "efficiency %",
-                series_eff,
-                plot_id=f"efficiency-{i}",
-            )
-        )
-        bars = {}
-        for label, ranks in sec["state_per_rank"].items():
-            for rank, st in enumerate(ranks):
-                bars[f"{label} r{rank}"] = {k: v / 2**20 for k, v in st.items()}
-        parts.append(bar_stack_svg("Model-state memory per rank", "MiB", bars, plot_id=f"memory-{i}"))
-        curves = {label: list(enumerate(losses)) for label, losses in sec["loss_curves"].items() if losses}
-        parts.append(line_svg("Loss curves", "step", "loss", curves, plot_id=f"loss-{i}", from_zero=False))
-        parts.append("</div>")
+        parts += _section_plots(sec, i)
     parts += _versus_table(report.get("predicted") or [])
     parts += _comm_plots(report.get("comm") or {})
     legend = "".join(f"<li>{html.escape(line)}</li>" for line in _legend(report["meta"]))
@@ -703,6 +679,53 @@ def render_html(report: dict[str, Any]) -> str:
         f"</head><body>{''.join(parts)}<ul>{legend}</ul>"
         f"<script type='application/json' id='report-data'>{data}</script></body></html>"
     )
+
+
+def _section_table(sec: dict[str, Any], index: int) -> str:
+    """One section's rows: every column, then the run ids."""
+    heads = "".join(f"<th>{html.escape(h)}</th>" for _, h in COLUMNS)
+    body = ""
+    for r in sec["rows"]:
+        tds = "".join(
+            f"<td data-key='{k}'>{html.escape(_fmt(k, r.get(k) if k != 'repeats' else r['repeats'], r))}</td>"
+            for k, _ in COLUMNS
+        )
+        ids = html.escape(" ".join(r["run_ids"]))
+        tds += f"<td data-key='run_ids' class='ids'>{ids}</td>"
+        body += f"<tr data-variant='{html.escape(r['variant'])}' data-world='{r['world_size']}'>{tds}</tr>"
+    return f"<table id='table-{index}'><tr>{heads}<th>run ids</th></tr>{body}</table>"
+
+
+def _section_plots(sec: dict[str, Any], i: int) -> list[str]:
+    """One section's plots: throughput and scaling efficiency against devices, model-state memory per
+    rank, the loss curves."""
+    series_tp: dict[str, list[tuple[float, float]]] = {}
+    series_eff: dict[str, list[tuple[float, float]]] = {}
+    for r in sec["rows"]:
+        series_tp.setdefault(r["variant"], []).append((r["world_size"], r["tokens_per_s"]))
+        if r["efficiency"] is not None:
+            series_eff.setdefault(r["variant"], []).append((r["world_size"], 100 * r["efficiency"]))
+        elif r["world_size"] == 1:
+            series_eff.setdefault(r["variant"], []).append((1, 100.0))
+    bars = {}
+    for label, ranks in sec["state_per_rank"].items():
+        for rank, st in enumerate(ranks):
+            bars[f"{label} r{rank}"] = {k: v / 2**20 for k, v in st.items()}
+    curves = {label: list(enumerate(losses)) for label, losses in sec["loss_curves"].items() if losses}
+    return [
+        "<div class='plots'>",
+        line_svg("Throughput vs devices", "devices (world size)", "tokens/s", series_tp, plot_id=f"throughput-{i}"),
+        line_svg(
+            "Scaling efficiency vs devices",
+            "devices (world size)",
+            "efficiency %",
+            series_eff,
+            plot_id=f"efficiency-{i}",
+        ),
+        bar_stack_svg("Model-state memory per rank", "MiB", bars, plot_id=f"memory-{i}"),
+        line_svg("Loss curves", "step", "loss", curves, plot_id=f"loss-{i}", from_zero=False),
+        "</div>",
+    ]
 
 
 def _stability_table(rows: list[dict[str, Any]], index: int) -> list[str]:

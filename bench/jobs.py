@@ -10,15 +10,19 @@ dimensions. A Hugging Face model (``+model=hf model.path=...``) is read here too
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from parabench.adapters.base import Adapter
+from parabench import trackstore
+from parabench.adapters.base import Adapter, check_capabilities
 from parabench.adapters.registry import get_adapter
-from parabench.confutil import available_options
+from parabench.checkpoint import plan_resume
 from parabench.errors import SpecError
 from parabench.hf import check_weights, spec_fields
+from parabench.hydraconfig import available_options
+from parabench.launchers import slurm_placement
 from parabench.spec import (
     BackendSpec,
     DataSpec,
@@ -33,6 +37,7 @@ from parabench.spec import (
     TrackingSpec,
     build,
     check_precision,
+    resolve_device,
     validate_common,
     validate_launch_words,
     validate_moe,
@@ -86,7 +91,7 @@ def from_config(cfg: Mapping[str, Any]) -> JobSpec:
         launch=launch,
         run=run,
         tracking=tracking,
-        backend=BackendSpec(name, options),
+        backend=BackendSpec(name, options, adapter),
         parallel=parallel,
         experiment=cfg.get("experiment") if isinstance(cfg.get("experiment"), str) else None,
         fault=fault,
@@ -117,7 +122,7 @@ def job_from_json(text: str) -> JobSpec:
         launch=build(LaunchSpec, raw["launch"], "launcher"),
         run=build(RunSpec, raw["run"], "run"),
         tracking=build(TrackingSpec, raw["tracking"], "tracking"),
-        backend=BackendSpec(backend_raw["name"], build(adapter.Options, backend_raw["options"], "backend")),
+        backend=BackendSpec(backend_raw["name"], build(adapter.Options, backend_raw["options"], "backend"), adapter),
         parallel=build(ParallelDims, raw["parallel"], "parallel"),
         experiment=raw.get("experiment"),
         fault=build(FaultSpec, raw.get("fault"), "fault"),
@@ -156,3 +161,56 @@ def usable_device(adapter: type[Adapter], kind: str, launch: LaunchSpec) -> Lite
             "launcher.nproc_per_node", f"{launch.nproc_per_node} ranks but only {presence.count} {kind} device(s)"
         )
     return kind  # type: ignore[return-value]
+
+
+def prepare(plain: dict[str, Any]) -> JobSpec:
+    """The job of a composed config, checked as `bench run` checks it before anything starts: its
+    fields, its data, its tracking store, its checkpoint keys or run.resume, the backend's capabilities
+    and own validation, on the device it will run on here (a dry run: the device it names). Every
+    command that builds a job to launch or plan (run, convert, plan's candidates) goes through it."""
+    launcher = plain.get("launcher") or {}
+    if launcher.get("slurm") and not launcher.get("dry_run"):
+        plain = {**plain, "launcher": {**launcher, **_slurm_placement(launcher)}}
+    job = from_config(plain)
+    _check_data(job)
+    # a bundle's server is reached from elsewhere; a server that does not answer: the run spools
+    trackstore.check(job.tracking, probe=not job.launch.dry_run, unreachable_ok=job.tracking.on_unreachable == "spool")
+    # checkpoint keys, the job's checkpoint folder (the first repeat's) or run.resume, before anything starts
+    plan_resume(job, 0 if job.run.repeats > 1 else None)
+    adapter = job.backend.adapter
+    check_capabilities(adapter, job)
+    if job.launch.dry_run:
+        # A launch bundle is written for another machine: no local backend or device needed.
+        job = resolve_device(job, _bundle_device(adapter, job.device.type))
+        adapter.validate(job)
+        return job
+    job = resolve_device(job, usable_device(adapter, job.device.type, job.launch))
+    check_capabilities(adapter, job)
+    adapter.validate(job)
+    return job
+
+
+def _bundle_device(adapter: type[Adapter], asked: str) -> Literal["cpu", "cuda", "npu"]:
+    """The device kind a launch bundle names: the one asked for, else (auto) the CPU where the backend
+    runs on one, else its first kind."""
+    devices = adapter.capabilities.devices
+    kind = asked if asked != "auto" else ("cpu" if "cpu" in devices else sorted(devices)[0])
+    kinds: dict[str, Literal["cpu", "cuda", "npu"]] = {"cpu": "cpu", "cuda": "cuda", "npu": "npu"}
+    if kind not in kinds:
+        raise SpecError("device.type", f"{kind!r} is not one of cpu, cuda, npu, auto")
+    return kinds[kind]
+
+
+def _slurm_placement(launcher: dict[str, Any]) -> dict[str, Any]:
+    """This node's nnodes/node_rank/master_addr from the Slurm allocation (launcher.slurm=true)."""
+    try:
+        return slurm_placement(dict(os.environ))
+    except RuntimeError as exc:
+        raise SpecError("launcher.slurm", str(exc)) from None
+
+
+def _check_data(job: JobSpec) -> None:
+    """Data problems (missing/corrupt files, token ids outside the vocabulary) refused before launch."""
+    from parabench.data import check_data
+
+    check_data(job, Path(job.run.results_dir) / ".cache")

@@ -16,6 +16,7 @@ progress is killed by the watchdog; the kill is the launcher's stop signal to it
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import random
 import re
@@ -32,7 +33,6 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any, ClassVar
 
-from parabench.adapters.registry import get_adapter
 from parabench.devices import AUTOLOAD_ENV, DEVICES
 from parabench.errors import Interrupted
 from parabench.spec import JobSpec
@@ -42,7 +42,8 @@ WORKER = ["-m", "parabench.worker"]
 
 def _worker_args(job: JobSpec) -> list[str]:
     """What follows the run directory on the worker's command line (the backend's worker_args)."""
-    return get_adapter(job.backend.name).worker_args(job)
+    args: list[str] = job.backend.adapter.worker_args(job)
+    return args
 
 
 def _bundle_args(job: JobSpec) -> str:
@@ -120,6 +121,34 @@ def stop_with_launcher(sig: int = signal.SIGKILL) -> None:
     _signal_at_parent_death(ctypes.CDLL(None, use_errno=True), sig, launcher)
 
 
+def msrun_scheduler_started() -> bool:
+    """First thing every per-rank entry (run, comm, convert) does: tie this process to its launcher
+    (:func:`stop_with_launcher`), then say whether it is msrun's scheduler (``MS_ROLE=MS_SCHED``),
+    which the entry serves (:func:`serve_msrun_scheduler`) instead of its work."""
+    stop_with_launcher()  # a SIGKILLed torchrun or msrun takes its workers with it
+    return os.environ.get("MS_ROLE") == "MS_SCHED"
+
+
+def rank_of(job: JobSpec, run_dir: Path) -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) of this worker from ``job``'s launcher; from here on its output
+    goes to ``run_dir/logs/rank<rank>.log``."""
+    rank, local_rank, world = get_launcher(job.backend.adapter.capabilities.launcher).coords()
+    redirect_output(run_dir, rank)
+    record_pid(run_dir, rank)
+    return rank, local_rank, world
+
+
+def record_pid(run_dir: Path, rank: int) -> None:
+    """``run_dir/pids/rank<R>``: this rank's pid now (a restarted rank overwrites it); and one line
+    per pid any rank of the launch ever had in ``run_dir/pids/incarnations`` - a restarted rank's
+    earlier incarnations too, whose leftovers :func:`end_rank_groups` must still reach."""
+    pids = run_dir / "pids"
+    pids.mkdir(exist_ok=True)
+    (pids / f"rank{rank}").write_text(str(os.getpid()))
+    with open(pids / "incarnations", "a") as every:  # one short O_APPEND write per rank: no interleaving
+        every.write(f"{os.getpid()}\n")
+
+
 # Credentials of the tracking server: only `bench` itself talks to MLflow, the workers never do, so
 # they do not inherit them (a worker's environment is readable by anything that runs in it).
 SECRET_ENV = frozenset({"MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"})
@@ -162,6 +191,15 @@ class Launcher:
         the job's ``env``. Only a local start reads this shell; the bundle and the Kubernetes
         manifest carry ``env`` alone, so they never depend on the submitting environment."""
         return {**without_secrets(here), **env}
+
+
+class Program(Launcher):
+    """One process of a tool a command runs on the side (DeepSpeed's ds_to_universal for bench
+    convert): started, watched and stopped by :func:`supervise` like a launcher, in a process group
+    of its own that dies with bench, without the tracking credentials (the command line is given
+    whole: :meth:`Launch.program`)."""
+
+    name = "program"
 
 
 def _c10d(job: JobSpec, port: int) -> bool:
@@ -399,7 +437,7 @@ def launch_env(job: JobSpec) -> dict[str, str]:
         **AUTOLOAD_ENV,
     }
     env.update(DEVICES[job.device.type].launch_env(job.launch.nproc_per_node, job.device.threads_per_rank))
-    env.update(get_adapter(job.backend.name).launch_env(job))
+    env.update(job.backend.adapter.launch_env(job))
     return env
 
 
@@ -437,12 +475,18 @@ class Launch:
     ) -> Launch:
         """``job``'s workers (``entry``: the per-rank module) through its backend's launcher; ``env``
         defaults to :func:`launch_env`, ``port`` to launcher.master_port (0: the launcher takes one)."""
-        launcher = get_launcher(get_adapter(job.backend.name).capabilities.launcher)
+        launcher = get_launcher(job.backend.adapter.capabilities.launcher)
         port = job.launch.master_port if port is None else port
         command = tuple(launcher.command(job, port, str(run_dir), entry=entry))
         env = launch_env(job) if env is None else env
         la = job.launch
         return cls(launcher, command, env, run_dir, la.setup_timeout_s, la.hang_timeout_s, poll, on_stop)
+
+    @classmethod
+    def program(cls, command: Sequence[str], run_dir: Path, timeout_s: float = math.inf) -> Launch:
+        """One tool process (:class:`Program`) under ``run_dir`` (command.txt, logs/launcher.log),
+        killed after ``timeout_s`` (default: no limit; a stop signal ends it either way)."""
+        return cls(Program, tuple(command), {}, run_dir, timeout_s, timeout_s)
 
 
 class StopSignals:
@@ -481,9 +525,9 @@ def supervise(launch: Launch) -> tuple[int, str]:
     until it exits, and return (exit code, reason): the watchdog's, or the failure's; "" when it
     succeeded. SIGINT/SIGTERM (raised as :class:`parabench.errors.Interrupted`) stop the workers
     (``on_stop``, then the kill) and propagate to the command."""
-    (launch.run_dir / "command.txt").write_text(shlex.join(launch.command) + "\n")
     logs = launch.run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    (launch.run_dir / "command.txt").write_text(shlex.join(launch.command) + "\n")
     first = launch.launcher.stop_signal
     with StopSignals() as stop_signals:  # before the start: a signal during it is acted on too
         with open(logs / "launcher.log", "w") as log:
@@ -502,8 +546,11 @@ def supervise(launch: Launch) -> tuple[int, str]:
             stop(proc, first, launch.on_stop)
             raise
         finally:
-            if proc.poll() is None:  # the command's own poll failed: no worker outlives it
+            if running(proc):  # the command's own poll failed: no worker outlives it
                 kill(proc, first)
+    if proc.returncode is None:  # exited, not reaped: its pid still holds the group id
+        end_group(proc)
+    end_rank_groups(launch.run_dir, _ticks_now())
     rc = proc.wait()
     if rc != 0 and not reason:
         reason = f"a worker failed ({launch.launcher.name} exit code {rc})"
@@ -514,7 +561,7 @@ def _watch(launch: Launch, proc: subprocess.Popen[bytes], stop_signals: StopSign
     """Poll the workers until they exit: the command's own poll, the setup/hang watchdog (kills the
     group and returns why), a stop signal (raised here, between polls). Returns "" or the kill reason."""
     last_change, last_step = time.monotonic(), -1
-    while proc.poll() is None:
+    while running(proc):
         time.sleep(POLL_S)
         stop_signals.raise_if_received()
         step = launch.poll() if launch.poll is not None else None
@@ -526,6 +573,57 @@ def _watch(launch: Launch, proc: subprocess.Popen[bytes], stop_signals: StopSign
             kill(proc, launch.launcher.stop_signal)
             return reason
     return ""
+
+
+def running(proc: subprocess.Popen[bytes]) -> bool:
+    """Whether the launcher runs. One that has exited is left unreaped (a zombie), so that no other
+    process can take its pid, the id of its process group, before :func:`end_group` has run."""
+    if proc.returncode is not None:  # reaped already (a kill waits for it)
+        return False
+    return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+
+
+def end_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL to whatever is left in the process group of a launcher that has exited (call it before
+    the launcher is reaped): a process its ranks' side started in the launcher's group and left behind.
+    It does not reach what a rank leaves in the rank's own group: torchrun starts each worker as a group
+    leader, so Megatron's asynchronous-checkpoint process (multiprocessing spawn) and its resource
+    tracker, orphaned when a fault SIGKILLs their rank: :func:`end_rank_groups` ends those."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # nothing left of the group
+        pass
+
+
+def _ticks_now() -> int:
+    """Now, in the clock ticks since boot that /proc/PID/stat gives start times in (proc(5))."""
+    return int(float(Path("/proc/uptime").read_text().split()[0]) * os.sysconf("SC_CLK_TCK"))
+
+
+def end_rank_groups(run_dir: Path, before_ticks: int) -> None:
+    """SIGKILL what the ranks left in their own process groups (torchrun starts each worker as a group
+    leader; ``run_dir/pids/incarnations`` holds every pid they had, a restarted rank's earlier ones
+    too: :func:`record_pid`): Megatron's asynchronous-checkpoint process and its multiprocessing
+    resource tracker, orphaned when a fault SIGKILLs their rank, were found alive at
+    270 MiB each long after the run. Only processes started before ``before_ticks`` (the launcher's
+    exit): a group id is free for reuse once its group is empty. Linux only (/proc)."""
+    every = run_dir / "pids" / "incarnations"
+    leaders = {int(t) for t in (every.read_text().split() if every.is_file() else []) if t.isdigit()}
+    if not leaders:
+        return
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():  # self, thread-self, and what is not a process
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        group, started = int(fields[2]), int(fields[19])  # proc(5): pgrp (5th), starttime (22nd)
+        if group in leaders and started <= before_ticks:
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def _overdue(launch: Launch, last_step: int, quiet_s: float) -> str:

@@ -188,6 +188,15 @@ class Expert(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixtral's routing of [tokens, experts] router logits: (the k weights, renormalised to sum to 1;
+    the k expert ids) per token, from the softmax over all experts in fp32 (transformers'
+    MixtralTopKRouter). Counting tokens per expert (parabench.expertload) routes with it too."""
+    probs = F.softmax(router_logits, dim=-1, dtype=torch.float)
+    top_weights, top_experts = torch.topk(probs, top_k, dim=-1)
+    return top_weights / top_weights.sum(dim=-1, keepdim=True), top_experts
+
+
 class SparseMoeBlock(nn.Module):
     """Mixtral's sparse MoE MLP (Jiang et al. 2024, arXiv 2401.04088 sec. 2; transformers'
     MixtralSparseMoeBlock): a bias-free router, softmax over the experts in fp32, top-k, the k weights
@@ -207,9 +216,7 @@ class SparseMoeBlock(nn.Module):
         """(output, router logits of shape [tokens, experts])."""
         flat = x.reshape(-1, x.shape[-1])
         router_logits = self.gate(flat)
-        probs = F.softmax(router_logits, dim=-1, dtype=torch.float)
-        top_weights, top_experts = torch.topk(probs, self.top_k, dim=-1)
-        top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+        top_weights, top_experts = route(router_logits, self.top_k)
         out = torch.zeros_like(flat)
         # Every expert runs, also on zero tokens: its weights then get a zero gradient, so every
         # parameter takes part in each step (DDP needs no find_unused_parameters).

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import time
 
-from parabench.adapters.registry import get_adapter
 from parabench.spec import JobSpec
 
 PLAN_SUFFIX = "-plan"
@@ -29,7 +28,7 @@ def layout_words(job: JobSpec) -> list[str]:
     """The degrees above 1 (tp, pp, cp, dp sharding) and the backend's own layout words."""
     dims = job.parallel
     words = [f"{key}{getattr(dims, key)}" for key in ("tp", "pp", "cp") if getattr(dims, key) > 1]
-    return words + get_adapter(job.backend.name).layout_words(job.backend.options)
+    return words + job.backend.adapter.layout_words(job.backend.options)
 
 
 def job_run_name(job: JobSpec, repeat: int | None = None, now: float | None = None) -> str:

@@ -21,9 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from parabench import __version__, commreport, envreport, k8s, trackstore
-from parabench.adapters.base import check_capabilities
-from parabench.adapters.registry import get_adapter
+from parabench import __version__, commreport, envreport, expertload, k8s, trackstore
 from parabench.checkpoint import (
     RUN_ID_ENV,
     STEPS_FILE,
@@ -35,14 +33,13 @@ from parabench.checkpoint import (
     write_stop_request,
 )
 from parabench.devices import DEVICES, cpu_threads
-from parabench.errors import RunFailed, SpecError, stopped_by
+from parabench.errors import RunFailed, stopped_by
 from parabench.faults import recovery_figures
 from parabench.flops import FORMULA, Peak, flops_per_token
-from parabench.jobs import from_config, usable_device
-from parabench.launchers import Launch, get_launcher, launch_env, log_tails, slurm_placement, supervise
+from parabench.launchers import Launch, get_launcher, launch_env, log_tails, supervise
 from parabench.metrics import summarize
 from parabench.runnames import job_run_name
-from parabench.spec import JobSpec, resolve_device, to_dict
+from parabench.spec import JobSpec, to_dict
 from parabench.tracking import JobRun, StepTail, flatten, git_sha, is_secret, store_uri
 
 LIVE_S = 2.0  # rank 0's finished steps go to MLflow in a batch this often during the run
@@ -52,39 +49,6 @@ STOP_GRACE_S = 60.0  # run.checkpoint.on_signal: how long the workers get to wri
 # --------------------------------------------------------------------------------------------
 # Pre-flight: everything that can be refused before a process starts.
 # --------------------------------------------------------------------------------------------
-def prepare(plain: dict[str, Any]) -> JobSpec:
-    launcher = plain.get("launcher") or {}
-    if launcher.get("slurm") and not launcher.get("dry_run"):
-        plain = {**plain, "launcher": {**launcher, **_slurm_placement(launcher)}}
-    job = from_config(plain)
-    _check_data(job)
-    # a bundle's server is reached from elsewhere; a server that does not answer: the run spools
-    trackstore.check(job.tracking, probe=not job.launch.dry_run, unreachable_ok=job.tracking.on_unreachable == "spool")
-    # checkpoint keys, the job's checkpoint folder (the first repeat's) or run.resume, before anything starts
-    plan_resume(job, 0 if job.run.repeats > 1 else None)
-    adapter = get_adapter(job.backend.name)
-    check_capabilities(adapter, job)
-    if job.launch.dry_run:
-        # A launch bundle is written for another machine: no local backend or device needed.
-        devices = adapter.capabilities.devices
-        kind = job.device.type if job.device.type != "auto" else ("cpu" if "cpu" in devices else sorted(devices)[0])
-        job = resolve_device(job, kind)
-        adapter.validate(job)
-        return job
-    job = resolve_device(job, usable_device(adapter, job.device.type, job.launch))
-    check_capabilities(adapter, job)
-    adapter.validate(job)
-    return job
-
-
-def _slurm_placement(launcher: dict[str, Any]) -> dict[str, Any]:
-    """This node's nnodes/node_rank/master_addr from the Slurm allocation (launcher.slurm=true)."""
-    try:
-        return slurm_placement(dict(os.environ))
-    except RuntimeError as exc:
-        raise SpecError("launcher.slurm", str(exc)) from None
-
-
 def _interrupted_status(exc: KeyboardInterrupt, tracker) -> str:
     """MLflow status of an interrupted job: KILLED (Ctrl-C, a SIGTERM to bench run), or FAILED with the
     reason when Slurm ended the job step: it sends SIGTERM on scancel, at the time limit, on
@@ -114,7 +78,7 @@ def _export(key: str, value: str) -> str:
 
 def write_bundle(job: JobSpec, run_dir: Path, env: dict[str, str], port: int) -> Path:
     """``launch.sh``: the exact, relocatable command a user can run on the target machine."""
-    launcher = get_launcher(get_adapter(job.backend.name).capabilities.launcher)
+    launcher = get_launcher(job.backend.adapter.capabilities.launcher)
     lines = [
         "#!/usr/bin/env bash",
         f"# parabench {__version__} launch bundle: backend={job.backend.name} model={job.model.name} "
@@ -125,7 +89,7 @@ def write_bundle(job: JobSpec, run_dir: Path, env: dict[str, str], port: int) ->
         'RUN_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
     ]
     lines += [_export(k, v) for k, v in sorted(env.items()) if not is_secret(k)]
-    for name, text in get_adapter(job.backend.name).bundle_files(job).items():
+    for name, text in job.backend.adapter.bundle_files(job).items():
         (run_dir / name).write_text(text)
         lines.insert(4, f"# {name}: written beside this script for the backend")
     lines.append("exec " + launcher.bundle_command(job, port))
@@ -140,7 +104,7 @@ def write_bundle(job: JobSpec, run_dir: Path, env: dict[str, str], port: int) ->
 def write_pytorchjob(job: JobSpec, run_dir: Path, env: dict[str, str], command: str, port: int) -> Path:
     """``pytorchjob.yaml`` beside ``launch.sh`` (launcher.k8s.pytorchjob=true): the bundle's files in a
     ConfigMap and a Kubeflow PyTorchJob running ``command`` (parabench.k8s)."""
-    names = ["spec.json", "config.resolved.yaml", *get_adapter(job.backend.name).bundle_files(job)]
+    names = ["spec.json", "config.resolved.yaml", *job.backend.adapter.bundle_files(job)]
     files = {n: (run_dir / n).read_text() for n in names if (run_dir / n).is_file()}
     path = run_dir / k8s.MANIFEST
     path.write_text(k8s.render(k8s.manifests(job, env, command, port, files)))
@@ -290,24 +254,11 @@ def _run_metadata(
 def execute(
     job: JobSpec, plain: dict[str, Any], run_dir: Path, extra_tags: dict[str, Any] | None = None
 ) -> dict[str, Any] | None:
-    import yaml
-
     # refused (exit 2) before the run directory is touched. prepare() has looked at the checkpoint
     # folder and a run.resume path already and reported their skipped checkpoints once.
     repeat = (extra_tags or {}).get("repeat")
     resume_from = plan_resume(job, repeat, warn=lambda msg: None)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    link_default_root(job, run_dir, repeat)
-    write_resume_file(run_dir, resume_from)
-    _say_where_it_starts(job, run_dir, resume_from)
-    (run_dir / "logs").mkdir(exist_ok=True)
-    plain = _without_credentials(plain, run_dir)  # what is written or recorded never has them
-    (run_dir / "config.resolved.yaml").write_text(yaml.safe_dump(plain, sort_keys=False))
-    public = dataclasses.replace(
-        job.tracking, uri=job.tracking.uri and trackstore.without_credentials(job.tracking.uri)
-    )
-    (run_dir / "spec.json").write_text(dataclasses.replace(job, tracking=public).to_json())
-    _stage_data(job, run_dir)
+    plain = _write_run_dir(job, plain, run_dir, repeat, resume_from)
     env = launch_env(job)
     port = job.launch.master_port  # 0: the launcher takes one as it starts (launchers._c10d)
     bundle = write_bundle(job, run_dir, env, job.launch.master_port or 29500)
@@ -315,16 +266,7 @@ def execute(
         print(f"dry run: launch bundle written to {bundle} (with spec.json and config.resolved.yaml beside it)")
         return None
 
-    versions = envreport.versions()
-    env_doc = {
-        "versions": versions,
-        "launch_env": {k: v for k, v in env.items() if not is_secret(k)},
-        "host": socket.gethostname(),
-        "cpu": envreport.cpu_info(),
-        "python": sys.version,
-    }
-    (run_dir / "env.json").write_text(json.dumps(env_doc, indent=2))
-    adapter = get_adapter(job.backend.name)
+    versions = _write_env_doc(run_dir, env)
     params, tags = _run_metadata(job, plain, env, versions, run_dir, extra_tags)
     # One MLflow run per job: on a multi-node job only node 0 records (the other nodes' workers
     # write their rank files into the same, shared run directory).
@@ -337,20 +279,8 @@ def execute(
     try:
         started = time.monotonic()
         rc, reason = launch(job, run_dir, env, port, tracker)
-        wall_s = time.monotonic() - started
-        ranks = sorted((run_dir / "ranks").glob("rank*.json")) if (run_dir / "ranks").exists() else []
-        if rc != 0 or len(ranks) != job.parallel.world_size:
-            reason = reason or f"{len(ranks)} of {job.parallel.world_size} ranks reported results"
-            _report_failure(run_dir, reason, tracker)
-            raise RunFailed(f"run failed: {reason}; logs in {run_dir / 'logs'}")
-        results = [json.loads(p.read_text()) for p in ranks]
-        summary = build_summary(job, adapter, results)
         started_at = int(tags.get("parabench.resumed_step") or 0)
-        summary.update(recovery_figures(run_dir, results, wall_s, started_at))
-        # the measured figures are this run's own steps (parabench.loop): say where it started
-        summary.update(started_at_step=started_at, started_from=str(resume_from) if resume_from else None)
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        _log_results(tracker, summary, results)
+        summary = _summarise(job, run_dir, (rc, reason), time.monotonic() - started, tracker, started_at, resume_from)
         status = "FINISHED"
         print_summary(job, summary, tracker, run_dir)
         return summary
@@ -361,6 +291,70 @@ def execute(
     finally:
         tracker.log_artifacts(_artifact_files(run_dir), run_dir)
         tracker.end(status)
+
+
+def _write_run_dir(
+    job: JobSpec, plain: dict[str, Any], run_dir: Path, repeat: Any, resume_from: Path | None
+) -> dict[str, Any]:
+    """The run directory before launch: the resume marker, config.resolved.yaml and spec.json (both
+    without credentials: returned, the config as recorded) and the staged data."""
+    import yaml
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    link_default_root(job, run_dir, repeat)
+    write_resume_file(run_dir, resume_from)
+    _say_where_it_starts(job, run_dir, resume_from)
+    (run_dir / "logs").mkdir(exist_ok=True)
+    plain = _without_credentials(plain, run_dir)  # what is written or recorded never has them
+    (run_dir / "config.resolved.yaml").write_text(yaml.safe_dump(plain, sort_keys=False))
+    public = dataclasses.replace(
+        job.tracking, uri=job.tracking.uri and trackstore.without_credentials(job.tracking.uri)
+    )
+    (run_dir / "spec.json").write_text(dataclasses.replace(job, tracking=public).to_json())
+    _stage_data(job, run_dir)
+    return plain
+
+
+def _write_env_doc(run_dir: Path, env: dict[str, str]) -> dict[str, str | None]:
+    """env.json: package versions, the launch environment without secrets, host, CPU, Python. Returns
+    the versions (recorded as MLflow params too)."""
+    versions = envreport.versions()
+    env_doc = {
+        "versions": versions,
+        "launch_env": {k: v for k, v in env.items() if not is_secret(k)},
+        "host": socket.gethostname(),
+        "cpu": envreport.cpu_info(),
+        "python": sys.version,
+    }
+    (run_dir / "env.json").write_text(json.dumps(env_doc, indent=2))
+    return versions
+
+
+def _summarise(
+    job: JobSpec,
+    run_dir: Path,
+    outcome: tuple[int, str | None],
+    wall_s: float,
+    tracker: JobRun,
+    started_at: int,
+    resume_from: Path | None,
+) -> dict[str, Any]:
+    """summary.json of a launch that ended with ``outcome`` (exit code, reason), logged to MLflow;
+    RunFailed unless every rank reported."""
+    rc, reason = outcome
+    ranks = sorted((run_dir / "ranks").glob("rank*.json")) if (run_dir / "ranks").exists() else []
+    if rc != 0 or len(ranks) != job.parallel.world_size:
+        reason = reason or f"{len(ranks)} of {job.parallel.world_size} ranks reported results"
+        _report_failure(run_dir, reason, tracker)
+        raise RunFailed(f"run failed: {reason}; logs in {run_dir / 'logs'}")
+    results = [json.loads(p.read_text()) for p in ranks]
+    summary = build_summary(job, job.backend.adapter, results)
+    summary.update(recovery_figures(run_dir, results, wall_s, started_at))
+    # the measured figures are this run's own steps (parabench.loop): say where it started
+    summary.update(started_at_step=started_at, started_from=str(resume_from) if resume_from else None)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    _log_results(tracker, summary, results)
+    return summary
 
 
 def _say_where_it_starts(job: JobSpec, run_dir: Path, resume_from: Path | None) -> None:
@@ -515,17 +509,12 @@ def build_summary(job: JobSpec, adapter, results: list[dict]) -> dict[str, Any]:
         summary["model_state_expected_formula"] = expected.formula
         summary["model_state_expected_source"] = expected.source
         summary["model_state_diff_bytes"] = max(core) - expected.bytes
+    # MoE: tokens per expert per step, already summed over the ranks (every rank holds the same sums)
+    summary.update(expertload.summary(results[0].get("tokens_per_expert") or []))
     extra = {k: v for r in results for k, v in r.get("extra", {}).items()}
     summary.update({f"extra.{k}": v for k, v in extra.items()})
     summary.update(commreport.comm_summary(job, results, summary["step_time_median_s"]))  # measured vs formula
     return summary
-
-
-def _check_data(job: JobSpec) -> None:
-    """Data problems (missing/corrupt files, token ids outside the vocabulary) refused before launch."""
-    from parabench.data import check_data
-
-    check_data(job, Path(job.run.results_dir) / ".cache")
 
 
 def _stage_data(job: JobSpec, run_dir: Path) -> None:
@@ -564,6 +553,8 @@ def _log_results(tracker, summary: dict[str, Any], results: list[dict]) -> None:
     metrics += [
         ("step_tokens_per_s", summary["tokens_per_step"] / v, warm + i) for i, v in enumerate(summary["step_times_max"])
     ]
+    for step, counts in zip(summary.get("moe_tokens_per_expert_steps", []), summary.get("moe_tokens_per_expert", [])):
+        metrics += expertload.step_metrics(step, counts)
     scalar = {k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     metrics += [(k, v, 0) for k, v in scalar.items()]
     for r in results:
@@ -657,6 +648,7 @@ def print_summary(job: JobSpec, s: dict[str, Any], tracker, run_dir: Path) -> No
         )
     lines += [
         f"  loss           {s['loss_first']:.6f} (step 0) -> {s['loss_final']:.6f} (step {len(s['losses']) - 1})",
+        *expertload.summary_line(s),
         *resilience_lines(s),
         *commreport.summary_lines(s),
         f"  init checksum  {s['initial_checksum']}",

@@ -31,8 +31,8 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra_plugins.hydra_submitit_launcher import submitit_launcher
 from omegaconf import OmegaConf
 
-from parabench.confutil import register_resolvers
 from parabench.errors import RunFailed, UserError, stopped_by
+from parabench.hydraconfig import register_resolvers
 from parabench.spec import tracking_from_config
 from parabench.tracking import PARENT_ENV, store_uri
 from parabench.trackstore import redact

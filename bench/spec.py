@@ -112,7 +112,8 @@ def build(cls: type[_Spec], node: Mapping[str, Any] | None, prefix: str) -> _Spe
 
 def to_dict(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj):
-        return {f.metadata.get("key", f.name): to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        fields = [f for f in dataclasses.fields(obj) if f.metadata.get("in_json", True)]
+        return {f.metadata.get("key", f.name): to_dict(getattr(obj, f.name)) for f in fields}
     if isinstance(obj, tuple):
         return [to_dict(v) for v in obj]
     return obj
@@ -386,6 +387,9 @@ class ParallelDims:
 class BackendSpec:
     name: str
     options: Any  # the adapter's own frozen Options dataclass
+    # the backend's Adapter class (parabench.adapters), resolved once where the job is composed
+    # (parabench.jobs); everything else reads it here. Not part of spec.json: the name is.
+    adapter: Any = dataclasses.field(compare=False, repr=False, metadata={"in_json": False})
 
 
 @dataclass(frozen=True)
@@ -491,6 +495,15 @@ def validate_common(
         ("run.repeats", run.repeats),
     ]:
         _positive(key, value)
+    _validate_model_shapes(model, data)
+    _validate_data(data, model)
+    _validate_optim(optim, run)
+    _validate_launch(launch, device)
+    validate_k8s(launch)
+
+
+def _validate_model_shapes(model: ModelSpec, data: DataSpec) -> None:
+    """Head counts that divide, rotary-friendly heads, and a sequence the positions cover."""
     if model.hidden_size % model.num_attention_heads:
         raise SpecError(
             "model.num_attention_heads",
@@ -523,7 +536,9 @@ def validate_common(
             f"needs factor > 0, 0 < low_freq_factor < high_freq_factor, "
             f"original_max_position_embeddings > 0; got {to_dict(rs)}",
         )
-    _validate_data(data, model)
+
+
+def _validate_optim(optim: OptimSpec, run: RunSpec) -> None:
     if not (0.0 <= optim.betas[0] < 1.0 and 0.0 <= optim.betas[1] < 1.0):
         raise SpecError("optim.betas", f"each beta must be in [0, 1), got {list(optim.betas)}")
     if optim.weight_decay < 0:
@@ -532,6 +547,9 @@ def validate_common(
         raise SpecError("optim.grad_clip", f"must be >= 0 (0 disables), got {optim.grad_clip}")
     if run.warmup_steps < 0:
         raise SpecError("run.warmup_steps", f"must be >= 0, got {run.warmup_steps}")
+
+
+def _validate_launch(launch: LaunchSpec, device: DeviceSpec) -> None:
     if not 0 <= launch.node_rank < launch.nnodes:
         raise SpecError("launcher.node_rank", f"{launch.node_rank} is not in [0, nnodes={launch.nnodes})")
     if not 0 <= launch.master_port < 65536:
@@ -542,7 +560,6 @@ def validate_common(
         raise SpecError("device.threads_per_rank", f"must be >= 0 (0 = automatic), got {device.threads_per_rank}")
     if device.peak_tflops is not None and device.peak_tflops <= 0:
         raise SpecError("device.peak_tflops", f"must be > 0 or null, got {device.peak_tflops}")
-    validate_k8s(launch)
 
 
 # A host name, an IPv4 or a bracketed IPv6 address (with a %zone), and torchrun's rendezvous id: the

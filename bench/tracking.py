@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from parabench import trackstore
+from parabench import expertload, trackstore
 from parabench.errors import SpecError
 from parabench.spec import TrackingSpec
 
@@ -375,7 +375,8 @@ class JobRun:
 class StepTail:
     """The steps rank 0 has finished (``steps.jsonl``, appended during the run), read as they come:
     each call of :meth:`new` returns the metrics of the lines added since the last one (per step:
-    loss; for measured steps also the slowest rank's step time and tokens/s from it)."""
+    loss, a MoE model's tokens per expert; for measured steps also the slowest rank's step time and
+    tokens/s from it)."""
 
     def __init__(self, path: Path, warmup_steps: int, tokens_per_step: int):
         self.path = path
@@ -406,6 +407,8 @@ def step_metrics(step: Mapping[str, Any], warmup_steps: int, tokens_per_step: in
     if i >= warmup_steps and step.get("step_time_s"):
         t = float(step["step_time_s"])
         out += [("step_time_s", t, i), ("step_tokens_per_s", tokens_per_step / t, i)]
+    if step.get("moe_tokens_per_expert"):  # MoE: tokens per expert and load imbalance, warm-up included
+        out += expertload.step_metrics(i, step["moe_tokens_per_expert"])
     return out
 
 

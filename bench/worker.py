@@ -2,7 +2,7 @@
 
 Reads the resolved spec the runner wrote (no Hydra here), joins the process group, asks the
 adapter for an engine, runs the measured loop, and writes ``ranks/rank<R>.json``. Its output goes
-to ``logs/rank<R>.log``; its pid to ``pids/rank<R>`` (the runner prints log tails on failure).
+to ``logs/rank<R>.log``; its pid to ``pids/rank<R>`` (launchers.record_pid) (the runner prints log tails on failure).
 Everything backend-specific, including framework monkeypatches, happens inside
 ``adapter.create_engine`` in this process only. Under msrun the same command also starts msrun's
 scheduler (``MS_ROLE=MS_SCHED``), which this module serves without training.
@@ -18,28 +18,23 @@ import traceback
 from pathlib import Path
 
 from parabench.adapters.base import WorkerContext
-from parabench.adapters.registry import get_adapter
 from parabench.checkpoint import RUN_ID_ENV, STEPS_FILE, Checkpointer, CheckpointError, StopRequested
 from parabench.commlog import CommLog
 from parabench.devices import DEVICES, drain_comm_threads
 from parabench.faults import record_detection, restart_count
 from parabench.jobs import load_job
-from parabench.launchers import get_launcher, redirect_output, serve_msrun_scheduler, stop_with_launcher
+from parabench.launchers import msrun_scheduler_started, rank_of, serve_msrun_scheduler
 
 
 def main(argv: list[str] | None = None) -> int:
     started_wall = time.time()
-    stop_with_launcher()  # a SIGKILLed torchrun or msrun takes its workers with it
-    if os.environ.get("MS_ROLE") == "MS_SCHED":
+    if msrun_scheduler_started():
         return serve_msrun_scheduler()
     argv = sys.argv[1:] if argv is None else argv
     run_dir = Path(argv[0])
     job = load_job(run_dir / "spec.json")
-    adapter = get_adapter(job.backend.name)
-    rank, local_rank, world = get_launcher(adapter.capabilities.launcher).coords()
-    redirect_output(run_dir, rank)
-    (run_dir / "pids").mkdir(exist_ok=True)
-    (run_dir / "pids" / f"rank{rank}").write_text(str(os.getpid()))
+    adapter = job.backend.adapter
+    rank, local_rank, world = rank_of(job, run_dir)
     print(f"[parabench worker] rank {rank}/{world} local_rank {local_rank} pid {os.getpid()}", flush=True)
     try:
         code = _run(job, adapter, run_dir, rank, local_rank, world, started_wall)
@@ -79,7 +74,7 @@ def _run(job, adapter, run_dir: Path, rank: int, local_rank: int, world: int, st
     progress_path = run_dir / "progress.json"
     first_step: list[float] = []  # wall time after this process's first step (recovery figures)
 
-    def on_step(step: int, total: int, loss: float, step_time: float) -> None:
+    def on_step(step: int, total: int, loss: float, step_time: float, tokens_per_expert: list | None) -> None:
         if not first_step:
             first_step.append(time.time())
         print(f"step {step + 1}/{total} loss {loss:.6f} step_time {step_time:.4f}s", flush=True)
@@ -88,8 +83,11 @@ def _run(job, adapter, run_dir: Path, rank: int, local_rank: int, world: int, st
                 progress_path,
                 {"step": step + 1, "total": total, "loss": loss, "step_time": step_time, "time": time.time()},
             )
+            line: dict = {"step": step, "loss": loss, "step_time_s": step_time}
+            if tokens_per_expert is not None:  # MoE: [layer][expert], summed over the ranks (parabench.expertload)
+                line["moe_tokens_per_expert"] = tokens_per_expert
             with open(run_dir / STEPS_FILE, "a") as f:
-                f.write(json.dumps({"step": step, "loss": loss, "step_time_s": step_time}) + "\n")
+                f.write(json.dumps(line) + "\n")
 
     checkpointer = None
     if adapter.capabilities.checkpoint is not None:

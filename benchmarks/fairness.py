@@ -160,8 +160,8 @@ def native_env(backend: str, world: int) -> dict[str, str]:
     """The environment `bench run` gives this backend's workers: threads per rank and the adapter's
     launch_env (DS_ACCELERATOR and the JIT cache for DeepSpeed, MindSpore's log level)."""
     from parabench.adapters.registry import get_adapter
-    from parabench.confutil import compose, to_plain
     from parabench.devices import cpu_threads
+    from parabench.hydraconfig import compose, to_plain
     from parabench.jobs import from_config
 
     job = from_config(to_plain(compose(job_overrides(backend, world, 0, 1))))

@@ -24,7 +24,7 @@ from pathlib import Path
 
 HAND_LOOP = r"""
 import json, sys, time, torch
-from parabench.confutil import compose, to_plain
+from parabench.hydraconfig import compose, to_plain
 from parabench.jobs import from_config
 from parabench.data import TokenSource
 from parabench.model import build_llama, causal_lm_loss

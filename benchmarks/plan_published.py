@@ -25,13 +25,13 @@ from typing import Any
 
 import yaml
 
-from parabench.confutil import compose, to_plain
 from parabench.errors import UserError
+from parabench.hydraconfig import compose, to_plain
+from parabench.jobs import prepare
 from parabench.plan import cluster as clusters
 from parabench.plan.estimate import Calibration, Estimate, Features, estimate
 from parabench.plan.gemms import CURVES, FITTED
 from parabench.plan.search import search
-from parabench.runner import prepare
 
 DATA = Path(__file__).parent / "data" / "published_runs.yaml"
 OPTION_KEYS = ("tp", "pp", "vpp", "cp", "sequence_parallel", "distributed_optimizer", "overlap_grad_reduce")

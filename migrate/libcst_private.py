@@ -19,6 +19,7 @@ tests/migrate/test_libcst_private.py fails on any other, saying what to re-check
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -72,30 +73,40 @@ def line_table(
 
     LibCST's PositionProvider computes columns and syntactic ranges too and costs ~7 parses;
     the rules only need lines. Statements start after their leading blank/comment lines."""
-    from libcst._nodes.internal import CodegenState
-
     module = module if module is not None else node
-    table: dict[cst.CSTNode, tuple[int, int]] = {}
-    starts: dict[cst.CSTNode, int] = {}
+    state = _line_state_class()(default_indent=module.default_indent, default_newline=module.default_newline)
+    state.line = first_line
+    node._codegen(state)
+    return state.table
+
+
+@functools.cache
+def _line_state_class() -> type:
+    """The code-generation state of ``line_table``, made once: a class made per call (as a closure
+    over the call's tables) cost its creation and left a reference cycle to collect, ~900 times on
+    Megatron-Core."""
+    from libcst._nodes.internal import CodegenState
 
     class LineState(CodegenState):
         line = 1
+
+        def __init__(self, **fields: Any) -> None:
+            super().__init__(**fields)
+            self.table: dict[cst.CSTNode, tuple[int, int]] = {}
+            self.starts: dict[cst.CSTNode, int] = {}
 
         def add_token(self, value: str) -> None:
             self.tokens.append(value)
             self.line += value.count("\n")
 
         def before_codegen(self, node: cst.CSTNode) -> None:
-            starts[node] = self.line + len(getattr(node, "leading_lines", ()) or ())
+            self.starts[node] = self.line + len(getattr(node, "leading_lines", ()) or ())
 
         def after_codegen(self, node: cst.CSTNode) -> None:
             end = self.line
             if self.tokens and self.tokens[-1].endswith("\n"):
                 end -= 1
-            start = starts.pop(node)
-            table[node] = (start, max(start, end))
+            start = self.starts.pop(node)
+            self.table[node] = (start, max(start, end))
 
-    state = LineState(default_indent=module.default_indent, default_newline=module.default_newline)
-    state.line = first_line
-    node._codegen(state)
-    return table
+    return LineState

@@ -77,12 +77,14 @@ _STRING_GATE = re.compile(
 )
 
 
-def _words(words: tuple[str, ...]):
-    """``search(s)``: does ``s`` contain one of ``words`` (lower case), ignoring case? Substring
-    tests on the lower-cased text: ~20x faster than one case-insensitive alternation regex, which
-    dominated the cost of the files that need no change."""
+def _words(words: tuple[str, ...], whole: tuple[str, ...] = ()):
+    """``search(s)``: does ``s`` contain one of ``words`` (lower case), ignoring case, or one of
+    ``whole`` as a word of its own (not inside a longer identifier)? Substring tests on the
+    lower-cased text: ~20x faster than one case-insensitive alternation regex, which dominated the
+    cost of the files that need no change."""
 
     memo: dict[str, bool] = {}  # short strings (identifiers, names) repeat: answered once each
+    alone = re.compile(r"(?<!\w)(?:" + "|".join(map(re.escape, whole)) + r")(?!\w)").search if whole else None
 
     def search(s: str) -> bool:
         hit = memo.get(s)
@@ -94,6 +96,9 @@ def _words(words: tuple[str, ...]):
             if w in low:
                 hit = True
                 break
+        else:
+            if alone is not None and alone(low):
+                hit = True
         if len(s) <= 64:
             if len(memo) >= 100_000:
                 memo.clear()
@@ -105,6 +110,24 @@ def _words(words: tuple[str, ...]):
 
 _STATIC_SEARCH = _words(_STATIC_WORDS)
 _MINDSPEED_SEARCH = _words((*_STATIC_WORDS, "megatron"))
+
+# The names that stages 2 and 3 test (identifiers, attribute names, imports, keywords; a span's
+# text passes the text gate first, as before) match fewer than the words above where a word would
+# match far more than any rule needs (Megatron-Core's get_data_parallel_group, DeepSpeed's
+# get_accelerator, re.compile: the corpus of benchmarks/migrate_corpus.py had 1,287 files parsed by
+# LibCST, 6.05 M characters; with these 1,018 and 4.33 M, every output byte the same):
+# - PY905 resolves a call to torch.nn[.parallel].DataParallel or torch.nn.parallel.data_parallel,
+#   so its names count only as a whole name or dotted part (``nn.DataParallel``, an import of
+#   ``data_parallel``), not inside ``get_data_parallel_group`` or ``DistributedDataParallel``;
+# - PY909 resolves ``compile`` to torch.compile, so it too counts only as a whole name (not
+#   ``compiled``, ``torch.compiler``), and ``X.compile`` only where X may be torch (``re.compile``
+#   is in most files): ``_mentions_trigger``, ``_torch_names``;
+# - "accelerator" is a stage-1 word only: PY912 reports ``accelerator='gpu'``, whose 'gpu' is no
+#   word of its own but passes the string gate in stage 2; no rule reads an identifier for it.
+_WHOLE_WORDS = ("data_parallel", "dataparallel", "compile")
+_CODE_WORDS = tuple(w for w in _STATIC_WORDS if w not in _WHOLE_WORDS and w != "accelerator")
+_STATIC_CODE_SEARCH = _words(_CODE_WORDS, _WHOLE_WORDS)
+_MINDSPEED_CODE_SEARCH = _words((*_CODE_WORDS, "megatron"), _WHOLE_WORDS)
 
 
 def may_hold_cuda(text: str) -> bool:
@@ -126,6 +149,13 @@ def _text_gate(options: Options):
     if options.target == "mindspeed":
         return _MINDSPEED_SEARCH
     return _STATIC_SEARCH
+
+
+def _code_search(options: Options, gate):
+    """The search of stages 2 and 3 (see _CODE_WORDS); the text gate's own in --mode runtime."""
+    if options.mode == "runtime":
+        return gate
+    return _MINDSPEED_CODE_SEARCH if options.target == "mindspeed" else _STATIC_CODE_SEARCH
 
 
 @dataclasses.dataclass
@@ -169,10 +199,16 @@ def prefilter(text: str, options: Options) -> Plan:
         )
     except (RecursionError, MemoryError):
         return Plan(False, "unparseable: nesting too deep for the parser")
-    return _select(text, tree, options, gate)
+    return _select(text, tree, options, gate, _code_search(options, gate))
 
 
 _Expr, _Constant, _Import, _ImportFrom, _If = ast.Expr, ast.Constant, ast.Import, ast.ImportFrom, ast.If
+
+
+def _torch_names(body: list) -> frozenset[str]:
+    """Names that may resolve to ``torch`` in the module (``PyContext.qnames``): ``torch`` itself
+    (also when no import binds it) and every name an import anywhere in it binds to ``torch``."""
+    return frozenset({"torch", *(local for local, qual in _bindings(body) if qual == "torch")})
 
 
 def _docstring(body: list) -> ast.AST | None:
@@ -182,9 +218,10 @@ def _docstring(body: list) -> ast.AST | None:
     return None
 
 
-def _mentions_trigger(nodes: list, search, docstrings: set[int]) -> bool:
+def _mentions_trigger(nodes: list, search, docstrings: set[int], torch_names: frozenset[str]) -> bool:
     """Does any identifier, attribute name, import or role-bearing string under ``nodes`` match?
-    One pass; a container is always reached before its body, so its docstring is known in time."""
+    One pass; a container is always reached before its body, so its docstring is known in time.
+    ``X.compile`` matches only where X is one of ``torch_names`` (``_torch_names``)."""
     string_gate = _STRING_GATE.match
     containers = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
     Name, Attribute, Constant, alias, ImportFrom, keyword = (
@@ -206,7 +243,12 @@ def _mentions_trigger(nodes: list, search, docstrings: set[int]) -> bool:
                 return True
             continue
         if t is Attribute:
-            if search(node.attr):
+            attr = node.attr
+            if attr == "compile":  # torch.compile is the only one a rule resolves (PY909)
+                value = node.value
+                if type(value) is Name and value.id in torch_names:
+                    return True
+            elif search(attr):
                 return True
         elif t is Constant:
             if type(node.value) is str and id(node) not in docstrings and string_gate(node.value):
@@ -335,7 +377,7 @@ def _own_line_groups(node, lines: list[str], least: int) -> list[tuple[int, int,
     return groups
 
 
-def _select(text: str, tree: ast.Module, options: Options, search) -> Plan:
+def _select(text: str, tree: ast.Module, options: Options, gate, search) -> Plan:
     """Which top-level statements (and members of top-level classes) can matter to a rule; the
     rest are blanked for LibCST.
 
@@ -353,8 +395,10 @@ def _select(text: str, tree: ast.Module, options: Options, search) -> Plan:
     if doc is not None:
         docstrings.add(id(doc))
 
+    torch_names = frozenset() if runtime else _torch_names(body)
+
     def whole_file() -> Plan:  # no blanking: LibCST parses the file as it is
-        return Plan(runtime or _mentions_trigger([tree], search, docstrings), "", text, tree)
+        return Plan(runtime or _mentions_trigger([tree], search, docstrings, torch_names), "", text, tree)
 
     if len(body) < 2 or "\r" in text or not text.endswith("\n"):
         return whole_file()
@@ -370,13 +414,13 @@ def _select(text: str, tree: ast.Module, options: Options, search) -> Plan:
         return whole_file()
     for k, g in enumerate(spans):
         g.text = text[offs[k] : offs[k + 1]]
-    keep, triggered = _spans_that_matter(spans, doc is not None, runtime, search, docstrings)
+    keep, triggered = _spans_that_matter(spans, doc is not None, runtime, (gate, search), docstrings, torch_names)
     if not runtime and not triggered:
         return Plan(False)
     trims: dict[int, _Trim] = {}
     if not runtime:
-        special, imported = _keep_linked_spans(spans, keep, triggered, search)
-        trims = _trim_functions(spans, keep, lines, search, docstrings, special, imported)
+        special, imported = _keep_linked_spans(spans, keep, triggered, search, torch_names)
+        trims = _trim_functions(spans, keep, lines, (gate, search), docstrings, special, imported, torch_names)
     _keep_class_headers(spans, keep, members)
     kept = sum(len(g.text) for k, g in enumerate(spans) if keep[k])
     kept -= sum(starts[b - 1] - starts[a - 1] for t in trims.values() for a, b in t.cuts)
@@ -419,10 +463,11 @@ def _spans(
 
 
 def _spans_that_matter(
-    spans: list[_Span], module_doc: bool, runtime: bool, search, docstrings: set[int]
+    spans: list[_Span], module_doc: bool, runtime: bool, searches, docstrings: set[int], torch_names: frozenset[str]
 ) -> tuple[list[bool], list[int]]:
     """(keep, triggered): the structural spans and those holding a trigger are kept; ``triggered``
     lists the latter (the start of ``_keep_linked_spans``)."""
+    gate, search = searches  # the text gate tests the span's text, then ``search`` its names
     keep = [False] * len(spans)
     keep[0] = module_doc
     triggered: list[int] = []
@@ -433,7 +478,7 @@ def _spans_that_matter(
                 keep[k] = True
             elif t0 is _If and any(type(x) is ast.Name and x.id == "__name__" for x in ast.walk(g.nodes[0].test)):
                 keep[k] = True
-        if not runtime and search(g.text) and _mentions_trigger(g.nodes, search, docstrings):
+        if not runtime and gate(g.text) and _mentions_trigger(g.nodes, search, docstrings, torch_names):
             keep[k] = True
             triggered.append(k)
     return keep, triggered
@@ -517,10 +562,11 @@ def _trim_functions(
     spans: list[_Span],
     keep: list[bool],
     lines: list[str],
-    search,
+    searches,
     docstrings: set[int],
     special: set[str],
     imported: set[str],
+    torch_names: frozenset[str],
 ) -> dict[int, _Trim]:
     """The statements of the bodies of kept top-level functions and methods of top-level classes
     that no rule can need, to blank as ``_select`` blanks top-level ones (a span index -> _Trim).
@@ -532,6 +578,7 @@ def _trim_functions(
     ... ``if not use_cuda: return``). A function named for a device (``get_device``) is kept whole
     (PY104 looks for an NPU branch anywhere in it, rules/_reach.py); one with nothing kept keeps
     its first statement."""
+    gate, search = searches  # as in _spans_that_matter
     out: dict[int, _Trim] = {}
     for k, g in enumerate(spans):
         fn = g.nodes[0] if keep[k] and len(g.nodes) == 1 and g.member != -2 else None
@@ -548,8 +595,8 @@ def _trim_functions(
             chunk, stmts = "\n".join(lines[start - 1 : end - 1]), fn.body[i:j]
             words = set(_IDENT_RE.findall(chunk))
             if (
-                search(chunk)
-                and _mentions_trigger(stmts, search, docstrings)
+                gate(chunk)
+                and _mentions_trigger(stmts, search, docstrings, torch_names)
                 or not words.isdisjoint(special)
                 or "import" in words
                 and any(type(x) in (_Import, _ImportFrom) for x in _statements(stmts))
@@ -646,7 +693,9 @@ def _binds_any(nodes, names: set[str]) -> bool:
     return False
 
 
-def _keep_linked_spans(spans: list[_Span], keep: list[bool], triggered: list[int], search) -> tuple[set[str], set[str]]:
+def _keep_linked_spans(
+    spans: list[_Span], keep: list[bool], triggered: list[int], search, torch_names: frozenset[str]
+) -> tuple[set[str], set[str]]:
     """Mark the spans linked to parsed ones by names (see ``_select``) -> (the linking names,
     every name an import binds). Linking names: special bindings (imports of trigger modules,
     ``x = <...>.cuda``, type-string collections), names assigned a CUDA check or a device string
@@ -670,7 +719,11 @@ def _keep_linked_spans(spans: list[_Span], keep: list[bool], triggered: list[int
         if "torch.cuda." in spans[k].text:
             special.update(_type_string_collections(spans[k].nodes))
         for x in spans[k].nodes:  # `@triton.jit def kernel`: its calls are CUDA-only code (rules/_guard.py)
-            if type(x) in _FUNCS and x.decorator_list and _mentions_trigger(x.decorator_list, search, set()):
+            if (
+                type(x) in _FUNCS
+                and x.decorator_list
+                and _mentions_trigger(x.decorator_list, search, set(), torch_names)
+            ):
                 special.add(x.name)
         _assigned_names(spans[k].nodes, special)
     if any("profiler" in spans[k].text.lower() for k in triggered):

@@ -3,6 +3,7 @@ test tiers and the rules that keep them honest (see "Test tiers" below)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -12,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import run_matrix
-from tiers import CURRENT_ITEM, install_process_guard, promote_ci_skips, uninstall_process_guard
+from schedule import longest_modules_first, measured_seconds
+from tiers import CURRENT_ITEM, TIER_MARKERS, install_process_guard, promote_ci_skips, uninstall_process_guard
 
 pytest_plugins = ["pytester"]  # tests/test_tiers.py runs small test projects
 
@@ -187,23 +189,54 @@ def results(tmp_path: Path) -> Path:
 @pytest.fixture(scope="session")
 def matrix(request, tmp_path_factory) -> dict[str, run_matrix.MatrixRun]:
     """The shared run matrix (tests/run_matrix.py): variant -> its run, for the variants the session's
-    selected tests name with @pytest.mark.matrix. One `bench run -m` per world size."""
-    needed = request.config.stash.get(run_matrix.NEEDED, set())
-    out: dict[str, run_matrix.MatrixRun] = {}
-    for world, variants in ((2, run_matrix.VARIANTS), (1, run_matrix.ONE_RANK)):
-        chosen = [v for v in variants if v in needed]
-        if not chosen:
-            continue
-        results = tmp_path_factory.mktemp(f"matrix_x{world}")
-        args = [*FAST, f"run.steps={run_matrix.STEPS}", f"launcher.nproc_per_node={world}"]
-        proc = bench(["run", "-m", *args, "backend=" + ",".join(variants[v] for v in chosen)], results, timeout=3600)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        jobs = run_matrix.sweep_jobs(results)
-        assert len(jobs) == len(chosen), [j.name for j in jobs]
-        for variant, run_dir in zip(chosen, jobs, strict=True):
-            summary = json.loads((run_dir / "summary.json").read_text())
-            out[variant] = run_matrix.MatrixRun(summary, run_dir, results)
-    return out
+    selected tests name with @pytest.mark.matrix. One `bench run -m` per shard, once per session: under
+    pytest-xdist each shard is trained by the first worker to claim it, in the folder the workers'
+    temporary folders share; a worker skips the shards another is training and trains the next
+    unclaimed one, then waits for the rest (a lock per shard) and reads every shard from there."""
+    shards = run_matrix.shards_needed(request.config.stash.get(run_matrix.NEEDED, set()))
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        root = tmp_path_factory.mktemp("matrix")
+        return {v: run for shard in shards for v, run in _train_shard(shard, root).items()}
+    shared = tmp_path_factory.getbasetemp().parent  # one per session, above each worker's own
+    for shard in shards:  # train what nobody has claimed yet
+        _shard_runs(shard, shared, wait=False)
+    runs: dict[str, run_matrix.MatrixRun] = {}
+    for shard in shards:  # then wait for the others' shards and read them
+        runs.update(_shard_runs(shard, shared, wait=True) or {})
+    return runs
+
+
+def _shard_runs(shard, shared: Path, wait: bool) -> dict[str, run_matrix.MatrixRun] | None:
+    """The shard's runs, trained here if no worker has done it; None when ``wait`` is false and another
+    worker holds the shard's lock (it is training it)."""
+    name = shard[0]
+    index = shared / f"matrix-{name}.json"
+    with open(shared / f"matrix-{name}.lock", "w") as lock:
+        try:  # released when the file closes, also if training fails
+            fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            return None
+        if not index.exists():
+            runs = _train_shard(shard, shared / "matrix")
+            index.write_text(json.dumps({v: [str(r.run_dir), str(r.results)] for v, r in runs.items()}))
+            return runs
+    index_runs = json.loads(index.read_text()).items()
+    return {
+        variant: run_matrix.MatrixRun.read(Path(run_dir), Path(results)) for variant, (run_dir, results) in index_runs
+    }
+
+
+def _train_shard(shard: tuple[str, int, list[str]], root: Path) -> dict[str, run_matrix.MatrixRun]:
+    name, world, chosen = shard
+    results = root / name
+    results.mkdir(parents=True)
+    args = [*FAST, f"run.steps={run_matrix.STEPS}", f"launcher.nproc_per_node={world}"]
+    backends = ",".join({**run_matrix.VARIANTS, **run_matrix.ONE_RANK}[v] for v in chosen)
+    proc = bench(["run", "-m", *args, f"backend={backends}"], results, timeout=3600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    jobs = run_matrix.sweep_jobs(results)
+    assert len(jobs) == len(chosen), [j.name for j in jobs]
+    return {variant: run_matrix.MatrixRun.read(run_dir, results) for variant, run_dir in zip(chosen, jobs, strict=True)}
 
 
 @pytest.fixture
@@ -239,6 +272,15 @@ def pytest_collection_modifyitems(config, items):
             config.hook.pytest_deselected(items=deselected)
             items[:] = kept
     config.stash[run_matrix.NEEDED] = run_matrix.needed_variants(items)  # what the selected tests read
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # whole modules to the workers, longest first
+        items[:] = longest_modules_first(items, measured_seconds(), TIER_MARKERS)
+    for item in items:
+        # pytest-timeout's limit (pyproject) counts a test's fixtures too. A test that reads the run
+        # matrix may train it (~21 jobs: 282 s on a quiet machine one test at a time, over 900 s with
+        # two workers beside other jobs, when pytest-timeout ended the whole worker) or wait for the
+        # worker that does: its limit counts its own call (the matrix's bench calls have their own).
+        if "matrix" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.timeout(float(config.getini("timeout")), func_only=True))
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -36,6 +36,21 @@ VARIANTS = {
 }
 # variants at 1 rank (grad accumulation 2): world-size invariance
 ONE_RANK = {"ddp@1": "ddp", "fsdp@1": "fsdp", "mindspore@1": "mindspore"}
+# The sweeps the matrix trains, each one `bench run -m` with a results dir (and MLflow store) of its
+# own: (name, world size, variants). Under pytest-xdist a worker that finds a shard being trained by
+# the other trains the next one instead of waiting (it waited 198 s for a single sweep in a full tier,
+# 2026-12-06). ddp is in the sweep of the variants compared with it through the sweep's store (the
+# DeepSpeed stages' parent/children and config artifacts), fsdp beside it (the ddp/fsdp sweep test);
+# the Megatron layouts and MindSpore (read through summaries and their own store) are the other half.
+SHARDS = (
+    ("x2-torch", 2, ("ddp", "fsdp", "zero0", "zero1", "zero2", "zero3", "zero2_offload")),
+    (
+        "x2-mcore",
+        2,
+        ("megatron_tp", "megatron_tp_sp", "megatron_pp", "megatron_pp_vpp", "megatron_distopt", "mindspore"),
+    ),
+    ("x1", 1, ("ddp@1", "fsdp@1", "mindspore@1")),
+)
 # 20 steps, no checkpoints: every consumer reads summaries, and the resilience tests checkpoint their
 # own killed and resumed runs (the distributed optimizer's too, in fully_reshardable format on 0.16:
 # docs/megatron.md#checkpoints-with-the-distributed-optimizer).
@@ -52,6 +67,11 @@ class MatrixRun:
     run_dir: Path
     results: Path
 
+    @classmethod
+    def read(cls, run_dir: Path, results: Path) -> MatrixRun:
+        """The run of ``run_dir`` (its summary.json), in the sweep of ``results``."""
+        return cls(json.loads((run_dir / "summary.json").read_text()), run_dir, results)
+
     @property
     def spec(self) -> dict:
         return json.loads((self.run_dir / "spec.json").read_text())
@@ -66,6 +86,12 @@ def needed_variants(items: list[pytest.Item]) -> set[str]:
             f"@pytest.mark.matrix names unknown variants {sorted(unknown)}; see tests/run_matrix.py"
         )
     return names
+
+
+def shards_needed(needed: set[str]) -> list[tuple[str, int, list[str]]]:
+    """The shards holding a needed variant, each with only its needed variants (in sweep order)."""
+    chosen = [(name, world, [v for v in variants if v in needed]) for name, world, variants in SHARDS]
+    return [shard for shard in chosen if shard[2]]
 
 
 def pair(matrix: dict[str, MatrixRun], backends: tuple[str, ...], world: int) -> tuple[Path, dict[str, dict]]:

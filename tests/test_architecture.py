@@ -1,14 +1,15 @@
 """Every import goes down the floors of docs/architecture.md, read from the source with ast, no import.
 
 Floors, top to bottom; a module may import its own floor or a lower one, never a higher one, and
-the project's imports have no cycle; within the commands floor no command imports another (``COMMANDS``;
-today's exceptions are listed as debt in ``COMMAND_IMPORTS_DEBT``):
+the project's imports have no cycle; no command imports another, and a module of no command (the
+command line aside) imports none, whatever floors their modules sit on (``COMMANDS``; today's
+exceptions are listed as debt in ``COMMAND_IMPORTS_DEBT``):
 
     command line     parabench.cli, parabench.__main__
     commands         runner, compare, sweep, envreport (bench env), parabench.migrate.* (bench migrate/smoke)
     processes        launchers, worker, loop, jobs (config or spec.json -> JobSpec: needs the adapter)
     backends         parabench.adapters.*
-    building blocks  model, data, indexed, hf, devices, redirect, flops, metrics, tracking, plots, confutil
+    building blocks  model, data, indexed, hf, devices, redirect, flops, metrics, tracking, plots, hydraconfig
     contract         spec, errors, parabench (the package: its version)
 
 A project module is imported inside a function only where it is heavy: it imports, itself or through
@@ -42,7 +43,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "parabench.envreport",
             "parabench.migrate",
             "parabench.plan",
-            "parabench.comm",
+            "parabench.comm",  # the package: comm.command
             "parabench.commreport",
             "parabench.convert",
         ),
@@ -57,10 +58,10 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "parabench.jobs",
             "parabench.checkpoint",
             "parabench.faults",
-            "parabench.commworker",
-            "parabench.convertworker",
-            "parabench.dsnative",
-            "parabench.mcnative",
+            "parabench.comm.worker",
+            "parabench.convert.worker",
+            "parabench.convert.deepspeed_checkpoint",
+            "parabench.convert.megatron_checkpoint",
             "parabench.runnames",
         ),
     ),
@@ -79,11 +80,12 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "parabench.collectives",
             "parabench.commlog",
             "parabench.metrics",
+            "parabench.expertload",
             "parabench.tracking",
             "parabench.trackstore",
             "parabench.plots",
             "parabench.stability",
-            "parabench.confutil",
+            "parabench.hydraconfig",
             "parabench.canonical",
             "parabench.untrusted",
             "parabench.hostmem",
@@ -92,15 +94,18 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("contract", ("parabench.spec", "parabench.errors", "parabench")),
 ]
 
-# The commands floor, by command: a module of one command imports building blocks (and the floors
-# below), never another command's module. Every module of the commands floor belongs to one command.
+# The commands, by command: a module of one command imports building blocks (and the floors below),
+# never another command's module - on whichever floor either sits (a command package keeps its
+# per-rank worker on the processes floor: comm.worker, convert.worker). Every module of the commands
+# floor belongs to one command; what two commands share belongs to none and imports none.
 COMMANDS: dict[str, tuple[str, ...]] = {
-    "run": ("parabench.runner", "parabench.sweep", "parabench.slurm"),  # sweep, slurm: Hydra's callback, launcher
+    # sweep, slurm: Hydra's callback and launcher; commreport: a run's communication, measured vs formula
+    "run": ("parabench.runner", "parabench.sweep", "parabench.slurm", "parabench.commreport"),
     "compare": ("parabench.compare",),
     "env": ("parabench.envreport",),
     "migrate": ("parabench.migrate",),  # bench migrate and bench smoke
     "plan": ("parabench.plan",),
-    "comm": ("parabench.comm", "parabench.commreport"),  # commreport: bench comm's report, measured vs formula
+    "comm": ("parabench.comm",),
     "convert": ("parabench.convert",),
 }
 
@@ -108,14 +113,12 @@ COMMANDS: dict[str, tuple[str, ...]] = {
 # redesign of issue 27 removes (docs/architecture.md says so), each with what it takes and where it
 # belongs. No new entry: a command needing another's code moves that code down to a building block.
 COMMAND_IMPORTS_DEBT: dict[tuple[str, str], str] = {
-    ("parabench.convert", "parabench.runner"): "prepare: job validation, a building block",
-    ("parabench.plan.search", "parabench.runner"): "prepare: validates a candidate layout as bench run would",
-    ("parabench.comm", "parabench.envreport"): "versions(): package versions belong in devices, below both",
-    ("parabench.runner", "parabench.envreport"): "versions(), cpu_info(): as above",
     (
+        "parabench.plan.search",
         "parabench.runner",
-        "parabench.commreport",
-    ): "comm_summary, summary_lines: a run's comm accounting, a building block",
+    ): "execute: a row's launch bundle, written as bench run's dry run writes it",
+    ("parabench.comm.command", "parabench.envreport"): "versions(): package versions belong in devices, below both",
+    ("parabench.runner", "parabench.envreport"): "versions(), cpu_info(): as above",
     ("parabench.commreport", "parabench.plan.profiles"): "PROFILES: backend facts that belong in the adapters",
     ("parabench.compare", "parabench.plan.versus"): "predicted vs measured: a building block both can use",
     ("parabench.sweep", "parabench.compare"): "scaling metrics of a sweep: should go to tracking, not a report command",
@@ -391,7 +394,7 @@ def test_no_function_is_longer_than_a_reader_can_hold():
 
 
 def command(module: str) -> str | None:
-    """The command a module of the commands floor belongs to (the longest matching prefix), else None."""
+    """The command a module belongs to, whatever its floor (the longest matching prefix), else None."""
     best, name = -1, None
     for cmd, prefixes in COMMANDS.items():
         for prefix in prefixes:
@@ -401,12 +404,15 @@ def command(module: str) -> str | None:
 
 
 def _cross_command(imports: list[Import]) -> list[Import]:
-    commands = floor("parabench.runner")
-    return [
-        i
-        for i in imports
-        if floor(i.source) == commands and floor(i.target) == commands and command(i.source) != command(i.target)
-    ]
+    """Imports from a module of one command into a module of another, whatever floors they sit on."""
+    return [i for i in imports if command(i.source) and command(i.target) and command(i.source) != command(i.target)]
+
+
+def _shared_into_command(imports: list[Import]) -> list[Import]:
+    """Imports from a module of no command (the command line aside: it dispatches to the commands)
+    into a module of a command, whatever floor it sits on."""
+    cli = floor("parabench.cli")
+    return [i for i in imports if command(i.source) is None and floor(i.source) != cli and command(i.target)]
 
 
 def test_every_module_of_the_commands_floor_belongs_to_a_command():
@@ -426,16 +432,51 @@ def test_no_command_imports_another():
     )
 
 
+def test_shared_modules_import_no_command():
+    found = [f"{_where(i)} (imports command {command(i.target)})" for i in _shared_into_command(PROJECT)]
+    assert not found, (
+        "a module of no command imports a command's module (what is shared moves down, out of the command):\n"
+        + "\n".join(found)
+    )
+
+
+def _seen(module: str, code: str, check) -> list[tuple[str, str | None]]:
+    visitor = _Visitor(module)
+    visitor.visit(ast.parse(code))
+    return [(i.target, command(i.target)) for i in check(visitor.imports)]
+
+
 def test_the_command_test_sees_a_command_importing_another():
     code = "from parabench.runner import prepare\nfrom parabench import spec\n\ndef f():\n    from parabench.plan import search\n"
-    visitor = _Visitor("parabench.convert")
-    visitor.visit(ast.parse(code))
-    crossing = [(i.target, command(i.target)) for i in _cross_command(visitor.imports)]
-    assert crossing == [("parabench.runner", "run"), ("parabench.plan.search", "plan")]
-    assert command("parabench.migrate.rules._py") == "migrate" and command("parabench.commreport") == "comm"
+    crossing = [("parabench.runner", "run"), ("parabench.plan.search", "plan")]
+    assert _seen("parabench.convert", code, _cross_command) == crossing
+    # a command package's module below the commands floor, into another's: not one floor, still seen
+    code = "from parabench.convert.worker import main\nfrom parabench.comm import command\nfrom parabench import loop\n"
+    assert floor("parabench.comm.worker") > floor("parabench.comm.command")
+    assert _seen("parabench.comm.worker", code, _cross_command) == [("parabench.convert.worker", "convert")]
+    shared = [("parabench.convert.worker", "convert"), ("parabench.comm.command", "comm")]
+    assert _seen("parabench.loop", code, _shared_into_command) == shared
+    assert _seen("parabench.cli", code, _shared_into_command) == []  # the command line dispatches to commands
+    assert command("parabench.migrate.rules._py") == "migrate" and command("parabench.commreport") == "run"
+    assert command("parabench.commlog") is None  # a prefix is a module or package, not a spelling
 
 
 def test_every_command_debt_still_exists():
     crossing = {(i.source, i.target) for i in _cross_command(PROJECT)}
     stale = set(COMMAND_IMPORTS_DEBT) - crossing
     assert not stale, f"paid-off command-import debt, drop it from COMMAND_IMPORTS_DEBT: {sorted(stale)}"
+
+
+def test_a_job_carries_its_adapter_and_spec_json_does_not():
+    """The adapter is resolved once where the job is composed (parabench.jobs); spec.json keeps the name."""
+    import json
+
+    from parabench.adapters.registry import get_adapter
+    from parabench.hydraconfig import compose, to_plain
+    from parabench.jobs import from_config, job_from_json
+
+    job = from_config(to_plain(compose(["+model=llama", "backend=fsdp"])))
+    assert job.backend.adapter is get_adapter("fsdp")
+    assert set(json.loads(job.to_json())["backend"]) == {"name", "options"}
+    assert job_from_json(job.to_json()) == job and job_from_json(job.to_json()).backend.adapter is job.backend.adapter
+

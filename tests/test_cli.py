@@ -94,7 +94,7 @@ def test_npu_absent_and_installed_without_cann_are_told_apart(tmp_path):
 
 def test_backend_configs_and_registry_agree():
     from parabench.adapters.registry import get_adapter, names
-    from parabench.confutil import available_options
+    from parabench.hydraconfig import available_options
 
     shipped = {n for n in available_options("backend")}
     assert set(names()) <= shipped
@@ -109,7 +109,7 @@ def test_backend_configs_and_registry_agree():
 
 
 def test_every_shipped_model_composes_into_a_spec():
-    from parabench.confutil import available_options, compose, to_plain
+    from parabench.hydraconfig import available_options, compose, to_plain
     from parabench.jobs import from_config
 
     for model in available_options("model"):
@@ -158,7 +158,7 @@ def test_wheel_ships_the_config_tree(tmp_path):
 
 def test_each_job_is_composed_and_validated_once(tmp_path, monkeypatch, capsys):
     """The pre-flight validates every job of a sweep (backend and device probes included) and the
-    Hydra task reuses that job: runner.prepare runs once per job, not twice."""
+    Hydra task reuses that job: jobs.prepare runs once per job, not twice."""
     from parabench.adapters.registry import get_adapter
     from parabench.cli import main
 
@@ -171,7 +171,7 @@ def test_each_job_is_composed_and_validated_once(tmp_path, monkeypatch, capsys):
 
         return classmethod(validate)
 
-    for name in ("ddp", "fsdp"):  # runner.prepare ends with the adapter's own validation: count those
+    for name in ("ddp", "fsdp"):  # jobs.prepare ends with the adapter's own validation: count those
         monkeypatch.setattr(get_adapter(name), "validate", counting(get_adapter(name).validate))
     monkeypatch.chdir(tmp_path)
     code = main(

@@ -42,7 +42,7 @@ def test_alpha_beta_fit_recovers_a_model():
     ],
 )
 def test_a_meaningless_fit_prints_a_warning_not_a_bandwidth(times, says):
-    from parabench.comm import fit_line
+    from parabench.comm.command import fit_line
 
     sizes = [1 << k for k in range(10, 10 + 2 * len(times), 2)]
     fit = fit_alpha_beta(sizes, times)
@@ -105,6 +105,11 @@ def test_gloo_sweep_prints_checked_table_and_logs_mlflow(results):
 
     history = MlflowClient().get_metric_history(run["run_id"], "all_gather.busbw_GBps")
     assert sorted(m.step for m in history) == [1024, 4096, 16384]
+    # the run directory's files reach the run as artifacts (docs/comm.md), none refused on the way
+    top = {a.path for a in MlflowClient().list_artifacts(run["run_id"])}
+    logs = {a.path for a in MlflowClient().list_artifacts(run["run_id"], "logs")}
+    assert {"comm.json", "results.json", "command.txt"} <= top and {"logs/rank0.log", "logs/rank1.log"} <= logs
+    assert "not uploaded" not in proc.stderr, proc.stderr[-2000:]
     assert_busbw_is_size_over_time_times_the_bus_factor(run["run_id"])
     store = f"sqlite:///{results / 'mlflow.db'}"
     proc = bench(["compare", "--experiment", "comm", "--tracking-uri", store, "--out", str(results / "rep")], results)

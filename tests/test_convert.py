@@ -150,8 +150,8 @@ def continued_by_hand(canonical_dir: Path, steps: int) -> list[float]:
     import torch
 
     from parabench import canonical
-    from parabench.confutil import compose, to_plain
     from parabench.data import TokenSource
+    from parabench.hydraconfig import compose, to_plain
     from parabench.jobs import from_config
     from parabench.model import causal_lm_loss
 
@@ -270,10 +270,10 @@ def _tiny_hf(directory: Path) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from parabench.confutil import compose, to_plain
     from parabench.hf import hf_config
+    from parabench.hydraconfig import compose, to_plain
+    from parabench.jobs import prepare
     from parabench.model import initial_weights
-    from parabench.runner import prepare
 
     job = prepare(to_plain(compose(["backend=ddp", *FAST, *TINY])))
     directory.mkdir()
@@ -287,7 +287,7 @@ def _assert_measured(record: dict, src: Path, out: Path, printed: str) -> None:
     """convert.json's throughput and memory figures are what they say: the bytes of the source's
     files and of those written to --out (its work folder aside; convert.json and the MLflow spool,
     as $MLFLOW_TRACKING_URI may ask, are written after it), over the seconds; the peak host memory holds at least bench and a worker that imported torch."""
-    from parabench.convert import RECORD, WORK
+    from parabench.convert.command import RECORD, WORK
 
     def size(root: Path, skip: set[Path]) -> int:
         return sum(f.stat().st_size for f in root.rglob("*") if f.is_file() and not skip & {f, *f.parents})
@@ -462,9 +462,9 @@ def test_checksum_after_is_read_back_from_what_was_written(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from parabench import canonical
-    from parabench.confutil import compose, to_plain
-    from parabench.convert import _hf_checksums, write_hf
+    from parabench.convert.command import _hf_checksums, write_hf
     from parabench.hf import SINGLE
+    from parabench.hydraconfig import compose, to_plain
     from parabench.jobs import from_config
     from parabench.model import initial_weights
 

@@ -84,8 +84,8 @@ def _files_canonical(native: Path, tmp: Path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from parabench.checkpoint import read_marker
+    from parabench.convert.megatron_checkpoint import STATE, _canonical
     from parabench.jobs import model_spec
-    from parabench.mcnative import STATE, _canonical
 
     dcp_to_torch_save(str(native), str(tmp / "flat.pt"))
     saved = torch.load(tmp / "flat.pt", weights_only=False)

@@ -138,7 +138,7 @@ def test_comm_config_and_params_hold_no_uri_password(tmp_path, monkeypatch, mlfl
     """`bench comm tracking.uri=http://user:pw@host`: the composed config - written to comm.json and
     flattened into the MLflow run's params - has the URI without the login (the run itself is not
     started here; tests/test_mlflow_auth_ui.py records one on a server with basic auth)."""
-    from parabench import comm
+    from parabench.comm import command as comm
 
     seen = []
     monkeypatch.setattr(comm, "execute", lambda p, run_dir: seen.append(p) or 0)

@@ -188,8 +188,8 @@ def make_tokenizer(path):
 
 def test_text_through_a_tokenizer_json(tmp_path):
     pytest.importorskip("tokenizers")
-    from parabench.confutil import compose, to_plain
     from parabench.data import TOKENS_FILE, check_data, load_tokenizer, stage_data, tokenize_text
+    from parabench.hydraconfig import compose, to_plain
     from parabench.jobs import from_config
 
     tok = make_tokenizer(tmp_path / "tokenizer.json")
@@ -272,8 +272,8 @@ def test_bad_indexed_data_is_refused_before_launch(name, tmp_path, capsys, monke
 
 
 def test_the_uncorrupted_dataset_passes_the_checks(tmp_path):
-    from parabench.confutil import compose, to_plain
     from parabench.data import check_data
+    from parabench.hydraconfig import compose, to_plain
     from parabench.jobs import from_config
 
     (data := tmp_path / "data").mkdir()

@@ -108,7 +108,7 @@ def test_fp16_refused_on_a_cpu_without_fp16(tmp_path, capsys, monkeypatch):
 # The config: built from the spec, merged with a user's file.
 # --------------------------------------------------------------------------------------------
 def _job(*overrides):
-    from parabench.confutil import compose, to_plain
+    from parabench.hydraconfig import compose, to_plain
     from parabench.jobs import from_config
 
     return from_config(to_plain(compose([*DS, *overrides])))
@@ -178,7 +178,7 @@ def test_stage_presets_and_the_experiment_expand_and_validate(tmp_path, monkeypa
     from hydra._internal.utils import get_args_parser
 
     from parabench.cli import _preflight
-    from parabench.confutil import compose, to_plain
+    from parabench.hydraconfig import compose, to_plain
 
     for s in range(4):
         assert (
@@ -229,8 +229,8 @@ TWO_RANKS = pytest.mark.matrix(*TWO_RANK_LABELS)
 @pytest.fixture
 def two_ranks(matrix):
     """ddp, ZeRO 0-3 and ZeRO-2 + optimizer offload from the shared run matrix: 20 fp32 steps on 2 ranks,
-    one sweep (with the other variants of the session)."""
-    results = next(iter(matrix.values())).results
+    one sweep (with the other variants of its shard: tests/run_matrix.py SHARDS)."""
+    results = matrix["ddp"].results
     return results, {label: _with_spec(matrix[label]) for label in TWO_RANK_LABELS if label in matrix}
 
 

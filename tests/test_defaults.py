@@ -1,7 +1,7 @@
 """One place for defaults (issue 27): the values the shipped config sets agree with the defaults of
 the spec dataclasses they are built into, except the intended differences listed in ALLOWED.
 
-``run.*`` and ``fault.*`` are not written in conf/config.yaml: parabench.confutil stores RunSpec's and
+``run.*`` and ``fault.*`` are not written in conf/config.yaml: parabench.hydraconfig stores RunSpec's and
 FaultSpec's defaults as a config node the defaults list takes in. The group files (``conf/data``,
 ``conf/device``, ``conf/optim``, ``conf/tracking``, ``conf/launcher``, ``conf/backend``) still list
 their keys, as the options a user picks and reads; this test keeps them equal to the dataclasses.
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from parabench.adapters.registry import get_adapter
-from parabench.confutil import available_options, compose, to_plain
+from parabench.hydraconfig import available_options, compose, to_plain
 from parabench.spec import DataSpec, DeviceSpec, FaultSpec, LaunchSpec, OptimSpec, RunSpec, TrackingSpec, to_dict
 
 SECTIONS: dict[str, type] = {

@@ -20,7 +20,7 @@ import native_common  # noqa: E402
 
 
 def compose_job(overrides: list[str]):
-    from parabench.confutil import compose, to_plain
+    from parabench.hydraconfig import compose, to_plain
     from parabench.jobs import from_config
 
     return from_config(to_plain(compose(overrides)))

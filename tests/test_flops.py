@@ -3,9 +3,9 @@ datasheet peak of known devices (none for unknown ones), and the MFU arithmetic 
 
 import pytest
 
-from parabench.confutil import compose, to_plain
 from parabench.devices import DEVICES
 from parabench.flops import flops_per_token, table_peak
+from parabench.hydraconfig import compose, to_plain
 from parabench.metrics import summarize
 from parabench.spec import ModelSpec, build
 

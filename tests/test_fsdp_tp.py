@@ -12,8 +12,8 @@ from run_matrix import STEPS, assert_parity
 
 from conftest import FAST, assert_refused_before_launch, bench, summaries
 from parabench.adapters.registry import get_adapter
-from parabench.confutil import compose, to_plain
-from parabench.runner import prepare
+from parabench.hydraconfig import compose, to_plain
+from parabench.jobs import prepare
 
 # The llama preset (conf/model/llama.yaml) by hand: hidden 256, 8 query heads and 4 key/value heads of
 # 32, MLP width 688, 4 layers. One layer's split projections: q and o 256 x 256, k and v 256 x 128,

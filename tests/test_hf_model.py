@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import assert_refused_before_launch, bench, mlflow_runs, summaries
-from parabench import confutil
+from parabench import hydraconfig
 from parabench.errors import SpecError
 from parabench.hf import load_weights
 from parabench.jobs import from_config
@@ -77,14 +77,14 @@ def write_model(
 
 def _plain(directory: Path, load_weights: bool = True, extra: tuple[str, ...] = ()) -> dict:
     overrides = ["+model=hf", f"model.path={directory}", f"model.load_weights={str(load_weights).lower()}", *extra]
-    return confutil.to_plain(confutil.compose(overrides))
+    return hydraconfig.to_plain(hydraconfig.compose(overrides))
 
 
 def test_config_json_becomes_the_model(tmp_path):
     (tmp_path / "tiny").mkdir()
     (tmp_path / "tiny" / "config.json").write_text(json.dumps(LLAMA))
     for path in (tmp_path / "tiny", tmp_path / "tiny" / "config.json"):  # the directory or the file
-        model = from_config(confutil.to_plain(confutil.compose(["+model=hf", f"model.path={path}"]))).model
+        model = from_config(hydraconfig.to_plain(hydraconfig.compose(["+model=hf", f"model.path={path}"]))).model
         assert model == ModelSpec(
             name="tiny",
             hidden_size=32,

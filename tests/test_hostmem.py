@@ -1,5 +1,6 @@
 """The peak host memory bench convert records (parabench.hostmem): the sum of resident memory over
-bench and its descendants, sampled, never below a process's own peak."""
+bench and its descendants (a page shared between them counted once), sampled, never below a
+process's own peak."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ MIB = 2**20
 
 
 def test_a_peak_inside_the_block_is_measured_and_one_before_it_is_not():
-    before = hostmem.tree_rss_bytes(os.getpid())
+    before = hostmem.tree_resident_bytes(os.getpid())
     with hostmem.PeakHostMemory(sample_s=0.05) as peak:
         held = bytearray(300 * MIB)  # resident: bytearray writes its zeros
         time.sleep(0.3)
@@ -24,12 +25,35 @@ def test_a_peak_inside_the_block_is_measured_and_one_before_it_is_not():
 
 
 def test_the_tree_is_read_from_proc(tmp_path):
-    """A made-up /proc: pid 10 with children 11 and 12, 12 with child 13; 99 is not in the tree."""
+    """A made-up /proc: pid 10 with children 11 and 12, 12 with child 13; 99 is not in the tree.
+    Pss where smaps_rollup is there (10, 11), VmRSS where it is not (12, 13)."""
     table = {10: (1, 1000), 11: (10, 200), 12: (10, 30), 13: (12, 4), 99: (1, 5000)}
     for pid, (ppid, rss_kb) in table.items():
         (tmp_path / str(pid)).mkdir()
         (tmp_path / str(pid) / "stat").write_text(f"{pid} (a name) with) S {ppid} 0 0")
         (tmp_path / str(pid) / "status").write_text(f"Name:\tx\nVmRSS:\t  {rss_kb} kB\n")
+        if pid in (10, 11):  # Pss half the RSS: their pages shared
+            rollup = f"Rss:  {rss_kb} kB\nPss:  {rss_kb // 2} kB\nPss_Anon:  1 kB\n"
+            (tmp_path / str(pid) / "smaps_rollup").write_text(rollup)
     (tmp_path / "self").mkdir()
-    assert hostmem.tree_rss_bytes(10, tmp_path) == (1000 + 200 + 30 + 4) * 1024
-    assert hostmem.tree_rss_bytes(12, tmp_path) == 34 * 1024
+    assert hostmem.tree_resident_bytes(10, tmp_path) == (500 + 100 + 30 + 4) * 1024
+    assert hostmem.tree_resident_bytes(12, tmp_path) == 34 * 1024
+
+
+def test_a_forked_child_does_not_count_its_parents_pages_again():
+    """A child forked while its parent holds 300 MiB shares those pages (copy-on-write, as Megatron's
+    forked checkpoint writers do): the tree's resident bytes rise by them once, not twice (a sum of
+    VmRSS counts them in each process)."""
+    held = bytearray(300 * MIB)
+    held[::4096] = b"x" * len(held[::4096])  # resident
+    before = hostmem.tree_resident_bytes(os.getpid())
+    pid = os.fork()
+    if pid == 0:  # the child only waits, touching nothing
+        time.sleep(2)
+        os._exit(0)
+    try:
+        time.sleep(0.5)
+        with_child = hostmem.tree_resident_bytes(os.getpid())
+    finally:
+        os.waitpid(pid, 0)
+    assert with_child < before + 100 * MIB, (before / MIB, with_child / MIB)

@@ -69,9 +69,59 @@ def test_the_watchdog_times_each_step_after_the_first_with_the_hang_limit(tmp_pa
     assert rc == -signal.SIGTERM and polled[-1] - polled[0] < 10 and _worker_ended(tmp_path)
 
 
+def test_what_a_launcher_leaves_in_its_group_ends_with_it(tmp_path):
+    """A process left in the launcher's process group when the launcher exits ends with it."""
+    assert supervise(_launch(tmp_path, _worker(tmp_path) + "exit 0")) == (0, "")
+    assert _worker_ended(tmp_path)
+
+
+def test_what_a_killed_rank_leaves_in_its_own_group_ends_with_the_launch(tmp_path):
+    """A rank is its own group leader (torchrun); its child (Megatron's async checkpoint process)
+    outlives a SIGKILL of the rank, orphaned in the rank's group: it ends when the launch does."""
+    record = f"echo $$ > {tmp_path}/pids/rank0; echo $$ >> {tmp_path}/pids/incarnations"  # as record_pid does
+    rank = f"{record}; sleep 300 & echo $! > {tmp_path}/worker.pid; kill -9 $$"
+    script = f"mkdir -p {tmp_path}/pids; setsid sh -c '{rank}'; sleep 0.5; exit 1"
+    assert supervise(_launch(tmp_path, script))[0] == 1
+    assert _worker_ended(tmp_path)
+
+
+def test_what_an_earlier_incarnation_of_a_restarted_rank_leaves_ends_with_the_launch(tmp_path):
+    """A rank killed and restarted (launcher.max_restarts): its first incarnation's child sits in the
+    first pid's group, while pids/rank0 holds the second's pid; the incarnations file reaches it
+    (seen: Megatron's async-checkpoint process of the killed rank of test_moe's kill-and-restart test)."""
+    record = f"echo $$ > {tmp_path}/pids/rank0; echo $$ >> {tmp_path}/pids/incarnations"
+    first = f"{record}; sleep 300 & echo $! > {tmp_path}/worker.pid; kill -9 $$"
+    script = f"mkdir -p {tmp_path}/pids; setsid sh -c '{first}'; sleep 0.5; setsid sh -c '{record}'; exit 1"
+    assert supervise(_launch(tmp_path, script))[0] == 1
+    assert _worker_ended(tmp_path)
+
+
+def test_a_rank_records_its_pid_now_and_among_every_incarnation(tmp_path):
+    from parabench.launchers import record_pid
+
+    record_pid(tmp_path, 1)
+    record_pid(tmp_path, 1)  # restarted (the same pid here: the format is what matters)
+    assert (tmp_path / "pids" / "rank1").read_text() == str(os.getpid())
+    assert (tmp_path / "pids" / "incarnations").read_text() == f"{os.getpid()}\n" * 2
+
+
 def test_a_failed_launch_names_its_launcher_and_exit_code(tmp_path):
     assert supervise(_launch(tmp_path, "echo broken; exit 3")) == (3, "a worker failed (torchrun exit code 3)")
     assert (tmp_path / "logs" / "launcher.log").read_text() == "broken\n"
+
+
+def test_a_tool_runs_through_the_same_supervisor_without_the_tracking_credentials(tmp_path, monkeypatch):
+    """Launch.program (DeepSpeed's ds_to_universal in bench convert): one process, its command and
+    output under the folder given, its exit code returned, MLflow's login not in its environment."""
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "tool-must-not-see")
+    script = "import os, sys; print(os.environ.get('MLFLOW_TRACKING_PASSWORD')); sys.exit(3)"
+    rc, _ = supervise(Launch.program([sys.executable, "-c", script], tmp_path))
+    assert rc == 3
+    assert (tmp_path / "logs" / "launcher.log").read_text() == "None\n"
+    assert (tmp_path / "command.txt").read_text().startswith(sys.executable)
+    limited = Launch.program(["sh", "-c", _worker(tmp_path) + "wait"], tmp_path / "slow", timeout_s=1.0)
+    assert supervise(limited)[1] == "not finished after 1 s (launcher.setup_timeout_s): killed"
+    assert _worker_ended(tmp_path)
 
 
 def test_a_stop_signal_is_raised_between_polls_after_the_graceful_stop_and_the_group_is_killed(tmp_path):

@@ -68,28 +68,28 @@ def test_import_writes_this_ranks_piece_and_a_fresh_state(one_rank):
 
 
 def test_megatron_lm_reader_takes_fully_reshardable_only():
-    """bench/mcnative.py: a Megatron-LM checkpoint with the distributed optimizer is read in the one
+    """bench/convert/megatron_checkpoint.py: a Megatron-LM checkpoint with the distributed optimizer is read in the one
     format that stores each state at its parameter's shape; others are refused with the flag that
     re-saves it; the step is the param groups' (DistributedOptimizer.state_dict)."""
     from argparse import Namespace
     from pathlib import Path
 
-    from parabench import mcnative
+    from parabench.convert import megatron_checkpoint
     from parabench.errors import SpecError
 
     on, where = Namespace(use_distributed_optimizer=True), Path("iter_0000003")
     fully = {"content_metadata": {"distrib_optim_sharding_type": "fully_reshardable"}}
-    assert mcnative._distopt_format(on, fully, where) == "fully_reshardable"
-    assert mcnative._distopt_format(Namespace(use_distributed_optimizer=False), {}, where) is None
+    assert megatron_checkpoint._distopt_format(on, fully, where) == "fully_reshardable"
+    assert megatron_checkpoint._distopt_format(Namespace(use_distributed_optimizer=False), {}, where) is None
     for common, named in (
         ({"content_metadata": {"distrib_optim_sharding_type": "dp_reshardable"}}, "dp_reshardable"),
         ({}, "fully_sharded_model_space"),
     ):
         with pytest.raises(SpecError, match="--dist-ckpt-optim-fully-reshardable") as refused:
-            mcnative._distopt_format(on, common, where)
+            megatron_checkpoint._distopt_format(on, common, where)
         assert named in str(refused.value) and "\n" not in str(refused.value)
     groups = {
         "optimizer": {"param_groups": [{"step": 3.0, "lr": 1e-3}, {"step": 3.0}]},
         "param_state_sharding_type": "x",
     }
-    assert mcnative._steps(groups, "step") == [3.0, 3.0]
+    assert megatron_checkpoint._steps(groups, "step") == [3.0, 3.0]

@@ -182,8 +182,8 @@ def test_mindspeed_switches_travel_on_the_worker_command_line(tmp_path):
     each worker, and an engine built in a process that lacks them refuses instead of running without them."""
     from parabench.adapters.base import WorkerContext
     from parabench.adapters.mindspeed import MindSpeedAdapter, mindspeed_argv
-    from parabench.confutil import compose, to_plain
     from parabench.devices import DEVICES
+    from parabench.hydraconfig import compose, to_plain
     from parabench.jobs import from_config
     from parabench.launchers import Torchrun
 
@@ -201,7 +201,7 @@ def test_mindspeed_recompute_flags_are_megatron_lms():
     """backend.recompute_* (shared with the megatron adapter) reach MindSpeed's parser as Megatron-LM's
     --recompute-granularity / --recompute-method / --recompute-num-layers; none without recompute."""
     from parabench.adapters.mindspeed import mindspeed_argv
-    from parabench.confutil import compose, to_plain
+    from parabench.hydraconfig import compose, to_plain
     from parabench.jobs import from_config
 
     def argv(*overrides: str) -> list[str]:

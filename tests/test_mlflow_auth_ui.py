@@ -152,7 +152,7 @@ def _leaks(root: Path, secret: str) -> list[str]:
     return [str(p) for p in root.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
 
 
-def _recorded(url: str, experiment: str, tmp_path: Path, monkeypatch, need_artifacts: bool = True):
+def _recorded(url: str, experiment: str, tmp_path: Path, monkeypatch):
     """(runs, text of every param, tag and artifact) of ``experiment`` on the server, read as admin."""
     from mlflow.artifacts import download_artifacts
     from mlflow.tracking import MlflowClient
@@ -169,7 +169,7 @@ def _recorded(url: str, experiment: str, tmp_path: Path, monkeypatch, need_artif
         dst = str(tmp_path / "artifacts" / run.info.run_id)
         where = download_artifacts(run_id=run.info.run_id, dst_path=dst, tracking_uri=url)
         files = [p for p in Path(where).rglob("*") if p.is_file()]
-        assert files or not need_artifacts, f"run {run.info.run_id} has no artifacts to search"
+        assert files, f"run {run.info.run_id} has no artifacts to search"
         texts += [p.read_bytes().decode(errors="replace") for p in files]
     return runs, texts
 
@@ -241,9 +241,8 @@ def test_login_in_the_uri_of_a_sweep_comm_and_compare_is_never_written(
     assert "tracking.uri=http\\://127.0.0.1\\:" in procs[0].stdout  # Hydra's job lines: the URI, escaped
 
     recorded = []
-    # a bench comm run uploads no artifacts today (its JobRun has no run directory): its files are read in `work`
     for experiment, count in (("auth-sweep", 3), ("auth-comm", 1), ("auth-sweep-comparisons", 1)):
-        runs, texts = _recorded(auth_server, experiment, tmp_path / experiment, monkeypatch, experiment != "auth-comm")
+        runs, texts = _recorded(auth_server, experiment, tmp_path / experiment, monkeypatch)
         assert len(runs) == count and {r.info.status for r in runs} == {"FINISHED"}, experiment
         recorded += [*texts, *(r.info.run_name for r in runs)]
         query = f"username={USER}&resource_type=experiment&resource_id={runs[0].info.experiment_id}"

@@ -27,7 +27,7 @@ def test_parameter_names_are_hugging_face_names_and_count_matches():
 
 
 def test_llama_preset_is_about_20m_parameters():
-    from parabench.confutil import compose, to_plain
+    from parabench.hydraconfig import compose, to_plain
     from parabench.spec import build
 
     spec = build(ModelSpec, to_plain(compose(["+model=llama"]))["model"], "model")

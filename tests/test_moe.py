@@ -6,6 +6,8 @@ megatron-core MoELayer mapping, its refusals, its model-state bytes and its pari
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -23,7 +25,7 @@ from conftest import (
     run_ok,
     summaries,
 )
-from parabench import confutil
+from parabench import hydraconfig
 from parabench.errors import SpecError
 from parabench.flops import flops_per_token
 from parabench.hf import hf_config, load_weights
@@ -77,7 +79,7 @@ FAST = ["data.seq_len=32", "run.warmup_steps=0", "run.steps=2"]
 
 
 def _preset(name: str) -> ModelSpec:
-    return model_spec(confutil.to_plain(confutil.compose([f"+model={name}"]))["model"])
+    return model_spec(hydraconfig.to_plain(hydraconfig.compose([f"+model={name}"]))["model"])
 
 
 def _copy_experts(ours: SparseMoeBlock, hf_experts) -> None:
@@ -238,14 +240,16 @@ def test_flops_count_the_active_parameters_only():
 )
 def test_bad_moe_fields_are_refused_by_name(override, key):
     with pytest.raises(SpecError) as err:
-        from_config(confutil.to_plain(confutil.compose(["+model=moe-tiny", override])))
+        from_config(hydraconfig.to_plain(hydraconfig.compose(["+model=moe-tiny", override])))
     assert err.value.key == key
 
 
 def _write_mixtral(directory: Path) -> dict[str, torch.Tensor]:
     directory.mkdir(parents=True)
     (directory / "config.json").write_text(json.dumps(MIXTRAL))
-    plain = confutil.to_plain(confutil.compose(["+model=hf", f"model.path={directory}", "model.load_weights=false"]))
+    plain = hydraconfig.to_plain(
+        hydraconfig.compose(["+model=hf", f"model.path={directory}", "model.load_weights=false"])
+    )
     shapes = from_config(plain).model.parameter_shapes()
     gen = torch.Generator().manual_seed(9)
     tensors = {n: (torch.randn(s, generator=gen) * 0.05).to(torch.bfloat16) for n, s in shapes.items()}
@@ -255,7 +259,9 @@ def _write_mixtral(directory: Path) -> dict[str, torch.Tensor]:
 
 def test_mixtral_config_and_safetensors_load_through_model_hf(tmp_path):
     tensors = _write_mixtral(tmp_path / "tiny-mixtral")
-    spec = from_config(confutil.to_plain(confutil.compose(["+model=hf", f"model.path={tmp_path / 'tiny-mixtral'}"])))
+    spec = from_config(
+        hydraconfig.to_plain(hydraconfig.compose(["+model=hf", f"model.path={tmp_path / 'tiny-mixtral'}"]))
+    )
     spec = spec.model
     assert (spec.num_local_experts, spec.num_experts_per_tok, spec.router_aux_loss_coef) == (4, 2, 0.02)
     assert (spec.rope_theta, spec.rms_norm_eps) == (1e6, 1e-5)  # MixtralConfig's defaults, not Llama's
@@ -314,11 +320,30 @@ def test_mixtral_checkpoint_runs_on_ddp_from_the_files_checksum(tmp_path, result
     _write_mixtral(tmp_path / "tiny-mixtral")
     proc = bench(["run", "+model=hf", f"model.path={tmp_path / 'tiny-mixtral'}", *FAST], results)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    plain = confutil.to_plain(confutil.compose(["+model=hf", f"model.path={tmp_path / 'tiny-mixtral'}"]))
+    plain = hydraconfig.to_plain(hydraconfig.compose(["+model=hf", f"model.path={tmp_path / 'tiny-mixtral'}"]))
     spec = from_config(plain).model
     run = mlflow_runs(results).iloc[0]
     assert run["status"] == "FINISHED"
     assert run["tags.initial_checksum"] == weights_checksum(load_weights(spec.weights, spec.parameter_shapes()))
+    # tokens per expert per step in MLflow (docs/moe.md#tokens-per-expert): every layer's count per expert
+    # adds up to k x the step's tokens (global batch x seq_len), and moe_load_imbalance is one per step
+    from mlflow.tracking import MlflowClient
+
+    client, tokens = (
+        MlflowClient(f"sqlite:///{results / 'mlflow.db'}"),
+        2 * int(run["params.data.global_batch_size"]) * 32,
+    )
+    history = {
+        (layer, e): {
+            m.step: m.value
+            for m in client.get_metric_history(run["run_id"], f"moe_tokens_per_expert/layer{layer}/expert{e}")
+        }
+        for layer in range(2)
+        for e in range(4)
+    }
+    for layer in range(2):
+        assert [sum(history[layer, e][step] for e in range(4)) for step in (0, 1)] == [tokens, tokens], history
+    assert sorted(m.step for m in client.get_metric_history(run["run_id"], "moe_load_imbalance")) == [0, 1]
 
 
 # --------------------------------------------------------------------------------------------
@@ -328,7 +353,7 @@ MEGATRON_MOE = ["+model=moe-tiny", "backend=megatron"]
 
 
 def _megatron_job(*overrides: str):
-    return from_config(confutil.to_plain(confutil.compose([*MEGATRON_MOE, *overrides])))
+    return from_config(hydraconfig.to_plain(hydraconfig.compose([*MEGATRON_MOE, *overrides])))
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -384,6 +409,8 @@ INVALID_MEGATRON_MOE = {
         ["backend.distributed_optimizer=true", "launcher.nproc_per_node=2"],
         "backend.distributed_optimizer",
     ),
+    # the first forward under full recompute runs without grad: the load-balancing loss lost its gradient
+    "full recompute": (["backend.recompute_granularity=full"], "backend.recompute_granularity"),
 }
 
 
@@ -416,6 +443,24 @@ def test_megatron_moe_engine_in_process_matches_the_canonical_model(tmp_path):
     """World of 1: megatron-core's MoELayer built from the canonical weights has the canonical checksum,
     and 3 AdamW steps follow the canonical torch model's training loss (cross entropy + coef x the
     load-balancing loss) + torch.optim.AdamW."""
+    job = _one_rank_megatron_job()
+    with _megatron_engine_in_process(job, tmp_path) as engine:
+        # megatron: softmax over the top-k logits, Mixtral: top-k of the softmax renormalised (equal
+        # in exact arithmetic); fp32 rounding differs, as the dense in-process test allows
+        assert_trains_like_the_canonical_model(engine, job)
+
+
+def _one_rank_megatron_job():
+    from parabench.spec import resolve_device
+
+    return resolve_device(
+        _megatron_job("data.seq_len=32", "data.global_batch_size=4", "launcher.nproc_per_node=1"), "cpu"
+    )
+
+
+@contextlib.contextmanager
+def _megatron_engine_in_process(job, tmp_path: Path):
+    """megatron's engine for ``job`` in this process, on a one-rank gloo group (closed afterwards)."""
     import datetime
 
     import torch.distributed as dist
@@ -423,11 +468,7 @@ def test_megatron_moe_engine_in_process_matches_the_canonical_model(tmp_path):
     from parabench.adapters.base import WorkerContext
     from parabench.adapters.megatron import MegatronAdapter
     from parabench.devices import DEVICES
-    from parabench.spec import resolve_device
 
-    job = resolve_device(
-        _megatron_job("data.seq_len=32", "data.global_batch_size=4", "launcher.nproc_per_node=1"), "cpu"
-    )
     dist.init_process_group(
         "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60)
     )
@@ -435,9 +476,7 @@ def test_megatron_moe_engine_in_process_matches_the_canonical_model(tmp_path):
         ctx = WorkerContext(job=job, rank=0, world_size=1, local_rank=0, device=DEVICES["cpu"](0), run_dir=tmp_path)
         engine = MegatronAdapter.create_engine(ctx)
         try:
-            # megatron: softmax over the top-k logits, Mixtral: top-k of the softmax renormalised (equal
-            # in exact arithmetic); fp32 rounding differs, as the dense in-process test allows
-            assert_trains_like_the_canonical_model(engine, job)
+            yield engine
         finally:
             engine.close()
     finally:
@@ -513,6 +552,8 @@ def test_megatron_moe_killed_restarted_resumed_bitwise_and_converted_to_ddp(moe_
     full = moe_runs["ep2"]
     assert resumed["resumed_step"] == 10 and resumed["restarts"] == 1, resumed
     assert resumed["losses"] == full["losses"] and resumed["data_checksum"] == full["data_checksum"]
+    # tokens per expert: steps 0-9 carried in the checkpoint, 10-19 routed again, all as uninterrupted
+    assert resumed["moe_tokens_per_expert"] == full["moe_tokens_per_expert"]
     out = tmp_path / "ddp"
     # the target's AdamW settings are the source's (its marker's optim.lr=1e-3, carried by bench convert)
     proc = bench(["convert", str(ckpt / "step_000010"), "--to", "ddp", "--out", str(out)], tmp_path)
@@ -522,7 +563,210 @@ def test_megatron_moe_killed_restarted_resumed_bitwise_and_converted_to_ddp(moe_
         tmp_path / "continued",
     )
     after = continued["losses"][-10:]
+    # bench convert carries the harness history: the first 10 steps' tokens per expert are megatron's
+    assert continued["moe_tokens_per_expert"][:10] == full["moe_tokens_per_expert"][:10]
     assert continued["resumed_step"] == 10 and len(full["losses"]) == STEPS == 20
     assert abs(after[0] - full["losses"][10]) <= 1e-5 * abs(full["losses"][10]), (after, full["losses"])
     for got, want in zip(after, full["losses"][10:], strict=True):
         assert abs(got - want) <= 1e-3 * abs(want), (after, full["losses"][10:])
+
+
+# --------------------------------------------------------------------------------------------
+# Expert parallelism's all-to-all bytes (docs/sources.md#comm-volume-expert-parallel).
+# --------------------------------------------------------------------------------------------
+def test_moe_all_to_all_formula_from_the_shapes():
+    """Per layer and micro-batch: T x k rows of h activations dispatched, combined and both again in the
+    backward (4 calls), T x k probabilities with the dispatch and its backward (2 calls), by hand for
+    moe-tiny (h 128, 2 layers, 4 experts, top-2) on T = 2 x 64 tokens, 2 micro-batches, fp32."""
+    from parabench.commvolume import Batch, Widths, moe_all_to_all
+
+    tiny, batch, fp32 = _preset("moe-tiny"), Batch(seq_len=64, micro_batch_size=2, micro_batches=2), Widths(4, 4, 4)
+    tokens, probs, counts = moe_all_to_all(tiny, batch, fp32, ep=2)
+    assert (tokens.kind, tokens.group, tokens.group_size) == ("all_to_all", "ep", 2)
+    assert (tokens.size_bytes, tokens.calls) == (2 * 64 * 2 * 128 * 4, 4 * 2 * 2)
+    assert (probs.size_bytes, probs.calls) == (2 * 64 * 2 * 4, 2 * 2 * 2)
+    assert tokens.bus_bytes == tokens.size_bytes * tokens.calls / 2  # (n-1)/n on 2 ranks
+    assert (counts.kind, counts.size_bytes, counts.calls) == ("all_gather", 2 * 4 * 8, 2 * 2)  # E int64 per rank
+    # the communication log keeps calls of <= 16 elements apart as scalars: 2 ranks x 4 experts is one
+    assert [c.kind for c in moe_all_to_all(tiny, batch, fp32, ep=2, scalar_elements=16)] == ["all_to_all"] * 2
+    halved = moe_all_to_all(tiny, batch, Widths(2, 2, 2), ep=4, pp=2, cp=2, scalar_elements=16)
+    assert [(c.size_bytes, c.calls) for c in halved] == [(2 * 32 * 2 * 128 * 2, 4 * 2), (2 * 32 * 2 * 2, 2 * 2)]
+    dense = dataclasses.replace(tiny, num_local_experts=0)
+    assert moe_all_to_all(tiny, batch, fp32, ep=1) == [] and moe_all_to_all(dense, batch, fp32, ep=2) == []
+
+
+def test_all_to_all_measured_is_the_mean_over_ranks():
+    """Dropless routing sends a routing-dependent share to each rank: the measured figure compared with
+    the formula is each rank's mean per measured step (warm-up steps left out), averaged over the ranks."""
+    from parabench.commreport import all_to_all_rank_mean
+
+    job = from_config(
+        hydraconfig.to_plain(hydraconfig.compose(["+model=moe-tiny", "backend=megatron", "run.warmup_steps=1"]))
+    )
+
+    def log(*per_step):
+        return [{"step": i, "kinds": {"all_to_all": {"bytes": b}}} for i, b in enumerate(per_step)]
+
+    ranks = [{"comm": log(999, 100, 300)}, {"comm": log(999, 500, 700)}]
+    assert all_to_all_rank_mean(job, ranks) == (200 + 600) / 2
+    assert all_to_all_rank_mean(job, [{"comm": log(1, 0)}]) is None
+
+
+@pytest.mark.full
+def test_megatron_ep2_all_to_all_bytes_equal_the_formula(tmp_path):
+    """megatron ep=2, moe-tiny, 2 ranks, 3 steps: the all-to-all bytes per step, mean over both ranks,
+    equal the dispatcher formula to the byte (every row one rank sends another receives, so the mean
+    is fixed by T x k whatever the routing); the busiest rank moves at least that, and the same 12
+    calls per step (2 layers x dispatch, probabilities, combine, forward and backward)."""
+    s = run_ok(
+        ["+model=moe-tiny", "data.seq_len=64", "run.warmup_steps=1", "run.steps=3", "backend=megatron", "backend.ep=2"]
+        + ["launcher.nproc_per_node=2", "tracking.enabled=false"],
+        tmp_path,
+    )
+    want = 2 * 4 * 2 * 64 * 2 * (128 * 4 + 4 / 2)  # layers x (4 token + 2 probability calls) x T x k x bytes
+    assert s["comm_all_to_all_formula_bytes"] == want, s["comm_formula"]
+    assert s["comm_all_to_all_rank_mean_bytes"] == want and s["comm_all_to_all_diff_bytes"] == 0, s
+    busiest = s["comm_measured"]["all_to_all"]
+    assert busiest["bytes"] >= want and busiest["calls"] == s["comm_formula"]["all_to_all"]["calls"] == 12, s
+
+
+# --------------------------------------------------------------------------------------------
+# Tokens per expert (load balance), docs/moe.md#tokens-per-expert
+# --------------------------------------------------------------------------------------------
+def _block_inputs(model) -> list[torch.Tensor]:
+    """A pre-hook on every MoE block (test-side): the hidden states each block routes, per forward."""
+    seen: list[torch.Tensor] = []
+    for layer in model.model.layers:
+        layer.block_sparse_moe.register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach().clone()))
+    return seen
+
+
+def _transformers_counts(model, inputs: list[torch.Tensor]) -> list[list[int]]:
+    """Tokens per expert as transformers' Mixtral router picks them (MixtralTopKRouter's top-k indices)
+    from the same hidden states and router weights: the outside reference of the count."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    config = _hf_config(
+        transformers.MixtralConfig, hidden_size=32, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2
+    )
+    counts = []
+    for layer, x in zip(model.model.layers, inputs, strict=True):
+        reference = MixtralSparseMoeBlock(config)
+        with torch.no_grad():
+            reference.gate.weight.copy_(layer.block_sparse_moe.gate.weight)
+            _, _, indices = reference.gate(x.reshape(-1, x.shape[-1]))
+        counts.append(torch.bincount(indices.reshape(-1), minlength=4).tolist())
+    return counts
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_tokens_per_expert_are_the_experts_transformers_routes_to_counted_once(checkpointing):
+    """The canonical engines' count (a forward hook per decoder layer, parabench.expertload): per layer,
+    each expert's (token, slot) assignments as transformers' Mixtral router chooses them for the same
+    hidden states; k x tokens per layer in all; once per training forward also when activation
+    checkpointing recomputes the layer in backward; nothing for a forward without grad; reset by take."""
+    from parabench.adapters.torch_common import count_routed_tokens
+    from parabench.model import set_activation_checkpointing
+
+    model = build_llama(TINY_MOE, seed=11)
+    set_activation_checkpointing(model, checkpointing)
+    routed = count_routed_tokens(model, TINY_MOE, "cpu")
+    inputs = _block_inputs(model)
+    tokens = torch.randint(0, TINY_MOE.vocab_size, (3, 16), generator=torch.Generator().manual_seed(1))
+    training_loss(model, TINY_MOE, tokens[:, :-1], tokens[:, 1:]).backward()
+    want = _transformers_counts(model, inputs[: TINY_MOE.num_hidden_layers])  # the forward's, not a recompute's
+    assert routed.take() == want
+    assert all(sum(layer) == 2 * 3 * 15 for layer in want)  # k x tokens
+    assert len({tuple(layer) for layer in want}) > 1 or len(set(want[0])) > 1  # not trivially uniform
+    with torch.no_grad():
+        model(tokens)
+    assert routed.take() == [[0] * 4, [0] * 4]
+    dense = dataclasses.replace(TINY_MOE, num_local_experts=0)
+    assert count_routed_tokens(build_llama(dense), dense, "cpu") is None
+
+
+def test_load_imbalance_and_the_summary_from_hand_counts():
+    """max/mean per layer (mean = k x tokens / E), the per-step MLflow metrics, the summary's mean over
+    steps of the worst layer and where the worst step was: figures worked out by hand."""
+    from parabench import expertload
+    from parabench.tracking import step_metrics
+
+    step0 = [[4, 4, 4, 4], [8, 4, 2, 2]]  # 8 tokens x top-2 per layer: mean 4; layer 1 max 8 -> 2.0
+    step1 = [[6, 2, 4, 4], [5, 3, 4, 4]]  # 1.5 and 1.25
+    assert expertload.imbalance(step0) == [1.0, 2.0] and expertload.imbalance(step1) == [1.5, 1.25]
+    line = {"step": 1, "loss": 3.0, "step_time_s": 0.5, "moe_tokens_per_expert": step1}
+    metrics = {k: v for k, v, step in step_metrics(line, warmup_steps=0, tokens_per_step=8) if step == 1}
+    assert metrics["moe_tokens_per_expert/layer0/expert0"] == 6 and metrics["moe_tokens_per_expert/layer1/expert3"] == 4
+    assert metrics["moe_load_imbalance/layer0"] == 1.5 and metrics["moe_load_imbalance"] == 1.5
+    assert len([k for k in metrics if k.startswith("moe_tokens_per_expert/")]) == 8
+    assert not any(k.startswith("moe") for k, _, _ in step_metrics({"step": 0, "loss": 3.0}, 0, 8))  # dense
+    s = expertload.summary([[0, step0], [1, step1]])
+    assert s["moe_load_imbalance_mean"] == (2.0 + 1.5) / 2 and s["moe_load_imbalance_max"] == 2.0
+    assert s["moe_load_imbalance_max_at"] == {"step": 0, "layer": 1}
+    assert s["moe_tokens_per_expert"] == [step0, step1] and s["moe_tokens_per_expert_steps"] == [0, 1]
+    assert expertload.summary([]) == {} and expertload.summary_line({}) == []
+    (printed,) = expertload.summary_line(s)
+    assert "1.750 max/mean" in printed and "worst 2.000 at step 0, layer 1" in printed and "k x tokens / E" in printed
+
+
+def test_compare_shows_the_expert_load_with_its_formula():
+    """bench compare's column: the mean over steps of the worst layer's max/mean, and the worst step;
+    '-' for a dense model; the legend gives the formula."""
+    from test_compare import rec
+
+    from parabench.compare import build_sections, render_text, report_dict
+
+    records = [rec("a", "ddp", 2, 100, model="moe-tiny", moe_load_imbalance=1.203, moe_load_imbalance_max=1.242),
+               rec("b", "fsdp", 2, 90, model="moe-tiny")]  # fmt: skip
+    report = report_dict(build_sections(records, None, strict=False), {"created": "now", "tracking_uri": "x"})
+    text = render_text(report)
+    assert "expert load" in text and "1.203 (max 1.242)" in text
+    assert "max_e c_e / mean_e c_e" in text and "mean = k x tokens / E" in text
+    fsdp = next(r for r in report["sections"][0]["rows"] if r["variant"] == "fsdp")
+    assert fsdp["moe_load_imbalance"] is None
+
+
+def test_megatron_router_counts_the_canonical_routing_in_process(tmp_path):
+    """World of 1: megatron-core's TopKRouter routing map, counted by a forward hook and summed over
+    megatron's tp x cp x dp group, sends the step-0 batch's tokens to the experts the canonical model
+    (same weights) sends them to, layer by layer; k x tokens per layer, 2 micro-batches in one step."""
+    from parabench.adapters.torch_common import count_routed_tokens
+    from parabench.data import TokenSource
+
+    job = _one_rank_megatron_job()
+    batches = [
+        (torch.from_numpy(x), torch.from_numpy(y))
+        for x, y in TokenSource(job.data, job.model.vocab_size).rank_micro_batches(0, 0, 1)
+    ]
+    reference = build_llama(job.model, seed=job.run.seed)
+    counted = count_routed_tokens(reference, job.model, "cpu")
+    for x, y in batches:
+        training_loss(reference, job.model, x, y).backward()
+    want = counted.take()
+    with _megatron_engine_in_process(job, tmp_path) as engine:
+        engine.train_step(batches)
+        got = engine.tokens_per_expert()
+        engine.train_step(batches)  # the next step counts its own tokens only
+        again = engine.tokens_per_expert()
+    tokens = len(batches) * batches[0][0].numel()
+    assert len(batches) == 2 and got == want, (got, want)
+    assert all(sum(layer) == job.model.num_experts_per_tok * tokens for layer in got + again)
+
+
+@pytest.mark.full
+def test_tokens_per_expert_per_step_are_equal_on_every_moe_backend(moe_runs):
+    """moe-tiny on 2 ranks, same seed, 20 steps: ddp, fsdp and megatron (ep=2 with either token
+    dispatcher, ep=1 x dp=2) route identically, so the tokens per expert of every layer and step,
+    summed over the ranks, are equal to the token; each layer's sum is k x global batch x seq_len
+    (every token counted once: not once per rank that holds it, nor only one rank's), and the
+    summary's load-imbalance figures are those of the counts."""
+    from parabench.expertload import imbalance
+
+    ddp = moe_runs["ddp"]
+    counts = ddp["moe_tokens_per_expert"]
+    assert ddp["moe_tokens_per_expert_steps"] == list(range(STEPS)) and len(counts) == STEPS
+    assert all(sum(layer) == 2 * 4 * 64 for step in counts for layer in step), counts  # k x batch 4 x seq 64
+    for label in ("fsdp", "ep2", "ep1-dp2", "ep2-allgather"):
+        assert moe_runs[label]["moe_tokens_per_expert"] == counts, label
+    worst = [max(imbalance(step)) for step in counts]
+    assert ddp["moe_load_imbalance_mean"] == sum(worst) / STEPS and ddp["moe_load_imbalance_max"] == max(worst) > 1

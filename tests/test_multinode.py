@@ -3,10 +3,9 @@
 import pytest
 
 from conftest import assert_refused_before_launch
-from parabench.confutil import compose, to_plain
-from parabench.jobs import from_config
+from parabench.hydraconfig import compose, to_plain
+from parabench.jobs import from_config, prepare
 from parabench.launchers import Torchrun, expand_nodelist, slurm_placement
-from parabench.runner import prepare
 
 
 def job(*overrides):

@@ -11,10 +11,10 @@ import math
 import pytest
 
 from parabench.adapters.registry import get_adapter
-from parabench.confutil import compose, to_plain
+from parabench.hydraconfig import compose, to_plain
+from parabench.jobs import prepare
 from parabench.plan.estimate import gpt_parameters
 from parabench.plan.profiles import PROFILES, zero_partition_grad_numel
-from parabench.runner import prepare
 
 GB = 1e9
 
@@ -137,6 +137,14 @@ def _plan(capsys, *args: str) -> tuple[int, str, str]:
     code = main(["plan", *args, "tracking.enabled=false"])
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def _plan_rows(capsys, *args: str) -> list[dict]:
+    """Every row (ranked, then rejected) of a `bench plan ARGS --format json` that must exit 0."""
+    code, out, err = _plan(capsys, *args, "--format", "json")
+    assert code == 0, err
+    doc = json.loads(out)
+    return doc["ranked"] + doc["rejected"]
 
 
 def test_unknown_cluster_one_line_exit_2(capsys):
@@ -322,10 +330,12 @@ def _estimate(backend, world, *overrides, cal=None, device="cuda", **options):
 
 def test_pipeline_bubble_is_p_minus_1_over_v_m():
     # Narayanan et al. 2021, section 2.2: bubble = (p - 1) / m of the compute, (p - 1) / (v m) interleaved
+    # of the work of a stage the warm-up and cool-down pass through (its layers: the output layer is
+    # the last stage's, test_the_last_pipeline_stage_runs_the_whole_output_layer)
     one = _estimate("megatron", 2, "data.global_batch_size=8", "data.micro_batch_size=2", pp=2)
-    assert one.job.grad_accum == 4 and one.bubble_s == pytest.approx(one.compute_s * 1 / 4)
+    assert one.job.grad_accum == 4 and one.bubble_s == pytest.approx(one.stage_compute_s * 1 / 4)
     two = _estimate("megatron", 2, "data.global_batch_size=8", "data.micro_batch_size=2", pp=2, vpp=2)
-    assert two.bubble_s == pytest.approx(two.compute_s * 1 / (2 * 4))
+    assert two.bubble_s == pytest.approx(two.stage_compute_s * 1 / (2 * 4))
     assert two.step_s == pytest.approx(two.compute_s + two.bubble_s + two.exposed_comm_s)
 
 
@@ -474,7 +484,7 @@ def test_pipeline_bubble_includes_the_framework_cost():
     e = _estimate("megatron", 2, "data.global_batch_size=8", "data.micro_batch_size=2", cal=cal, pp=2)
     # m = 4 micro-batches, each stage runs half the layers: 2 passes of the whole model per rank
     assert e.framework_s == pytest.approx(4 / 2 * 0.01)
-    assert e.bubble_s == pytest.approx((e.compute_s + e.framework_s) * 1 / 4)
+    assert e.bubble_s == pytest.approx((e.stage_compute_s + e.framework_s) * 1 / 4)
     assert e.step_s == pytest.approx(e.compute_s + e.framework_s + e.bubble_s + e.exposed_comm_s)
 
 
@@ -560,13 +570,10 @@ def test_context_parallel_memory_activations_over_cp_and_ring_buffers():
 
 def test_context_parallel_is_searched_where_the_harness_runs_it(capsys):
     # on CUDA (Transformer Engine attention) the search offers cp and says what it buys
-    code, out, err = _plan(
+    rows = _plan_rows(
         capsys, "+model=llama3-70b", "cluster=h100-sxm", "plan.devices=64", "data.global_batch_size=512",
-        "data.seq_len=4096", "run.precision=bf16", "plan.backends=[megatron]", "--format", "json",
+        "data.seq_len=4096", "run.precision=bf16", "plan.backends=[megatron]",
     )  # fmt: skip
-    assert code == 0, err
-    doc = json.loads(out)
-    rows = doc["ranked"] + doc["rejected"]
     cp_rows = [r for r in rows if " cp2 " in r["layout"]]
     assert cp_rows and all("backend.cp=2" in r["overrides"] for r in cp_rows)
     assert all("cp2: activations / 2, ring K/V exchange" in r["why"] for r in cp_rows)
@@ -656,7 +663,7 @@ def test_a_model_that_fits_only_with_offload_is_planned_with_it_and_says_why(cap
     assert "offload" in best["layout"] and "backend.offload_optimizer=cpu" in best["overrides"]
     assert "offload keeps" in best["why"] and "would not fit" in best["why"] and "host optimizer step" in best["why"]
     assert 0 < best["offload_share"] < 1
-    # every offload layout searched is one bench run accepts on CUDA (validated through runner.prepare)
+    # every offload layout searched is one bench run accepts on CUDA (validated through jobs.prepare)
     assert not any(k.startswith(("backend.offload", "backend.cpu_offload")) for k in doc["invalid_layouts"])
 
 
@@ -747,3 +754,134 @@ def test_megatron_recompute_memory_and_time_by_hand():
 
     extra = 4 * L * s * h / flops_per_token(jobs[None].model, s)
     assert est["selective"].compute_s == pytest.approx(est[None].compute_s * (1 + extra))
+
+
+def test_search_offers_interleaving_deeper_than_two(capsys):
+    # 8 layers on pp2: vpp 2 and 4 both divide them; the search offers both (MindSpeed-LLM runs vpp 4)
+    rows = _plan_rows(
+        capsys, "+model=llama", "model.num_hidden_layers=8", "cluster=cpu", "plan.devices=2",
+        "data.global_batch_size=8", "plan.backends=[megatron]", "plan.top=200",
+    )  # fmt: skip
+    deep = [r for r in rows if " v4" in r["layout"] or "-vpp4" in r["layout"] or "backend.vpp=4" in r["overrides"]]
+    assert deep and all("backend.vpp=4" in r["overrides"] for r in deep)
+
+
+# --------------------------------------------------------------------------------------------
+# Interleaving, by hand: the llama config with 8 layers (h = 256,
+# V = 32,000), 128-token sequences, micro-batch 1, bf16, megatron on two H100s of one node (NVLink:
+# 5 us, 450 GB/s per direction, conf/cluster/h100-sxm.yaml).
+# --------------------------------------------------------------------------------------------
+PIPE = ["model.num_hidden_layers=8", "data.seq_len=128", "data.micro_batch_size=1"]
+
+
+@pytest.mark.parametrize(("vpp", "gbs"), [(2, 16), (4, 16), (4, 2)])
+def test_interleaving_exposes_its_warm_up_and_cool_down_send_recv(vpp, gbs):
+    # Narayanan et al. 2021 sec. 2.2.2: v chunks per rank cross v times the stage boundaries; megatron-core's
+    # interleaved schedule overlaps a chunk-step's send/recv with the next one's compute (overlap_p2p_comm)
+    # only in its steady phase: rank 0's (p - 1) x 2 + (v - 1) x p warm-up forwards and as many cool-down
+    # backwards block (overlap_p2p_comm_warmup_flush off), at most all m x v of them
+    from parabench.plan.profiles import interleaved_warmup
+
+    e = _estimate("megatron", 2, *PIPE, f"data.global_batch_size={gbs}", pp=2, vpp=vpp)
+    m = gbs // 1
+    assert e.job.grad_accum == m
+    act = 1 * 128 * 256 * 2  # b x s x h in bf16, one boundary
+    # p = 2: each rank sends 2 v - 1 tensors per micro-batch (the first chunk has no predecessor,
+    # the last no successor) and receives as many, each one call of 5 us + bytes / 450 GB/s
+    total = 2 * (2 * vpp - 1) * m * (5e-6 + act / 450e9)
+    warm = min(2 * (2 - 1) + (vpp - 1) * 2, m * vpp)
+    assert interleaved_warmup(2, vpp, m) == warm
+    assert e.overlap.total["pp send/recv"] == pytest.approx(total)
+    exposed = total * warm / (m * vpp)  # all of it when the warm-up takes every chunk-step (m = 2)
+    assert e.overlap.hidden["pp send/recv"] == pytest.approx(total - exposed)
+    assert (warm == m * vpp) == (e.overlap.hidden["pp send/recv"] == 0)
+    assert e.exposed_comm_s == pytest.approx(e.comm_s - sum(e.overlap.hidden.values()))
+
+
+def test_deeper_interleaving_costs_more_exposed_send_recv_as_the_bubble_shrinks():
+    # the trade of Narayanan et al. 2021 sec. 2.2.2: bubble / v, pipeline communication x v
+    est = {v: _estimate("megatron", 8, *PIPE, "data.global_batch_size=64", pp=2, vpp=v, tp=4) for v in (1, 2, 4)}
+    exposed = {v: e.overlap.total["pp send/recv"] - e.overlap.hidden["pp send/recv"] for v, e in est.items()}
+    assert est[1].overlap.hidden["pp send/recv"] == 0  # plain 1F1B blocks
+    assert 0 < exposed[2] < exposed[4]
+    assert est[1].bubble_s > est[2].bubble_s > est[4].bubble_s
+
+
+# --------------------------------------------------------------------------------------------
+# The output layer on the last pipeline stage: megatron-core builds the lm_head and the loss only on
+# the last stage (GPTModel, post_process) and does not count them in the layer split by default
+# (account_for_loss_in_pipeline_split off). The llama config: h = 256, V = 32,000, 4 layers.
+# --------------------------------------------------------------------------------------------
+def test_the_last_pipeline_stage_runs_the_whole_output_layer():
+    from parabench.plan.cluster import load
+    from parabench.plan.estimate import Calibration, estimate
+
+    cpu, cal = load("cpu"), Calibration("t", efficiency={"megatron/cpu": 0.5})
+    batch = ("data.global_batch_size=8", "data.micro_batch_size=2")
+    pp2, dp2 = (estimate(_job("megatron", 2, *batch, **o), cpu, 1.0, cal) for o in ({"pp": 2}, {}))
+    # 8 x 256 tokens: dp2 runs half of them through everything; pp2's last stage runs all of them
+    # through half the layers and through the whole lm_head, 6 V h FLOPs per token (forward + backward)
+    head = 6 * 32_000 * 256 * 8 * 256 / 2 / (1e12 * 0.5)  # its share on a dp rank, at 1 TFLOP/s x 0.5
+    assert dp2.job.parallel.dp == 2 and pp2.job.parallel.pp == 2
+    assert pp2.compute_s - dp2.compute_s == pytest.approx(head)
+    assert pp2.stage_compute_s == pytest.approx(dp2.compute_s - head)  # the first stage: layers only
+
+
+def test_the_output_layer_is_not_split_over_the_stages_of_the_gemm_model():
+    from parabench.plan.gemms import CURVES
+
+    pp2 = _estimate("megatron", 2, "data.global_batch_size=8", "data.micro_batch_size=2", pp=2)
+    dp2 = _estimate("megatron", 2, "data.global_batch_size=8", "data.micro_batch_size=2")
+    # the lm_head of one micro-batch: a (2 x 256) x 32,000 x 256 GEMM, forward + 2 backward, and the
+    # logits' memory-bound work (beta per element), on the H100 curve (989 TFLOP/s)
+    c, (m, n, k) = CURVES["cuda"], (512, 32_000, 256)
+    x = m * n * k / (m * k + k * n + m * n)
+    head = 3 * 2 * m * n * k / (989e12 * c.e_max * x / (x + c.x0)) + c.beta * m * n
+    # pp2: 4 micro-batches through half the layers and the whole head; dp2: 2 through everything
+    assert pp2.compute_s - pp2.stage_compute_s == pytest.approx(4 * head)
+    assert pp2.compute_s - dp2.compute_s == pytest.approx(2 * head)
+
+
+# --------------------------------------------------------------------------------------------
+# megatron-core's column-parallel backward without tp_comm_overlap
+# (LinearWithGradAccumulationAndAsyncCommunication.backward, tensor_parallel/layers.py): the input
+# re-gather (sequence parallelism) runs asynchronously behind the input-gradient GEMM, the input
+# gradient's reduce-scatter (all-reduce without SP) behind the weight-gradient GEMM; qkv and gate+up
+# are the two column-parallel linears of a layer. Two H100s of a node: 5 us, 450 GB/s.
+# --------------------------------------------------------------------------------------------
+BIG = ["model.hidden_size=4096", "model.intermediate_size=11008", "model.num_attention_heads=32",
+       "model.num_key_value_heads=32", "data.seq_len=2048", "data.global_batch_size=2", "data.micro_batch_size=1"]  # fmt: skip
+
+
+@pytest.mark.parametrize("sp", [True, False])
+def test_column_parallel_backward_hides_its_collectives_behind_its_gemms(sp):
+    e = _estimate("megatron", 2, *BIG, tp=2, sequence_parallel=sp)
+    m, layers, act = e.job.grad_accum, 4, 2048 * 4096 * 2  # micro-batches, layers, s x h in bf16
+    assert m == 2
+    if sp:  # per layer and micro-batch 2 re-gathers + 2 reduce-scatters: 1 ring step, (n - 1) / n of the bytes
+        hidden = 2 * 2 * m * layers * (5e-6 + act / 2 / 450e9)
+    else:  # 2 all-reduces: 2 (n - 1) ring steps, 2 (n - 1) / n of the bytes
+        hidden = 2 * m * layers * (2 * 5e-6 + act / 450e9)
+    assert e.overlap.hidden["tp"] == pytest.approx(hidden)  # these GEMMs are long enough to hide all of it
+    assert 0 < hidden < e.overlap.total["tp"]  # the forward's and the row-parallel backward's stay exposed
+    assert e.exposed_comm_s == pytest.approx(e.comm_s - sum(e.overlap.hidden.values()))
+
+
+def test_column_parallel_backward_hides_nothing_on_the_cpu_and_at_most_its_gemms():
+    cpu = _estimate("megatron", 2, *BIG, tp=2, sequence_parallel=True, device="cpu")
+    assert cpu.overlap.total["tp"] > 0 and cpu.overlap.hidden["tp"] == 0  # gloo and the GEMM share the cores
+    from parabench.plan.cluster import load
+    from parabench.plan.estimate import Calibration, estimate
+
+    h100 = load("h100-sxm")
+    job = _job("megatron", 2, "run.precision=bf16", *BIG, device="cuda", tp=2, sequence_parallel=True)
+    slow = {
+        bw: estimate(job, dataclasses.replace(h100, intra=dataclasses.replace(h100.intra, bytes_per_s=bw)),
+                     989.0, Calibration())
+        for bw in (1e6, 5e5)
+    }  # fmt: skip
+    # over a link of 1 or 0.5 MB/s the collectives outlast the GEMMs they hide behind (a backward GEMM of
+    # qkv and gate+up per direction): what is hidden is the GEMMs' time, whatever the link
+    assert slow[5e5].overlap.total["tp"] > 1.9 * slow[1e6].overlap.total["tp"]
+    assert slow[5e5].overlap.hidden["tp"] == pytest.approx(slow[1e6].overlap.hidden["tp"])
+    assert 0 < slow[1e6].overlap.hidden["tp"] < slow[1e6].compute_s * 2 / 3

@@ -32,8 +32,8 @@ from conftest import (
     run_ok,
 )
 from parabench.checkpoint import MARKER, Checkpointer, check_compatible, job_identity, newest_complete, plan_resume
-from parabench.confutil import compose, to_plain
 from parabench.errors import SpecError
+from parabench.hydraconfig import compose, to_plain
 from parabench.jobs import from_config
 
 CKPT = ["run.checkpoint.every=5"]

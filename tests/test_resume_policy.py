@@ -178,7 +178,7 @@ def test_a_checkpoint_holding_other_adamw_settings_is_refused_and_conversion_car
     checkpoint's while recording its own. Refused in one line naming the key; the same values resume.
     bench convert gives its target the source's values unless the user names others."""
     from parabench.checkpoint import check_compatible, job_identity
-    from parabench.convert import target_job
+    from parabench.convert.command import target_job
 
     ck = tmp_path / "ck"
     path = fake_checkpoint(ck, 5, job_of())

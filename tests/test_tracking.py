@@ -21,8 +21,9 @@ def _cpu_threads_per_rank(nproc_per_node: int) -> int:
 def test_launch_bundle_never_carries_secrets(tmp_path):
     """Secrets in the environment handed to the workers (an adapter's or a user's) reach the
     workers but are never written to launch.sh; every other variable is exported."""
-    from parabench.confutil import compose, to_plain
-    from parabench.runner import launch_env, prepare, write_bundle
+    from parabench.hydraconfig import compose, to_plain
+    from parabench.jobs import prepare
+    from parabench.runner import launch_env, write_bundle
 
     job = prepare(to_plain(compose(["+model=llama", "device=cpu", "launcher.dry_run=true"])))
     plain_env = launch_env(job)
@@ -37,8 +38,9 @@ def test_launch_bundle_never_carries_secrets(tmp_path):
 
 
 def test_cpu_threads_per_rank_split_the_cores_or_follow_the_user():
-    from parabench.confutil import compose, to_plain
-    from parabench.runner import launch_env, prepare
+    from parabench.hydraconfig import compose, to_plain
+    from parabench.jobs import prepare
+    from parabench.runner import launch_env
 
     def omp(*overrides):
         return launch_env(prepare(to_plain(compose(["+model=llama", "device=cpu", *overrides]))))["OMP_NUM_THREADS"]

@@ -316,13 +316,30 @@ def _wait_live(client, run_dir: Path, proc: subprocess.Popen, timeout_s: float =
                 assert client.get_run(run.info.run_id).info.status == "RUNNING"
                 return
         time.sleep(0.5)
-    pytest.fail("no live loss point in MLflow while the run was going")
+    steps = run_dir / "steps.jsonl"
+    held = repr(steps.read_bytes()[:500]) if steps.exists() else "no steps.jsonl"
+    pytest.fail(
+        f"no live loss point in MLflow while the run was going; {steps.name}: {held}; in {run_dir}: {_listing(run_dir)}"
+    )
+
+
+def _listing(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def _has_a_whole_line(path: Path) -> bool:
+    try:
+        return b"\n" in path.read_bytes()
+    except FileNotFoundError:
+        return False
 
 
 def _pause_after_first_step(run_dir: Path, proc: subprocess.Popen, timeout_s: float = 300) -> int:
-    """SIGSTOP rank 0 once it has finished a step (the run stays mid-way while the test looks)."""
+    """SIGSTOP rank 0 once it has finished a step (the run stays mid-way while the test looks). A
+    step is finished when its line of ``steps.jsonl`` is whole: rank 0 creates the file before it
+    writes the line, and stopped in between it would never give the parent a step to log live."""
     deadline = time.monotonic() + timeout_s
-    while not ((run_dir / "steps.jsonl").exists() and (run_dir / "pids" / "rank0").exists()):
+    while not (_has_a_whole_line(run_dir / "steps.jsonl") and (run_dir / "pids" / "rank0").exists()):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.1)
     pid = int((run_dir / "pids" / "rank0").read_text())

@@ -19,7 +19,7 @@ def _canonical(directory: Path) -> Path:
     import numpy as np
 
     from parabench import canonical
-    from parabench.confutil import compose, to_plain
+    from parabench.hydraconfig import compose, to_plain
     from parabench.jobs import from_config
     from parabench.model import initial_weights
 
@@ -32,7 +32,7 @@ def _canonical(directory: Path) -> Path:
 
 def _source_info() -> dict:
     from parabench.checkpoint import job_identity
-    from parabench.confutil import compose, to_plain
+    from parabench.hydraconfig import compose, to_plain
     from parabench.jobs import from_config
 
     job = from_config(to_plain(compose(["+model=llama", "backend=ddp", *TINY])))
@@ -55,7 +55,7 @@ def test_an_out_inside_equal_to_or_holding_the_source_is_refused_before_anything
 
 def _convert_then(tmp_path, monkeypatch, after) -> int:
     """Convert the canonical source to ddp (1 rank); ``after`` sees the import launch's result."""
-    from parabench import convert
+    from parabench.convert import command as convert
 
     real = convert.launch
 

@@ -118,7 +118,7 @@ def test_fsdp_on_cpu_with_an_old_torch_is_refused_before_launch(tmp_path, capsys
         assert_refused_before_launch(args, "needs torch>=2.7", tmp_path, capsys)
     else:
         from parabench.adapters.fsdp import FSDPAdapter
-        from parabench.confutil import compose, to_plain
+        from parabench.hydraconfig import compose, to_plain
         from parabench.jobs import from_config
 
         FSDPAdapter.validate(from_config(to_plain(compose(args))))  # no refusal

@@ -16,10 +16,12 @@ its size) x the passes of the whole model a rank makes (``model_passes``; 0 unca
 ``commvolume`` over the cluster's links (alpha-beta), data-parallel communication hidden behind
 the backward as far as the backend overlaps it (``profiles``; docs/sources.md#plan-overlap), the
 distributed optimizer's parameter gather behind the forward, tensor-parallel collectives behind the
-GEMMs where the stack overlaps them (``Features``), pipeline send/recv with the interleaved
-schedule, context parallelism's ring hidden behind the attention compute (each kept in
-``Estimate.overlap``); pipeline bubble (p - 1) / (v m) of
-compute + framework (docs/sources.md#pipeline-bubble); offload: the host link transfers (hidden like
+GEMMs where the stack overlaps them (``Features``; else megatron-core's column-parallel backward hides
+its asynchronous ones, docs/sources.md#plan-tp-backward-overlap), pipeline send/recv in the interleaved
+schedule's steady phase (its warm-up and cool-down block), context parallelism's ring hidden behind
+the attention compute (each kept in ``Estimate.overlap``); pipeline bubble (p - 1) / (v m) of
+compute + framework (docs/sources.md#pipeline-bubble); the last pipeline stage runs the whole output
+layer beside its layers (docs/sources.md#plan-output-layer); offload: the host link transfers (hidden like
 data-parallel communication, in what the backward has left) and the host optimizer step, exposed
 (docs/sources.md#zero-offload).
 """
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from parabench.commvolume import Batch, Layout, StepComm, step_comm
+from parabench.commvolume import Batch, Layout, StepComm, step_comm, tp_backward_async
 from parabench.flops import flops_per_token
 from parabench.plan.cluster import Cluster
 from parabench.plan.gemms import (
@@ -37,8 +39,9 @@ from parabench.plan.gemms import (
     Curve,
     elementwise_elements,
     forward_gemms,
+    logit_elements,
     recompute_share,
-    step_compute_s,
+    stage_compute_s,
 )
 from parabench.plan.profiles import PROFILES, Offload, States
 from parabench.spec import JobSpec
@@ -171,6 +174,9 @@ class Estimate:
     framework_s: float = 0.0  # calibrated framework cost per micro-batch x model_passes
     overlap: Overlap = field(default_factory=Overlap)  # per mechanism: communication and what is hidden
     compute_model: str = "flops"  # flops (one efficiency) | gemm-shapes (the device kind's curve)
+    # compute of a pipeline stage before the last (its layers only: the output layer is the last
+    # stage's, in compute_s); what the bubble's idle slots last
+    stage_compute_s: float = 0.0
 
     @property
     def margin_bytes(self) -> float:
@@ -267,8 +273,39 @@ def estimate(
     device = states.total - host + acts + buffers + overhead
     fpt = flops_per_token(job.model, job.data.seq_len)
     threads = (threads or threads_of(cluster)) if kind == "cpu" else None
-    compute, compute_model = _compute_s(job, layout, cluster, peak_tflops, cal, threads, recompute, recomputed)
+    compute, stage, compute_model = _compute_s(job, layout, cluster, peak_tflops, cal, threads, recompute, recomputed)
     framework = cal.per_micro_batch(job.backend.name, kind, threads, layout_key(layout)) * model_passes(job)
+    comm, spans, times, gather = _step_comm_s(job, prof, layout, cluster, cal, states)
+    column = _tp_backward_async(job, prof, layout, cluster, cal, spans["tp"], stage)
+    overlap = _overlap(job, prof, times, gather, compute, features, 6 * job.model.num_matmul_params() / fpt, column)
+    dp_hidden = overlap.hidden["dp grad reduce"] + overlap.hidden["dp param gather"]
+    exposed = sum(times.values()) - sum(overlap.hidden.values())
+    transfer, host_step, offload = _offload_time(
+        prof.offload(job, states), cluster, min(job.parallel.world_size, cluster.devices_per_node),
+        max(compute * 2 / 3 - dp_hidden, 0.0),
+    )  # fmt: skip
+    o = job.backend.options
+    p, v = getattr(o, "pp", 1), getattr(o, "vpp", 1)
+    # the idle slots of the pipeline last as long as a micro-batch's compute and framework work on
+    # the stages the warm-up and cool-down pass through (all but the last, which holds the output layer)
+    bubble = (stage + framework) * (p - 1) / (v * job.grad_accum)
+    step = compute + framework + bubble + exposed + offload
+    per_device = job.tokens_per_step / step / job.parallel.world_size
+    mfu = per_device * fpt / (peak_tflops * 1e12) if peak_tflops else None
+    return Estimate(
+        job, states, acts, buffers, overhead, device, host, cluster.memory_bytes,
+        compute, sum(times.values()), exposed, bubble, step, per_device, mfu, comm,
+        offload, transfer, host_step, overlap.hidden["cp ring"],
+        cluster.host_memory_bytes / min(job.parallel.world_size, cluster.devices_per_node), framework,
+        overlap, compute_model, stage,
+    )  # fmt: skip
+
+
+def _step_comm_s(
+    job: JobSpec, prof, layout: Layout, cluster: Cluster, cal: Calibration, states: States
+) -> tuple[StepComm, dict, dict[str, float], float]:
+    """A step's collectives (commvolume.step_comm), the devices each parallel group spans, each
+    group's seconds on its link, and the data-parallel all-gathers' seconds (ZeRO-3 / FSDP params)."""
     comm = step_comm(
         job.model,
         layout,
@@ -284,50 +321,34 @@ def estimate(
     }
     gather = sum(c.seconds(*_link(cluster, spans["dp"], cal, c.kind)) for c in comm.collectives
                  if c.group == "dp" and c.kind == "all_gather")  # fmt: skip
-    overlap = _overlap(job, prof, times, gather, compute, features, 6 * job.model.num_matmul_params() / fpt)
-    dp_hidden = overlap.hidden["dp grad reduce"] + overlap.hidden["dp param gather"]
-    exposed = sum(times.values()) - sum(overlap.hidden.values())
-    transfer, host_step, offload = _offload_time(
-        prof.offload(job, states), cluster, min(job.parallel.world_size, cluster.devices_per_node),
-        max(compute * 2 / 3 - dp_hidden, 0.0),
-    )  # fmt: skip
-    o = job.backend.options
-    p, v = getattr(o, "pp", 1), getattr(o, "vpp", 1)
-    # the idle slots of the pipeline last as long as a micro-batch's compute and framework work
-    bubble = (compute + framework) * (p - 1) / (v * job.grad_accum)
-    step = compute + framework + bubble + exposed + offload
-    per_device = job.tokens_per_step / step / job.parallel.world_size
-    mfu = per_device * fpt / (peak_tflops * 1e12) if peak_tflops else None
-    return Estimate(
-        job, states, acts, buffers, overhead, device, host, cluster.memory_bytes,
-        compute, sum(times.values()), exposed, bubble, step, per_device, mfu, comm,
-        offload, transfer, host_step, overlap.hidden["cp ring"],
-        cluster.host_memory_bytes / min(job.parallel.world_size, cluster.devices_per_node), framework,
-        overlap, compute_model,
-    )  # fmt: skip
+    return comm, spans, times, gather
 
 
 def _compute_s(
     job: JobSpec, layout: Layout, cluster: Cluster, peak_tflops: float | None, cal: Calibration,
     threads: int | None, recompute: str, recomputed: float = 1.0,
-) -> tuple[float, str]:  # fmt: skip
-    """(seconds of compute per step, the model used). A device kind with a GEMM efficiency curve
-    (``gemms.CURVES``) and no efficiency of its own from recorded runs: the step's GEMMs at their
-    shapes' efficiency (docs/plan.md#compute-from-gemm-shapes); otherwise (the CPU) the model FLOPs
-    at one calibrated efficiency. Full recomputation runs the recomputed layers' forward once more
-    (3 -> 4 forward passes: Narayanan et al. 2021, Eq. 3, docs/sources.md#megatron-activation-recompute),
-    selective the attention core's (QK^T and x V: PaLM's attention term's forward third)."""
+) -> tuple[float, float, str]:  # fmt: skip
+    """(seconds of compute per step of the last pipeline stage, of any other stage, the model used).
+    A device kind with a GEMM efficiency curve (``gemms.CURVES``) and no efficiency of its own from
+    recorded runs: the step's GEMMs at their shapes' efficiency (docs/plan.md#compute-from-gemm-shapes);
+    otherwise (the CPU) the model FLOPs at one calibrated efficiency. Full recomputation runs the
+    recomputed layers' forward once more (3 -> 4 forward passes: Narayanan et al. 2021, Eq. 3,
+    docs/sources.md#megatron-activation-recompute), selective the attention core's (QK^T and x V:
+    PaLM's attention term's forward third). The output layer runs whole on the last stage
+    (docs/sources.md#plan-output-layer): the stages before it run 1 / pp of the layers only."""
     if not peak_tflops:
-        return float("nan"), "flops"
+        return float("nan"), float("nan"), "flops"
     kind, name = cluster.device_kind, job.backend.name
     if kind in CURVES and not cal.calibrated(name, kind):
         shape = (job.model, job.data.seq_len, job.data.micro_batch_size, layout.tp, layout.cp, layout.vocab_parallel)
         share = recompute_share(job.model, recompute) * recomputed
-        seconds = step_compute_s(
+        logits = logit_elements(*shape)
+        last, other = stage_compute_s(
             forward_gemms(*shape), job.grad_accum, layout.pp, peak_tflops * 1e12, cal.curve(kind), share,
-            elementwise_elements(*shape), attention_recompute=float(recompute == "selective"),
+            elementwise_elements(*shape) - logits, attention_recompute=float(recompute == "selective"),
+            output_elements=logits,
         )  # fmt: skip
-        return seconds, "gemm-shapes"
+        return last, other, "gemm-shapes"
     fpt = flops_per_token(job.model, job.data.seq_len)
     flops = fpt * job.tokens_per_step / job.parallel.world_size
     if recompute == "full":
@@ -342,27 +363,59 @@ def _compute_s(
             * job.data.seq_len
             * (job.tokens_per_step / job.parallel.world_size)
         )
-    eff = cal.eff(name, kind, threads, layout_key(layout))
-    return flops / (peak_tflops * 1e12 * eff), "flops"
+    # the lm_head's forward and backward (6 V h per token, over tp with the rest): 1 / pp of it is in
+    # the FLOPs above, the last stage runs all of it, the others none
+    head = 6 * job.model.vocab_size * job.model.hidden_size * job.tokens_per_step / job.parallel.world_size
+    seconds = 1 / (peak_tflops * 1e12 * cal.eff(name, kind, threads, layout_key(layout)))
+    return (flops + head * (layout.pp - 1)) * seconds, (flops - head) * seconds, "flops"
+
+
+def _tp_backward_async(job: JobSpec, prof, layout: Layout, cluster: Cluster, cal: Calibration, span: int,
+                       stage: float) -> tuple[float, float, float]:  # fmt: skip
+    """(seconds of the column-parallel backward's asynchronous re-gathers, of its input-gradient
+    reductions, of one backward GEMM of those linears per step) where the backend overlaps them
+    (``Profile.tp_backward_overlap``; docs/sources.md#plan-tp-backward-overlap), else zeros. A
+    backward GEMM (dgrad or wgrad) of a linear has its forward's FLOPs: 2 x its parameters per token,
+    the share 2 (qkv + gate+up parameters) / the layers' FLOPs per token of a stage's compute."""
+    if not prof.tp_backward_overlap(job) or layout.tp <= 1:
+        return 0.0, 0.0, 0.0
+    m = job.model
+    batch = Batch(job.data.seq_len, job.data.micro_batch_size, job.grad_accum)
+    calls = tp_backward_async(m, layout, batch, prof.widths(job))
+    secs = {c.kind: c.seconds(*_link(cluster, span, cal, c.kind)) for c in calls}
+    q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    column = m.num_hidden_layers * m.hidden_size * (q + 2 * kv + 2 * m.intermediate_size)
+    layers_fpt = flops_per_token(m, job.data.seq_len) - 6 * m.vocab_size * m.hidden_size
+    return (
+        secs.get("all_gather", 0.0),
+        sum(secs.values()) - secs.get("all_gather", 0.0),
+        stage * 2 * column / layers_fpt,
+    )
 
 
 def _overlap(
-    job: JobSpec, prof, times: dict[str, float], gather: float, compute: float, features: Features, gemm_share: float
-) -> Overlap:
+    job: JobSpec, prof, times: dict[str, float], gather: float, compute: float, features: Features, gemm_share: float,
+    column: tuple[float, float, float] = (0.0, 0.0, 0.0),
+) -> Overlap:  # fmt: skip
     """What each mechanism hides (docs/sources.md#plan-overlap): the dp gradient reduction behind the
     backward (2/3 of the compute) as far as the backend overlaps it; with ``overlap_param_gather``
     the distributed optimizer's parameter all-gather behind the forward (1/3); the context-parallel
     ring behind the attention (the 12 L H Q T share of the FLOPs: PaLM); tensor-parallel
-    collectives behind the GEMMs where the stack overlaps them (``Features.tp_overlap``); pipeline
-    send/recv where the schedule overlaps it (the profile's ``pp_overlap``)."""
+    collectives behind the GEMMs where the stack overlaps them (``Features.tp_overlap``), else the
+    column-parallel backward's asynchronous ones (``column``: re-gathers behind the input-gradient
+    GEMMs, reductions behind the weight-gradient GEMMs, each at most those GEMMs' time); the share of
+    the pipeline send/recv the schedule overlaps (the profile's ``pp_overlap``: the interleaved
+    schedule's steady phase, not its warm-up and cool-down)."""
     param = prof.param_overlap(job) * min(gather, compute / 3)
     grad_part = times["dp"] - (gather if prof.param_overlap(job) else 0.0)
+    regather, reduce, gemm = column
+    tp = min(times["tp"], compute * gemm_share) if features.tp_overlap else min(regather, gemm) + min(reduce, gemm)
     hidden = {
         "dp grad reduce": prof.overlap(job) * min(grad_part, compute * 2 / 3),
         "dp param gather": param,
-        "tp": min(times["tp"], compute * gemm_share) if features.tp_overlap else 0.0,
+        "tp": tp,
         "cp ring": min(times["cp"], compute * (1 - gemm_share)),
-        "pp send/recv": prof.pp_overlap(job) * min(times["pp"], compute),
+        "pp send/recv": min(prof.pp_overlap(job) * times["pp"], compute),
     }
     total = {"dp grad reduce": grad_part, "dp param gather": times["dp"] - grad_part, "tp": times["tp"],
              "cp ring": times["cp"], "pp send/recv": times["pp"]}  # fmt: skip

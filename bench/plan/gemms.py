@@ -58,13 +58,15 @@ class Curve:
 # 9.0): 256, FlashAttention-3's 989 against 3.9 TFLOP/s (docs/sources.md#plan-attention-softmax)
 H100_SFU_RATIO = 4096 / 16
 
-# e_max, x0, beta fitted by `benchmarks/plan_published.py --fit` (docs/plan.md#calibration-on-published-runs)
+# e_max, x0, beta fitted by `benchmarks/plan_published.py --fit` (docs/plan.md#calibration-on-published-runs);
+# refitted 2026-12-06 with the output layer on the last pipeline stage and megatron-core's
+# column-parallel backward overlap in the model
 CURVES: dict[str, Curve] = {
-    "cuda": Curve(0.48, 141.4, 2e-11, H100_SFU_RATIO,
+    "cuda": Curve(0.50, 141.4, 2.8e-11, H100_SFU_RATIO,
                   fitted_on="megatron-readme (9 rows) + torchtitan-h100-202412 (2 rows), H100"),
     # the 910B's exponential throughput is not published: no softmax term (docs/plan.md: a fitted one
     # helped the rows it was fitted on and worsened the held-out figure)
-    "npu": Curve(0.50, 59.5, 1e-10, fitted_on="mindspeed-llm-readme (28 expressible rows), Ascend 910B"),
+    "npu": Curve(0.62, 400.0, 1e-10, fitted_on="mindspeed-llm-readme (28 expressible rows), Ascend 910B"),
 }  # fmt: skip
 
 
@@ -157,19 +159,48 @@ def elementwise_elements(
     return tokens * (model.num_hidden_layers * model.hidden_size / tp + vocab)
 
 
-def step_compute_s(
-    gemms: list[Gemm], micro_batches: float, pp: int, peak_flops: float, curve: Curve, recompute: float,
-    elements: float = 0.0, attention_recompute: float = 0.0,
-) -> float:  # fmt: skip
-    """Seconds of work a device does per step: forward + backward (3 x the forward GEMMs; the fused
-    attention's backward 2.5 x its forward, FlashAttention-2 sec. 4.1) + the recomputed share of the
-    forward (and ``attention_recompute`` x the attention core's: Megatron's selective recompute), the
-    softmax's exponentials (one per score in the forward, one in the backward's recomputation) at the
-    special-function rate peak / ``sfu_ratio``, plus beta x the memory-bound ``elements``, over its
-    1 / pp of the model, for every micro-batch."""
+def logit_elements(
+    model: ModelSpec, seq_len: int, micro_batch: int, tp: int = 1, cp: int = 1, vocab_parallel: bool = True
+) -> float:
+    """Of ``elementwise_elements``: the output layer's (the logits' softmax and cross-entropy),
+    tokens x V / tp (V whole without ``vocab_parallel``)."""
+    return micro_batch * seq_len / cp * model.vocab_size / (tp if vocab_parallel else 1)
+
+
+def _work(gemms: list[Gemm], peak_flops: float, curve: Curve, recompute: float, attention_recompute: float) -> float:
+    """Seconds of forward + backward of one micro-batch through ``gemms`` (see ``step_compute_s``)."""
     forward = sum(g.flops / (peak_flops * _eff(g, curve)) for g in gemms)
     attention = sum(g.flops / (peak_flops * _eff(g, curve)) for g in gemms if g.what.startswith("attention"))
     softmax = sum(g.scores for g in gemms) * curve.sfu_ratio / peak_flops
     work = forward * (3.0 + recompute) + attention * (FLASH_BACKWARD - 2.0 + attention_recompute)
-    work += softmax * (2.0 + recompute + attention_recompute)
-    return (work + curve.beta * elements) * micro_batches / pp
+    return work + softmax * (2.0 + recompute + attention_recompute)
+
+
+def stage_compute_s(
+    gemms: list[Gemm], micro_batches: float, pp: int, peak_flops: float, curve: Curve, recompute: float,
+    elements: float = 0.0, attention_recompute: float = 0.0, output_elements: float = 0.0,
+) -> tuple[float, float]:  # fmt: skip
+    """(seconds of work of the last pipeline stage per step, of any other stage's): forward + backward
+    (3 x the forward GEMMs; the fused attention's backward 2.5 x its forward, FlashAttention-2 sec.
+    4.1) + the recomputed share of the forward (and ``attention_recompute`` x the attention core's:
+    Megatron's selective recompute), the softmax's exponentials (one per score in the forward, one in
+    the backward's recomputation) at the special-function rate peak / ``sfu_ratio``, plus beta x the
+    memory-bound ``elements``, for every micro-batch. A stage runs 1 / pp of the decoder layers; the
+    output layer (the ``lm_head`` GEMM and the logits' ``output_elements``) runs whole on the last
+    stage, beside its layers: megatron-core builds it only where ``post_process`` (the last stage,
+    ``GPTModel.__init__``) and by default does not count it in the layer split
+    (``account_for_loss_in_pipeline_split`` off; docs/sources.md#plan-output-layer)."""
+    head = [g for g in gemms if g.what == "lm_head"]
+    body = [g for g in gemms if g.what != "lm_head"]
+    layers = (_work(body, peak_flops, curve, recompute, attention_recompute) + curve.beta * elements) / pp
+    output = _work(head, peak_flops, curve, recompute, attention_recompute) + curve.beta * output_elements
+    return (layers + output) * micro_batches, layers * micro_batches
+
+
+def step_compute_s(
+    gemms: list[Gemm], micro_batches: float, pp: int, peak_flops: float, curve: Curve, recompute: float,
+    elements: float = 0.0, attention_recompute: float = 0.0, output_elements: float = 0.0,
+) -> float:  # fmt: skip
+    """Seconds of work of the busiest (last) pipeline stage per step (``stage_compute_s``)."""
+    args = (elements, attention_recompute, output_elements)
+    return stage_compute_s(gemms, micro_batches, pp, peak_flops, curve, recompute, *args)[0]

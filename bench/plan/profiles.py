@@ -95,6 +95,9 @@ class Profile:
     param_overlap: Callable[[JobSpec], float] = lambda job: 0.0
     # share of the pipeline send/recv hidden behind compute
     pp_overlap: Callable[[JobSpec], float] = lambda job: 0.0
+    # the decoder layers' column-parallel backward collectives run behind its GEMMs without
+    # tp_comm_overlap (commvolume.tp_backward_async: megatron-core, on a device with streams)
+    tp_backward_overlap: Callable[[JobSpec], bool] = lambda job: False
     # with full recompute: the share of the decoder layers recomputed (Megatron's block method: fewer)
     recomputed_layers: Callable[[JobSpec], float] = lambda job: 1.0
     # backend options the search adds to a layout that does not fit without them, cheapest first
@@ -105,7 +108,8 @@ class Profile:
         return Widths.for_precision(job.run.precision, self.grad_fp32(job))
 
 
-def _b(job: JobSpec) -> int:
+def _param_bytes(job: JobSpec) -> int:
+    """Bytes of one element in the run's precision (fp32: 4; bf16, fp16: 2)."""
     return 4 if job.run.precision == "fp32" else 2
 
 
@@ -181,7 +185,7 @@ def _fsdp_buffers(job: JobSpec) -> float:
     layer = sum(math.prod(s) for k, s in shapes.items() if k.startswith("model.layers.0."))
     root = sum(math.prod(s) for k, s in shapes.items() if ".layers." not in k)
     live = 2 if job.backend.options.reshard_after_forward else m.num_hidden_layers
-    return live * layer * _b(job) + root * _b(job) + layer * 4
+    return live * layer * _param_bytes(job) + root * _param_bytes(job) + layer * 4
 
 
 def _fsdp_overlap(job: JobSpec) -> float:
@@ -244,7 +248,7 @@ def _fsdp_offload(job: JobSpec, st: States) -> Offload:
 
 # ---------------------------------------------------------------------------- deepspeed
 def _ds_states(job: JobSpec) -> States:
-    o, psi, nd, b = job.backend.options, job.model.num_params(), job.parallel.dp, _b(job)
+    o, psi, nd, b = job.backend.options, job.model.num_params(), job.parallel.dp, _param_bytes(job)
     k = 8 if job.run.precision == "fp32" and o.zero_stage == 0 else 12
     if o.zero_stage == 0:
         return States(b * psi, b * psi, k * psi, 0.0, psi)
@@ -275,7 +279,7 @@ def _ds_states(job: JobSpec) -> States:
 
 
 def _ds_buffers(job: JobSpec) -> float:
-    o, psi, b = job.backend.options, job.model.num_params(), _b(job)
+    o, psi, b = job.backend.options, job.model.num_params(), _param_bytes(job)
     if o.zero_stage == 3:  # the prefetch bucket and the live (gathered) parameters, DeepSpeed defaults
         return (min(o.stage3_prefetch_bucket_size or 5e7, psi) + min(o.stage3_max_live_parameters or 1e9, psi)) * b
     if o.zero_stage in (1, 2):  # the reduce bucket (DeepSpeed default 5e8 elements), capped at the model
@@ -325,7 +329,7 @@ def _ds_offload(job: JobSpec, st: States) -> Offload:
     fp32 master with CPU Adam and copies the updated working-dtype partition back. With
     ``offload_param`` the partition lives on the host and is copied to the device before every
     parameter all-gather (and not after the step)."""
-    o, b, dp = job.backend.options, _b(job), job.parallel.dp
+    o, b, dp = job.backend.options, _param_bytes(job), job.parallel.dp
     if o.offload_optimizer == "none" and o.offload_param == "none":
         return Offload()
     part = st.elements / dp
@@ -348,7 +352,7 @@ def _mg_states(job: JobSpec) -> States:
     megatron-core) and the fp32 main params + Adam moments are sharded over dp."""
     o, dp = job.backend.options, job.parallel.dp
     psi = max(rank_param_counts(job).values())
-    b = _b(job)
+    b = _param_bytes(job)
     if o.distributed_optimizer:
         padded = round_up(psi, math.lcm(dp, 128)) if dp > 1 else psi
         main = 4 if job.run.precision != "fp32" else 0  # fp32 training steps the params themselves
@@ -361,6 +365,9 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+VPP_SEARCHED = (1, 2, 4)  # virtual pipeline stages per pipeline rank the search tries
+
+
 def _mg_options(world: int, per_node: int, offload: bool) -> Iterator[dict[str, Any]]:
     """tp and cp inside a node (their collectives run per layer; the search keeps tp x cp within
     the node's devices), pp and dp over the rest. cp > 1 is refused by the harness where it cannot
@@ -368,7 +375,9 @@ def _mg_options(world: int, per_node: int, offload: bool) -> Iterator[dict[str, 
     for tp in (d for d in _divisors(world) if d <= per_node):
         for cp in (d for d in _divisors(world // tp) if tp * d <= per_node):
             for pp in _divisors(world // (tp * cp)):
-                for vpp in (1, 2) if pp > 1 else (1,):
+                # interleaving depths the published runs use (MindSpeed-LLM's Llama 2 70B: 4); a depth
+                # the model's layers do not divide is refused by the adapter's validate, like bench run
+                for vpp in VPP_SEARCHED if pp > 1 else (1,):
                     for sp in (False, True) if tp > 1 else (False,):
                         for dist_opt in (False, True) if world // (tp * cp * pp) > 1 else (False,):
                             yield {
@@ -389,7 +398,7 @@ def _mg_buffers(job: JobSpec) -> float:
     if o.cp <= 1:
         return 0.0
     kv_heads = max(m.num_key_value_heads // o.tp, 1)
-    chunk = 2 * d.micro_batch_size * (d.seq_len // o.cp) * kv_heads * m.head_dim * _b(job)
+    chunk = 2 * d.micro_batch_size * (d.seq_len // o.cp) * kv_heads * m.head_dim * _param_bytes(job)
     return 2.0 * chunk
 
 
@@ -401,10 +410,27 @@ def _mg_param_overlap(job: JobSpec) -> float:
     return float(o.overlap_param_gather and o.distributed_optimizer and job.device.type != "cpu")
 
 
+def interleaved_warmup(pp: int, vpp: int, micro_batches: int) -> int:
+    """Forward chunk-steps the interleaved schedule runs before its first backward on pipeline rank 0
+    (the busiest), and as many backward chunk-steps after its last forward: megatron-core's
+    ``forward_backward_pipelining_with_interleaving``, (p - 1) x 2 + (v - 1) x the micro-batch group
+    (``microbatch_group_size_per_vp_stage``, default p), at most every one of its m x v chunk-steps."""
+    return min(2 * (pp - 1) + (vpp - 1) * pp, micro_batches * vpp)
+
+
 def _mg_pp_overlap(job: JobSpec) -> float:
-    """The interleaved schedule overlaps its send/recv with compute (Megatron-LM's overlap_p2p_comm,
-    on by default, interleaved only); plain 1F1B's batched send/recv blocks. None on the CPU."""
-    return float(job.backend.options.vpp > 1 and job.device.type != "cpu")
+    """Share of the pipeline send/recv hidden behind compute (docs/sources.md#plan-overlap). Plain
+    1F1B's send/recv blocks: none. The interleaved schedule (Narayanan et al. 2021 sec. 2.2.2) crosses
+    v times as many stage boundaries (commvolume counts them) and overlaps a chunk-step's send/recv
+    with the next chunk-step's compute (``overlap_p2p_comm``, on by default) only in its steady 1F1B
+    phase: its warm-up and cool-down send/recv block (``overlap_p2p_comm_warmup_flush``, off by
+    default), 2 x ``interleaved_warmup`` of its 2 m v chunk-steps, a share that grows with v.
+    None on the CPU (no streams)."""
+    o = job.backend.options
+    if o.vpp <= 1 or job.device.type == "cpu":
+        return 0.0
+    m = job.grad_accum
+    return 1.0 - interleaved_warmup(o.pp, o.vpp, m) / (m * o.vpp)
 
 
 def _mg_recompute(job: JobSpec) -> str:
@@ -507,6 +533,9 @@ PROFILES: dict[str, Profile] = {
         lambda j: j.device.type != "cpu",  # megatron-core's local attention (CPU) keeps the scores
         param_overlap=_mg_param_overlap,
         pp_overlap=_mg_pp_overlap,
+        # CUDA_DEVICE_MAX_CONNECTIONS=1 orders the asynchronous collective before the next GEMM on the
+        # device's streams; on the CPU gloo's collective and the GEMM share the rank's cores (docs/plan.md)
+        tp_backward_overlap=lambda j: j.device.type != "cpu",
         recomputed_layers=_mg_recomputed_layers,
         # selective (the attention core again) costs less than full (the whole forward again)
         recompute_options=({"recompute_granularity": "selective"}, {"recompute_granularity": "full"}),

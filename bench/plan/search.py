@@ -1,7 +1,7 @@
 """Every backend x layout x micro-batch size the harness accepts, estimated and ranked.
 
 A candidate is a plain job config (the user's composed config with the backend's options and the
-cluster's placement set), validated by exactly what ``bench run`` validates (``runner.prepare``
+cluster's placement set), validated by exactly what ``bench run`` validates (``jobs.prepare``
 with ``launcher.dry_run``: the spec checks, the backend's ``parallel_dims`` and ``validate``), so a
 row the plan shows is a row ``bench run`` accepts, and its overrides are printed with it.
 """
@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from parabench.confutil import compose, to_plain
 from parabench.errors import SpecError, UserError
+from parabench.hydraconfig import compose, to_plain
+from parabench.jobs import prepare
 from parabench.plan.cluster import Cluster
 from parabench.plan.estimate import Calibration, Estimate, Features, estimate
 from parabench.plan.profiles import PROFILES
-from parabench.runner import execute, prepare
+from parabench.runner import execute
 
 GIB = 1024**3
 

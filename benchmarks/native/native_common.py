@@ -19,7 +19,7 @@ from pathlib import Path
 
 def load_job(argv: list[str] | None = None):
     """(output directory, JobSpec) from ``OUT_DIR OVERRIDES_JSON``: the spec `bench run` would train."""
-    from parabench.confutil import compose, to_plain
+    from parabench.hydraconfig import compose, to_plain
     from parabench.jobs import from_config
 
     argv = sys.argv[1:] if argv is None else argv

@@ -1,4 +1,4 @@
-"""Per-rank entry of ``bench comm``: ``python -m parabench.commworker RUN_DIR`` (started by the
+"""Per-rank entry of ``bench comm``: ``python -m parabench.comm.worker RUN_DIR`` (started by the
 backend's launcher, torchrun or msrun, like :mod:`parabench.worker`).
 
 Reads ``comm.json``, joins the world through the backend's adapter (torch.distributed on gloo, nccl
@@ -7,7 +7,7 @@ iterations, then times ``iters`` operations between device synchronisations (thi
 per operation), then, with the check on, fills the inputs with known values, runs the operation
 once more and counts the result elements that differ from the expected values (nccl-tests -c).
 Timed iterations run on zero-filled buffers, so that repeated in-place sums cannot overflow.
-Writes ``ranks/rank<R>.json``; the front end (:mod:`parabench.comm`) takes the slowest rank.
+Writes ``ranks/rank<R>.json``; the front end (:mod:`parabench.comm.command`) takes the slowest rank.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from parabench.adapters.registry import get_adapter
 from parabench.collectives import OPS, CommJob, expected_sum, input_value, options, stack_for
 from parabench.devices import DEVICES
 from parabench.errors import SpecError
-from parabench.launchers import get_launcher, redirect_output, serve_msrun_scheduler, stop_with_launcher
+from parabench.launchers import msrun_scheduler_started, rank_of, serve_msrun_scheduler
 from parabench.loop import write_json_atomic
 from parabench.spec import BackendSpec, DeviceSpec, LaunchSpec, TrackingSpec, build
 
@@ -197,7 +197,7 @@ def comm_job(plain: Mapping[str, Any]) -> CommJob:
     if extra:
         raise SpecError(extra[0], "unknown top-level key of bench comm")
     job = CommJob(
-        backend=BackendSpec(name, build(adapter.Options, backend_node, "backend")),
+        backend=BackendSpec(name, build(adapter.Options, backend_node, "backend"), adapter),
         device=build(DeviceSpec, plain.get("device"), "device"),
         launch=build(LaunchSpec, plain.get("launcher"), "launcher"),
         tracking=build(TrackingSpec, plain.get("tracking"), "tracking"),
@@ -211,15 +211,13 @@ def comm_job(plain: Mapping[str, Any]) -> CommJob:
 
 
 def main(argv: list[str] | None = None) -> int:
-    stop_with_launcher()  # a SIGKILLed torchrun or msrun takes its workers with it
-    if os.environ.get("MS_ROLE") == "MS_SCHED":
+    if msrun_scheduler_started():
         return serve_msrun_scheduler()
     run_dir = Path((sys.argv[1:] if argv is None else argv)[0])
     spec = json.loads((run_dir / "comm.json").read_text())
     job = comm_job(spec["config"])
-    adapter = get_adapter(job.backend.name)
-    rank, local_rank, world = get_launcher(adapter.capabilities.launcher).coords()
-    redirect_output(run_dir, rank)
+    adapter = job.backend.adapter
+    rank, local_rank, world = rank_of(job, run_dir)
     print(f"[parabench comm] rank {rank}/{world} pid {os.getpid()}", flush=True)
     try:
         ctx = WorkerContext(job, rank, world, local_rank, DEVICES[spec["device"]](local_rank), run_dir)  # type: ignore[arg-type]

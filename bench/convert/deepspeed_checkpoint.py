@@ -14,18 +14,17 @@ transformers Llama, the Hugging Face names the canonical model uses (parabench.h
 from __future__ import annotations
 
 import math
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from parabench import untrusted
-from parabench.canonical import MOMENTS, CanonicalState
+from parabench.canonical import MOMENTS, CanonicalState, Lazy
 from parabench.errors import RunFailed, SpecError
 from parabench.hf import CONFIG, ignored, spec_fields
 from parabench.jobs import model_spec
+from parabench.launchers import Launch, supervise
 
 LATEST = "latest"
 OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -137,15 +136,11 @@ def read(meta: dict[str, Any], work: Path):
     through ds_to_universal into ``work/universal/``; its log in ``work/logs/``."""
 
     tag_dir, out = meta["tag_dir"], work / "universal" / meta["tag_dir"].name
-    (work / "logs").mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, *UNIVERSAL, "--input_folder", str(tag_dir), "--output_folder", str(out)]
     cmd += ["--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"]
-    with open(work / "logs" / "ds_to_universal.log", "w") as log:
-        rc = subprocess.run(
-            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=os.environ
-        ).returncode
+    rc, _ = supervise(Launch.program(cmd, work))  # its output: work/logs/launcher.log
     if rc != 0:
-        raise RunFailed(f"DeepSpeed's ds_to_universal failed (exit {rc}); log in {work / 'logs'}")
+        raise RunFailed(f"DeepSpeed's ds_to_universal failed (exit code {rc}); log in {work / 'logs' / 'launcher.log'}")
     zero, shapes = out / "zero", meta["spec"].parameter_shapes()
 
     def value(name: str, state: str):
@@ -156,6 +151,6 @@ def read(meta: dict[str, Any], work: Path):
             raise RunFailed(f"{zero / name / state}.pt: {flat.numel()} values, {name} has shape {list(shapes[name])}")
         return flat.float().reshape(shapes[name]).contiguous()
 
-    weights = {n: value(n, "fp32") for n in shapes}
-    moments = {key: {n: value(n, key) for n in shapes} for key in MOMENTS}
+    weights = Lazy(shapes, lambda n: value(n, "fp32"))  # one file read at a time, as canonical.write reaches it
+    moments = {key: Lazy(shapes, lambda n, key=key: value(n, key)) for key in MOMENTS}
     return CanonicalState(weights, moments, _step(tag_dir, meta["trusted"]))

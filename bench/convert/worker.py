@@ -1,4 +1,4 @@
-"""Per-rank entry point of ``bench convert``: ``python -m parabench.convertworker RUN_DIR``.
+"""Per-rank entry point of ``bench convert``: ``python -m parabench.convert.worker RUN_DIR``.
 
 Started by the backend's own launcher (torchrun or msrun) with the job of one side of a conversion
 (``spec.json``) and what to do (``convert.json``):
@@ -11,7 +11,7 @@ Started by the backend's own launcher (torchrun or msrun) with the job of one si
   (``Engine.import_canonical``), exports again to check the canonical checksum, and writes a native
   checkpoint (``Engine.save_checkpoint``) with per-rank harness files into ``step_N.tmp``, without a
   marker: the command writes the COMPLETE marker naming the target job and renames it to ``step_N``
-  only once the checksum matches (parabench.convert.import_verified), so that ``bench run ...
+  only once the checksum matches (parabench.convert.command.import_verified), so that ``bench run ...
   run.resume=<out>`` continues from a verified checkpoint and never from a failed conversion.
 
 Rank 0 writes ``result.json`` (checksums, sizes) for the command to report.
@@ -30,11 +30,10 @@ from typing import Any
 
 from parabench import canonical
 from parabench.adapters.base import WorkerContext
-from parabench.adapters.registry import get_adapter
 from parabench.checkpoint import TMP, _ledger_checksum, read_marker, rng_state
 from parabench.devices import DEVICES, drain_comm_threads
 from parabench.jobs import load_job
-from parabench.launchers import get_launcher, redirect_output, serve_msrun_scheduler, stop_with_launcher
+from parabench.launchers import msrun_scheduler_started, rank_of, serve_msrun_scheduler
 
 REQUEST = "convert.json"
 RESULT = "result.json"
@@ -46,13 +45,16 @@ def _export(engine, ctx, request: dict[str, Any]) -> dict[str, Any]:
     source = Path(request["source"])
     marker = read_marker(source)
     engine.load_checkpoint(source / "native")
-    state = engine.export_canonical()
-    if ctx.rank != 0:
-        return {}
+    state = engine.export_canonical()  # its tensors may be gathered on access (canonical.Lazy): a collective
     world = int(marker["world_size"])
-    harness = [torch.load(source / "harness" / f"rank{r}.pt", weights_only=True) for r in range(world)]
+    harness = None
+    if ctx.rank == 0:
+        harness = [torch.load(source / "harness" / f"rank{r}.pt", weights_only=True) for r in range(world)]
     info = {"source": {"path": str(source), "marker_step": marker["step"], "job": marker["job"], "world_size": world}}
-    manifest = canonical.write(Path(request["canonical"]), state, harness, info)
+    # every rank visits the tensors in the same order, one at a time; rank 0 writes each as it comes
+    manifest = canonical.write(Path(request["canonical"]), state, harness, info, writing=ctx.rank == 0)
+    if manifest is None:
+        return {}
     return {"checksum": manifest["checksum"], "tensors": manifest["tensors"], "bytes": manifest["bytes"]}
 
 
@@ -89,11 +91,12 @@ def _fresh_harness(ctx, engine, step: int) -> dict[str, Any]:
 def _import(engine, ctx, request: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    state, saved = canonical.load(Path(request["canonical"]))
+    state, saved = canonical.load(Path(request["canonical"]))  # read one tensor at a time, on access
     engine.import_canonical(state)
     after = engine.export_canonical()  # what the target framework now holds, read back through it
     if state.moments is None:  # weights only: compare what was carried
         after = canonical.CanonicalState(after.weights, None, state.step, state.no_optimizer)
+    checked = canonical.checksum(after, hashing=ctx.rank == 0)  # collective where ``after`` is gathered on access
     step = int(saved[0]["step"]) if saved else state.step
     tmp = Path(request["out"]) / f"step_{step:06d}{TMP}"  # published by the command once verified
     if ctx.rank == 0:
@@ -106,13 +109,13 @@ def _import(engine, ctx, request: dict[str, Any]) -> dict[str, Any]:
     ctx.comm.barrier()
     if ctx.rank != 0:
         return {}
-    return {"checksum": canonical.checksum(after), "staging": str(tmp), "step": step}
+    return {"checksum": checked, "staging": str(tmp), "step": step}
 
 
 def _run(run_dir: Path, rank: int, local_rank: int, world: int) -> int:
     job = load_job(run_dir / "spec.json")
     request = json.loads((run_dir / REQUEST).read_text())
-    adapter = get_adapter(job.backend.name)
+    adapter = job.backend.adapter
     device = DEVICES[job.device.type](local_rank)
     ctx = WorkerContext(job=job, rank=rank, world_size=world, local_rank=local_rank, device=device, run_dir=run_dir)
     ctx.comm = adapter.init_worker(ctx)
@@ -126,14 +129,12 @@ def _run(run_dir: Path, rank: int, local_rank: int, world: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    stop_with_launcher()  # a SIGKILLed torchrun or msrun takes its workers with it
-    if os.environ.get("MS_ROLE") == "MS_SCHED":
+    if msrun_scheduler_started():
         return serve_msrun_scheduler()
     argv = sys.argv[1:] if argv is None else argv
     run_dir = Path(argv[0])
     job = load_job(run_dir / "spec.json")
-    rank, local_rank, world = get_launcher(get_adapter(job.backend.name).capabilities.launcher).coords()
-    redirect_output(run_dir, rank)
+    rank, local_rank, world = rank_of(job, run_dir)
     print(f"[parabench convert] rank {rank}/{world} pid {os.getpid()}", flush=True)
     try:
         code = _run(run_dir, rank, local_rank, world)

@@ -23,7 +23,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from parabench import canonical, dsnative, hostmem, mcnative, trackstore, untrusted
+from parabench import canonical, hostmem, trackstore, untrusted
 from parabench.adapters.registry import get_adapter
 from parabench.checkpoint import (
     LAYOUT_KEYS,
@@ -37,17 +37,17 @@ from parabench.checkpoint import (
     read_marker,
     write_marker,
 )
-from parabench.confutil import compose, to_plain
-from parabench.convertworker import REQUEST, RESULT
+from parabench.convert import deepspeed_checkpoint, megatron_checkpoint
+from parabench.convert.worker import REQUEST, RESULT
 from parabench.errors import RunFailed, SpecError, UserError, stopped_by
 from parabench.hf import CONFIG, SINGLE, hf_config, load_weights, spec_fields
-from parabench.jobs import model_spec
+from parabench.hydraconfig import compose, to_plain
+from parabench.jobs import model_spec, prepare
 from parabench.launchers import Launch, supervise
-from parabench.runner import prepare
 from parabench.spec import JobSpec, TrackingSpec, to_dict
 from parabench.tracking import JobRun
 
-ENTRY = ["-m", "parabench.convertworker"]
+ENTRY = ["-m", "parabench.convert.worker"]
 WORK = "convert"  # <out>/convert/{export,import}/: each launch's spec, request and logs
 RECORD = "convert.json"
 NON_BACKENDS = ("canonical", "hf")
@@ -88,7 +88,11 @@ def _parser() -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------------------------
 def _canonical_source(path: Path) -> tuple[str, Path, dict[str, Any]]:
     try:
-        return "canonical", path, canonical.read_manifest(path)
+        manifest = canonical.read_manifest(path)
+        canonical.tensor_files(path, canonical.WEIGHTS)  # an index naming files elsewhere is refused here
+        if manifest.get("optimizer"):
+            canonical.tensor_files(path, canonical.OPTIMIZER)
+        return "canonical", path, manifest
     except ValueError as exc:
         raise SpecError("SRC", str(exc)) from None
 
@@ -120,8 +124,8 @@ def _hf_source(path: Path) -> tuple[str, Path, dict[str, Any]]:
 
 
 def _deepspeed_source(path: Path, trusted: bool) -> tuple[str, Path, dict[str, Any]]:
-    """A checkpoint DeepSpeed's ``engine.save_checkpoint`` wrote, its config.json beside (parabench.dsnative)."""
-    meta = dsnative.inspect(path, trusted)
+    """A checkpoint DeepSpeed's ``engine.save_checkpoint`` wrote, its config.json beside (parabench.convert.deepspeed_checkpoint)."""
+    meta = deepspeed_checkpoint.inspect(path, trusted)
     layout = (
         f"(engine.save_checkpoint {meta['tag_dir'].name}; ZeRO-{meta['stage'] if meta['stage'] == 3 else '1/2'}; "
         f"world_size={meta['world_size']}; DeepSpeed {meta['ds_version']})"
@@ -130,8 +134,8 @@ def _deepspeed_source(path: Path, trusted: bool) -> tuple[str, Path, dict[str, A
 
 
 def _megatron_source(path: Path, trusted: bool) -> tuple[str, Path, dict[str, Any]]:
-    """A checkpoint Megatron-LM's ``save_checkpoint`` wrote (torch_dist), its args giving the model (parabench.mcnative)."""
-    meta = mcnative.inspect(path, trusted)
+    """A checkpoint Megatron-LM's ``save_checkpoint`` wrote (torch_dist), its args giving the model (parabench.convert.megatron_checkpoint)."""
+    meta = megatron_checkpoint.inspect(path, trusted)
     distopt = f"; distributed optimizer {meta['distributed_optimizer']}" if meta.get("distributed_optimizer") else ""
     layout = (
         f"(Megatron-LM {meta['directory'].name}; torch_dist; saved at tp={meta['tp']} pp={meta['pp']}{distopt}; "
@@ -150,9 +154,11 @@ def find_source(text: str, trusted: bool = False) -> tuple[str, Path, dict[str, 
         raise SpecError("SRC", f"no such checkpoint directory: {path}")
     if (path / canonical.MANIFEST).exists():
         return _canonical_source(path)
-    if dsnative.is_checkpoint(path):  # DeepSpeed's own (its `latest` file), possibly beside a config.json
+    if deepspeed_checkpoint.is_checkpoint(path):  # DeepSpeed's own (its `latest` file), possibly beside a config.json
         return _deepspeed_source(path, trusted)
-    if mcnative.is_checkpoint(path):  # Megatron-LM's own (latest_checkpointed_iteration.txt, or an iter_N dir)
+    if megatron_checkpoint.is_checkpoint(
+        path
+    ):  # Megatron-LM's own (latest_checkpointed_iteration.txt, or an iter_N dir)
         return _megatron_source(path, trusted)
     if (path / CONFIG).is_file() and not (path / MARKER).exists():  # parabench checkpoints hold no config.json
         return _hf_source(path)
@@ -235,7 +241,7 @@ def target_job(
 
 
 def _check_convertible(job: JobSpec, role: str) -> None:
-    support = get_adapter(job.backend.name).capabilities.convert
+    support = job.backend.adapter.capabilities.convert
     for key in sorted(support.unsupported_options if support else ()):
         if getattr(job.backend.options, key):
             raise SpecError(
@@ -268,7 +274,7 @@ def launch(job: JobSpec, run_dir: Path, request: dict[str, Any]) -> dict[str, An
     (run_dir / "logs").mkdir(parents=True)
     (run_dir / "spec.json").write_text(job.to_json())
     (run_dir / REQUEST).write_text(json.dumps(request, indent=1))
-    for name, text in get_adapter(job.backend.name).bundle_files(job).items():
+    for name, text in job.backend.adapter.bundle_files(job).items():
         (run_dir / name).write_text(text)
     rc, reason = supervise(Launch.of(job, run_dir, entry=ENTRY))  # launcher.setup_timeout_s bounds it
     if rc != 0 or not (run_dir / RESULT).exists():
@@ -278,10 +284,13 @@ def launch(job: JobSpec, run_dir: Path, request: dict[str, Any]) -> dict[str, An
 
 
 def write_hf(out: Path, canon: Path, job_model) -> dict[str, Any]:
-    """config.json + model.safetensors under Hugging Face Llama names (the canonical names)."""
+    """config.json + model.safetensors (or its shards and index, canonical.ShardedWriter: Hugging
+    Face's own layout) under Hugging Face Llama names (the canonical names)."""
     (out / "config.json").write_text(json.dumps(hf_config(job_model), indent=1))
-    shutil.copyfile(canon / canonical.WEIGHTS, out / SINGLE)
-    return {"files": ["config.json", SINGLE]}
+    files = canonical.read_manifest(canon).get("files", {}).get("weights") or [canonical.WEIGHTS]
+    for name in files:
+        shutil.copyfile(canon / name, out / name)
+    return {"files": ["config.json", *files]}
 
 
 def write_foreign_canonical(canon: Path, kind: str, src: Path, meta: dict[str, Any]) -> dict[str, Any]:
@@ -289,23 +298,25 @@ def write_foreign_canonical(canon: Path, kind: str, src: Path, meta: dict[str, A
     starts a fresh one at the source's optimizer step). A Hugging Face checkpoint: its weights read as
     every backend reads them (parabench.model.initial_weights, the +model=hf reader), AdamW moments as a
     fresh AdamW starts them (zeros, step 0: torch.optim.AdamW's lazy state init,
-    docs/sources.md#canonical-conversion). DeepSpeed's own: weights, moments and step (parabench.dsnative);
-    Megatron-LM's own likewise (parabench.mcnative), fresh moments where it saved none."""
+    docs/sources.md#canonical-conversion). DeepSpeed's own: weights, moments and step (parabench.convert.deepspeed_checkpoint);
+    Megatron-LM's own likewise (parabench.convert.megatron_checkpoint), fresh moments where it saved none."""
     import numpy as np
 
     from parabench.model import initial_weights
 
     extra: dict[str, Any] = {}
-    if kind == "hf":
-        weights = initial_weights(meta["spec"], seed=0)  # read from spec.weights; the seed is not used
-        moments = {key: {n: np.zeros_like(w) for n, w in weights.items()} for key in canonical.MOMENTS}
+    if kind == "hf":  # read one tensor at a time (the seed is not used: the weights come from spec.weights)
+        shapes = meta["spec"].parameter_shapes()
+        weights = canonical.Lazy(shapes, lambda n: initial_weights(meta["spec"], seed=0, names=[n])[n])
+        zeros = canonical.Lazy(shapes, lambda n: np.zeros(shapes[n], dtype=np.float32))
+        moments = {key: zeros for key in canonical.MOMENTS}
         state, extra["fresh_optimizer"] = canonical.CanonicalState(weights, moments, 0), HF_NO_OPTIMIZER
     elif kind == "megatron":
-        state = mcnative.read(meta)
+        state = megatron_checkpoint.read(meta)
         if meta["step"] is None:
             extra["fresh_optimizer"] = MEGATRON_NO_OPTIMIZER
     else:
-        state = dsnative.read(meta, canon.parent / WORK)
+        state = deepspeed_checkpoint.read(meta, canon.parent / WORK)
     keys = ("identity", "world_size", "layout")
     job, world, layout = (meta[k] for k in keys)
     info = {"source": {"path": str(src), "format": kind, "job": job, "world_size": world, "layout": layout}}
@@ -384,7 +395,7 @@ def _optimizer_line(p: dict[str, Any], manifest: dict[str, Any]) -> str:
         return f"optimizer state: fresh AdamW, zero moments at step 0 ({manifest['fresh_optimizer']})"
     if p["target_job"] is None:
         return f"optimizer state: included (AdamW exp_avg, exp_avg_sq, step {manifest['step']})"
-    why = get_adapter(p["target_job"].backend.name).capabilities.convert.optimizer
+    why = p["target_job"].backend.adapter.capabilities.convert.optimizer
     return f"optimizer state: {'not included (' + why + ')' if why else 'included'} (AdamW exp_avg, exp_avg_sq, step {manifest['step']})"
 
 
@@ -447,7 +458,7 @@ def _convert(p: dict[str, Any]) -> dict[str, Any]:
     }
     tjob = p["target_job"]
     if tjob is not None:
-        weights = str(canon / canonical.WEIGHTS)
+        weights = str(canonical.weights_file(canon))  # the single file or the shards' index
         job = dataclasses.replace(tjob, model=dataclasses.replace(tjob.model, weights=weights))
         result = import_verified(job, canon, out, manifest["checksum"])
         record.update(
@@ -490,11 +501,10 @@ def _hf_checksums(out: Path, canon: Path, step: int) -> dict[str, Any]:
     """An hf export holds the weights only: the weights' checksum in the canonical directory against
     the one of the export read back as ``+model=hf`` reads it (config.json, then the safetensors). The
     canonical moments are not read: they are not exported."""
-    from safetensors.torch import load_file
-
-    source = load_file(str(canon / canonical.WEIGHTS))
+    source = canonical.load(canon)[0].weights
     spec = model_spec(spec_fields({"path": str(out)}))
-    written = load_weights(str(out / SINGLE), spec.parameter_shapes())
+    path = str(canonical.weights_file(out))
+    written = canonical.Lazy(spec.parameter_shapes(), lambda n: load_weights(path, [n])[n])
     return {
         "checksum_scope": "weights",
         "checksum_before": canonical.checksum(canonical.CanonicalState(source, None, step)),

@@ -4,7 +4,7 @@ Every job of the command (all combinations of a ``-m`` sweep) is composed from `
 and checked first (:func:`prepare`): the stack and device must be usable here (``bench env``'s
 reasons), the sizes must make sense for the world size; an operation the stack cannot do on this
 device is refused by name. Then each job (:func:`execute`) writes its run directory, starts the
-workers (:mod:`parabench.commworker`) through the backend's launcher, and reads back each rank's
+workers (:mod:`parabench.comm.worker`) through the backend's launcher, and reads back each rank's
 times and wrong-element counts: per (operation, size) the slowest rank's time, algbw and busbw
 (parabench.collectives, docs/sources.md#communication-volume), the alpha-beta fit per operation,
 one MLflow run per (stack, world size). A wrong result is an error (exit 1), never a bandwidth.
@@ -21,17 +21,16 @@ from pathlib import Path
 from typing import Any
 
 from parabench import __version__, envreport, trackstore
-from parabench.adapters.registry import get_adapter
 from parabench.collectives import OPS, CommJob, Fit, SizePoint, fit_alpha_beta, stack_for, sweep
-from parabench.commworker import comm_job
-from parabench.confutil import compose, expand_sweep, to_plain
+from parabench.comm.worker import comm_job
 from parabench.devices import DEVICES
 from parabench.errors import SpecError, UserError, stopped_by
+from parabench.hydraconfig import compose, expand_sweep, to_plain
 from parabench.jobs import usable_device
 from parabench.launchers import Launch, log_tails, supervise
 from parabench.tracking import JobRun, flatten, git_sha, store_uri
 
-ENTRY = ["-m", "parabench.commworker"]
+ENTRY = ["-m", "parabench.comm.worker"]
 USAGE = """usage: bench comm [-m] [key=value ...]
 
 Collectives benchmark (nccl-tests style): time, algbw and busbw per operation and size, results
@@ -60,7 +59,7 @@ def prepare(plain: dict[str, Any]) -> Prepared:
     if job.launch.dry_run:
         raise SpecError("launcher.dry_run", "bench comm writes no launch bundle; run it on the machine to measure")
     stack = stack_for(job.backend.name)
-    adapter = get_adapter(job.backend.name)
+    adapter = job.backend.adapter
     kind = usable_device(adapter, job.device.type, job.launch)
     if kind not in adapter.capabilities.devices:
         raise SpecError("device", f"backend {adapter.name} does not run on {kind}")
@@ -184,7 +183,7 @@ def _record(
     """One MLflow run for this (stack, world size): comm.* and the fits as params, per op and size
     ``<op>.time_us`` / ``.algbw_GBps`` / ``.busbw_GBps`` with the size in bytes as the step."""
     job = p.job
-    tracker = JobRun(job.tracking, job.results_dir)
+    tracker = JobRun(job.tracking, job.results_dir, run_dir)  # spooled there; artifacts are its files
     params = flatten(p.plain)
     for op, f in fitted.items():
         params.update(f.as_params(op))
