@@ -480,3 +480,14 @@ def test_a_job_carries_its_adapter_and_spec_json_does_not():
     assert set(json.loads(job.to_json())["backend"]) == {"name", "options"}
     assert job_from_json(job.to_json()) == job and job_from_json(job.to_json()).backend.adapter is job.backend.adapter
 
+
+def test_every_standalone_torch_worker_script_destroys_its_process_group():
+    """The scripts tests and benchmarks start under torchrun (tests/*_train.py, benchmarks/native/*) end by
+    destroying their process group, as parabench's own workers do (adapters/base.py): one that exits
+    holding it tears gloo's threads down in interpreter shutdown, where CI saw a rank abort (SIGABRT,
+    'terminate called without an active exception') after its work was done."""
+    scripts = [*ROOT.glob("tests/*_train.py"), *ROOT.glob("benchmarks/native/*_native.py")]
+    torch_scripts = [p for p in scripts if "init_process_group" in p.read_text() or "init_distributed" in p.read_text()]
+    assert len(torch_scripts) >= 5, [p.name for p in scripts]
+    missing = [p.name for p in torch_scripts if "destroy_process_group()" not in p.read_text()]
+    assert not missing, f"exit holding a process group: {missing}"
