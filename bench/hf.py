@@ -197,6 +197,13 @@ def weight_files(weights: str) -> dict[str, Path]:
         weight_map = _read_json(path).get("weight_map")
         if not isinstance(weight_map, dict):
             raise _refuse(f"{path} has no weight_map")
+        # Hugging Face writes shard names beside the index; a crafted index naming '../x' or '/x' would
+        # have parabench read (and checksum into the run) a file outside the model's directory.
+        outside = sorted({f for f in weight_map.values() if not isinstance(f, str) or Path(f).name != f or f == ".."})
+        if outside:
+            raise _refuse(
+                f"{path}: its weight_map names files outside its directory ({outside[0]!r}); shards lie beside the index"
+            )
         return {name: path.parent / file for name, file in weight_map.items()}
     return {name: path for name in _header(path)}
 

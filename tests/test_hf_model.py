@@ -234,6 +234,23 @@ REFUSED_WEIGHTS = {
 }
 
 
+@pytest.mark.parametrize("where", ["../outside.safetensors", "ABSOLUTE", "sub/../../outside.safetensors"])
+def test_an_index_naming_a_file_outside_its_directory_is_refused(tmp_path, capsys, where):
+    """A crafted model.safetensors.index.json must not make parabench read (and checksum into the run) a
+    file outside the model's directory: the shard it names is really there, valid, and still refused."""
+    write_model(tmp_path / "m", QWEN2, shards=2)
+    index = tmp_path / "m" / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    first = sorted(set(data["weight_map"].values()))[0]
+    (tmp_path / "outside.safetensors").write_bytes((tmp_path / "m" / first).read_bytes())
+    where = str(tmp_path / "outside.safetensors") if where == "ABSOLUTE" else where
+    data["weight_map"] = {n: (where if f == first else f) for n, f in data["weight_map"].items()}
+    index.write_text(json.dumps(data))
+    assert_refused_before_launch(
+        ["+model=hf", f"model.path={tmp_path / 'm'}"], "outside its directory", tmp_path, capsys
+    )
+
+
 @pytest.mark.parametrize("case", REFUSED_WEIGHTS)
 def test_weights_that_do_not_fit_the_config_are_refused(tmp_path, capsys, case):
     edit, must_name = REFUSED_WEIGHTS[case]
