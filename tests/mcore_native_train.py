@@ -1,6 +1,6 @@
 """A checkpoint in Megatron-LM's own layout, not parabench's (tests/test_convert_mcore_native.py).
 
-``torchrun --nproc-per-node TPxPPxDP tests/mcore_native_train.py OUT STEPS TP PP [bf16] [distopt|distopt_dp]``: a tiny Llama-shaped
+``torchrun --nproc-per-node TPxPPxDP tests/mcore_native_train.py OUT STEPS TP PP [bf16] [distopt|distopt_dp] [legacy]``: a tiny Llama-shaped
 megatron-core ``GPTModel`` (local layer spec, RMSNorm, SwiGLU, RoPE, grouped-query attention, untied
 output layer) at tensor-parallel size TP and pipeline-parallel size PP, Megatron's own weight init, wrapped in Megatron's
 ``DistributedDataParallel`` and trained STEPS steps with ``get_megatron_optimizer`` (Adam with
@@ -8,6 +8,11 @@ decoupled weight decay; fp32, or with ``bf16`` Megatron-LM's ``--bf16``: the mod
 ``Float16Module``, fp32 main params in the optimizer; with ``distopt`` Megatron-LM's
 ``--use-distributed-optimizer --dist-ckpt-optim-fully-reshardable``, with ``distopt_dp`` its default
 ``dp_reshardable`` format, the processes beyond TPxPP being data-parallel ranks) through ``get_forward_backward_func``, then saved as Megatron-LM's
+``save_checkpoint`` saves with ``--ckpt-format torch`` when ``legacy`` is given (the legacy format
+MindSpeed-LLM's training and converter write: ``OUT/ckpt/iter_{STEPS:07d}/mp_rank_TT[_PPP]/model_optim_rng.pt``,
+one ``torch.save`` per tensor and pipeline rank of the first data-parallel replica, holding
+``generate_state_dict``'s dict with the module's ``state_dict_for_save_checkpoint`` and the optimizer's
+``state_dict``), otherwise as Megatron-LM's
 ``save_checkpoint`` saves with ``--ckpt-format torch_dist`` (its default): the state
 ``generate_state_dict`` builds (``args``, ``checkpoint_version`` 3.0, ``iteration``, ``model``,
 ``optimizer``, ``opt_param_scheduler``, ``rng_state``) through ``dist_checkpointing.save`` into
@@ -246,6 +251,39 @@ def save_as_megatron_lm(model, optimizer, args: argparse.Namespace, root: str, d
             f.write(str(iteration))
 
 
+def save_as_megatron_lm_legacy(model, optimizer, args: argparse.Namespace, root: str) -> None:
+    """What Megatron-LM's save_checkpoint writes for --ckpt-format torch: on the ranks of the first
+    data-parallel replica, generate_state_dict's dict (args, checkpoint_version, iteration, the model's
+    state_dict_for_save_checkpoint, the optimizer's state_dict, the scheduler's, the RNG states) through
+    torch.save into get_checkpoint_name's mp_rank_TT[_PPP]/model_optim_rng.pt."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+    from megatron.core.utils import unwrap_model
+
+    args = argparse.Namespace(**{**vars(args), "ckpt_format": "torch"})
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if args.pipeline_model_parallel_size > 1 else "")
+    directory = os.path.join(root, f"iter_{args.iteration:07d}", name)
+    if ps.get_data_parallel_rank() == 0:
+        rng = {
+            "random_rng_state": random.getstate(),
+            "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(),
+            "rng_tracker_states": get_cuda_rng_tracker().get_states(),
+        }
+        state = {"args": args, "checkpoint_version": 3.0, "iteration": args.iteration}
+        state["model"] = unwrap_model(model).state_dict_for_save_checkpoint()
+        state["optimizer"] = optimizer.state_dict()
+        state["opt_param_scheduler"] = {"max_lr": args.lr, "min_lr": args.lr, "num_steps": args.iteration * 2}
+        state["rng_state"] = [rng]
+        os.makedirs(directory, exist_ok=True)
+        torch.save(state, os.path.join(directory, "model_optim_rng.pt"))
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(args.iteration))
+
+
 def shards(model, optimizer) -> list:
     """Every rank's (stage, tensor rank, {name: weight}, {name: exp_avg}, {name: exp_avg_sq}) under
     the module's own parameter names (layer indices within the stage), gathered on every rank."""
@@ -321,7 +359,7 @@ def logits_and_moments(model, optimizer, tp: int) -> dict:
     return out
 
 
-def main(out: str, steps: int, tp: int, pp: int, bf16: bool, distopt: str | None) -> None:
+def main(out: str, steps: int, tp: int, pp: int, bf16: bool, distopt: str | None, legacy: bool = False) -> None:
     torch.distributed.init_process_group("gloo")
     install("cuda", "cpu")
     from megatron.core import parallel_state as ps
@@ -332,7 +370,10 @@ def main(out: str, steps: int, tp: int, pp: int, bf16: bool, distopt: str | None
     args = megatron_lm_args(steps, tp, pp, bf16, distopt)
     model, optimizer = build(args)
     train(model, optimizer, steps)
-    save_as_megatron_lm(model, optimizer, args, os.path.join(out, "ckpt"), distopt)
+    if legacy:
+        save_as_megatron_lm_legacy(model, optimizer, args, os.path.join(out, "ckpt"))
+    else:
+        save_as_megatron_lm(model, optimizer, args, os.path.join(out, "ckpt"), distopt)
     ref = {"shards": shards(model, optimizer), "step": steps}
     if pp == 1 and not bf16:
         ref.update(logits_and_moments(model, optimizer, tp))
@@ -346,4 +387,4 @@ if __name__ == "__main__":
     flags = sys.argv[5:]
     formats = {"distopt": "fully_reshardable", "distopt_dp": "dp_reshardable"}
     distopt = next((formats[f] for f in flags if f in formats), None)
-    main(sys.argv[1], *(int(a) for a in sys.argv[2:5]), bf16="bf16" in flags, distopt=distopt)
+    main(sys.argv[1], *(int(a) for a in sys.argv[2:5]), bf16="bf16" in flags, distopt=distopt, legacy="legacy" in flags)

@@ -62,6 +62,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "parabench.convert.worker",
             "parabench.convert.deepspeed_checkpoint",
             "parabench.convert.megatron_checkpoint",
+            "parabench.convert.megatron_legacy",
             "parabench.runnames",
         ),
     ),

@@ -156,4 +156,87 @@ def test_megatron_lm_checkpoint_bad_input(mc_native, tmp_path, capsys):
     (legacy / ITER / "mp_rank_00").mkdir(parents=True)
     (legacy / ITER / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"")
     (legacy / "latest_checkpointed_iteration.txt").write_text(str(SAVED))
-    _refused([str(legacy), "--to", "ddp", "--out", str(out)], "legacy format", out, capsys)
+    _refused([str(legacy), "--to", "ddp", "--out", str(out)], "not a torch.save zip archive", out, capsys)
+
+
+@pytest.fixture(scope="module")
+def mc_legacy(tmp_path_factory) -> Path:
+    """Megatron-LM's legacy --ckpt-format torch at tp=2 (mp_rank_00/, mp_rank_01/)."""
+    out = tmp_path_factory.mktemp("mc_legacy_tp2")
+    torchrun_script("mcore_native_train.py", [str(out), str(SAVED), "2", "1", "legacy"], {})
+    return out
+
+
+def test_megatron_lm_legacy_checkpoint_to_canonical_and_ddp(mc_legacy, tmp_path):
+    """Issue 30: the legacy format (MindSpeed-LLM's training and converter write it) at tp=2 - every
+    canonical weight and moment bit-equal to the ranks' own, the trained model's logits, and ddp resumed
+    from it continues as the same state continued by hand (1e-6)."""
+    import torch
+
+    assert sorted(p.name for p in (mc_legacy / "ckpt" / ITER).iterdir()) == ["mp_rank_00", "mp_rank_01"]
+    canon = tmp_path / "canon"
+    printed = _convert([str(mc_legacy / "ckpt"), "--to", "canonical", "--out", str(canon)])
+    assert "(match)" in printed and f"Megatron-LM {ITER}; torch; saved at tp=2 pp=1; fp32" in printed, printed
+    assert f"optimizer state: included (AdamW exp_avg, exp_avg_sq, step {SAVED})" in printed, printed
+    reference = torch.load(mc_legacy / "reference.pt", weights_only=True)
+    _assert_bit_equal_to_the_ranks(canon / "canonical", reference, 2, 1)
+    model, _ = _canonical_model(canon / "canonical")
+    with torch.no_grad():
+        diff = (model.eval()(reference["tokens"]) - reference["logits"]).abs().max().item()
+    assert diff < 1e-5, diff
+
+    out = tmp_path / "ddp"
+    printed = _convert([str(mc_legacy / "ckpt"), "--to", "ddp", "--out", str(out), "launcher.nproc_per_node=2"])
+    assert "(match)" in printed, printed
+    results = tmp_path / "r_ddp"
+    _run(["backend=ddp", f"run.steps={SAVED + 2}", f"run.resume={out}"], results)
+    resumed, by_hand = _losses(results, "ddp"), continued_by_hand(out / "canonical", 2)
+    print(f"ddp resumed from the legacy checkpoint vs by hand: {resumed} vs {by_hand}")
+    assert len(resumed) == 2
+    assert abs(resumed[0] - by_hand[0]) <= 1e-6 * by_hand[0] and abs(resumed[1] - by_hand[1]) <= 1e-6 * by_hand[1]
+
+
+def test_megatron_lm_legacy_checkpoint_saved_with_pipeline_stages(tmp_path_factory, tmp_path):
+    """The legacy format at pp=2 (mp_rank_00_000/, mp_rank_00_001/: layers numbered within each stage)."""
+    import torch
+
+    trained = tmp_path_factory.mktemp("mc_legacy_pp2")
+    torchrun_script("mcore_native_train.py", [str(trained), str(SAVED), "1", "2", "legacy"], {})
+    assert sorted(p.name for p in (trained / "ckpt" / ITER).iterdir()) == ["mp_rank_00_000", "mp_rank_00_001"]
+    canon = tmp_path / "canon"
+    printed = _convert([str(trained / "ckpt" / ITER), "--to", "canonical", "--out", str(canon)])
+    assert "(match)" in printed and "torch; saved at tp=1 pp=2" in printed, printed
+    _assert_bit_equal_to_the_ranks(canon / "canonical", torch.load(trained / "reference.pt", weights_only=True), 1, 2)
+
+
+def _edit_rank(src: Path, rank: str, edit) -> None:
+    import torch
+
+    path = src / ITER / rank / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    edit(state)
+    torch.save(state, path)
+
+
+def test_megatron_lm_legacy_checkpoint_bad_input(mc_legacy, tmp_path, capsys):
+    src, out = tmp_path / "ckpt", tmp_path / "out"
+
+    def fresh() -> Path:
+        shutil.rmtree(src, ignore_errors=True)
+        shutil.copytree(mc_legacy / "ckpt", src)
+        return src
+
+    shutil.rmtree(fresh() / ITER / "mp_rank_01")
+    _refused([str(src), "--to", "ddp", "--out", str(out)], "mp_rank_01/model_optim_rng.pt is missing", out, capsys)
+    _edit_rank(fresh(), "mp_rank_01", lambda s: s["optimizer"]["param_groups"][1]["params"].pop())
+    _refused([str(src), "--to", "ddp", "--out", str(out)], "param group 1 holds 4 ids", out, capsys)
+    _edit_rank(fresh(), "mp_rank_00", lambda s: s["model"].pop("decoder.layers.1.mlp.linear_fc2.weight"))
+    _refused([str(src), "--to", "ddp", "--out", str(out)], "param group 0 holds 10 ids", out, capsys)
+    _edit_rank(
+        fresh(), "mp_rank_01", lambda s: s["optimizer"]["state"][3].update(step=s["optimizer"]["state"][3]["step"] + 1)
+    )
+    _refused([str(src), "--to", "ddp", "--out", str(out)], "not one value", out, capsys)
+    _edit_rank(fresh(), "mp_rank_00", lambda s: setattr(s["args"], "use_distributed_optimizer", True))
+    _refused([str(src), "--to", "ddp", "--out", str(out)], "distrib_optim.pt", out, capsys)
+    _edit_rank(fresh(), "mp_rank_00", lambda s: s.update(extra=shutil.rmtree))  # a global that would run
+    _refused([str(src), "--to", "ddp", "--out", str(out)], "shutil.rmtree", out, capsys)

@@ -37,7 +37,7 @@ from parabench.checkpoint import (
     read_marker,
     write_marker,
 )
-from parabench.convert import deepspeed_checkpoint, megatron_checkpoint
+from parabench.convert import deepspeed_checkpoint, megatron_checkpoint, megatron_legacy
 from parabench.convert.worker import REQUEST, RESULT
 from parabench.errors import RunFailed, SpecError, UserError, stopped_by
 from parabench.hf import CONFIG, SINGLE, hf_config, load_weights, spec_fields
@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
         "src",
         help="a parabench checkpoint (step_N), a directory of them, a run directory, a canonical dir, "
         "a Hugging Face directory (config.json + safetensors; weights only), or a checkpoint DeepSpeed's "
-        "engine.save_checkpoint or Megatron-LM's save_checkpoint (torch_dist) wrote",
+        "engine.save_checkpoint or Megatron-LM's save_checkpoint (torch_dist or the legacy torch format) wrote",
     )
     p.add_argument("--to", required=True, help="target backend (ddp, fsdp, deepspeed, ...), canonical or hf")
     p.add_argument("--out", required=True, help="new directory for the converted checkpoint")
@@ -134,11 +134,16 @@ def _deepspeed_source(path: Path, trusted: bool) -> tuple[str, Path, dict[str, A
 
 
 def _megatron_source(path: Path, trusted: bool) -> tuple[str, Path, dict[str, Any]]:
-    """A checkpoint Megatron-LM's ``save_checkpoint`` wrote (torch_dist), its args giving the model (parabench.convert.megatron_checkpoint)."""
-    meta = megatron_checkpoint.inspect(path, trusted)
+    """A checkpoint Megatron-LM's ``save_checkpoint`` wrote (torch_dist, or the legacy torch format), its
+    args giving the model (parabench.convert.megatron_checkpoint, parabench.convert.megatron_legacy)."""
+    if megatron_checkpoint.is_legacy(path):
+        directory = megatron_checkpoint.iteration_dir(path)
+        meta = megatron_legacy.inspect(directory, (path if path != directory else path.parent).name, trusted)
+    else:
+        meta = megatron_checkpoint.inspect(path, trusted)
     distopt = f"; distributed optimizer {meta['distributed_optimizer']}" if meta.get("distributed_optimizer") else ""
     layout = (
-        f"(Megatron-LM {meta['directory'].name}; torch_dist; saved at tp={meta['tp']} pp={meta['pp']}{distopt}; "
+        f"(Megatron-LM {meta['directory'].name}; {meta.get('format', 'torch_dist')}; saved at tp={meta['tp']} pp={meta['pp']}{distopt}; "
         f"{meta['precision']}; iteration {meta['iteration']})"
     )
     return "megatron", path, {**meta, "identity": _identity(meta["spec"]), "layout": layout}
@@ -312,7 +317,7 @@ def write_foreign_canonical(canon: Path, kind: str, src: Path, meta: dict[str, A
         moments = {key: zeros for key in canonical.MOMENTS}
         state, extra["fresh_optimizer"] = canonical.CanonicalState(weights, moments, 0), HF_NO_OPTIMIZER
     elif kind == "megatron":
-        state = megatron_checkpoint.read(meta)
+        state = (megatron_legacy if meta.get("format") == "torch" else megatron_checkpoint).read(meta)
         if meta["step"] is None:
             extra["fresh_optimizer"] = MEGATRON_NO_OPTIMIZER
     else:

@@ -62,14 +62,22 @@ OPTIONAL_DEFAULTS = {"rotary_interleaved": False, "use_rope_scaling": False, "mu
 
 
 def is_checkpoint(path: Path) -> bool:
-    return (path / TRACKER).is_file() or (_is_iteration(path) and (path / METADATA).is_file())
+    """Megatron-LM's save directory (its tracker file) or one iteration of it, in either format."""
+    iteration = _is_iteration(path) and ((path / METADATA).is_file() or any(path.glob("mp_rank_*")))
+    return (path / TRACKER).is_file() or iteration
+
+
+def is_legacy(path: Path) -> bool:
+    """Saved with --ckpt-format torch (parabench.convert.megatron_legacy reads it): rank directories, no DCP metadata."""
+    directory = iteration_dir(path)
+    return not (directory / METADATA).is_file() and any(p.is_dir() for p in directory.glob("mp_rank_*"))
 
 
 def _is_iteration(path: Path) -> bool:
     return bool(re.fullmatch(r"iter_\d{7}|release", path.name))
 
 
-def _iteration_dir(path: Path) -> Path:
+def iteration_dir(path: Path) -> Path:
     if _is_iteration(path):
         return path
     text = (path / TRACKER).read_text().strip()
@@ -81,13 +89,6 @@ def _iteration_dir(path: Path) -> Path:
 
 def _check_format(directory: Path) -> None:
     if not (directory / METADATA).is_file():
-        legacy = sorted(p.name for p in directory.glob("mp_rank_*"))
-        if legacy:
-            raise SpecError(
-                "SRC",
-                f"{directory} is in Megatron-LM's legacy format ({legacy[0]}/model_optim_rng.pt): only "
-                "--ckpt-format torch_dist is read; re-save it with Megatron-LM's --ckpt-convert-format torch_dist",
-            )
         raise SpecError("SRC", f"{directory}: no {METADATA}, not a Megatron distributed checkpoint")
     backend = json.loads((directory / METADATA).read_text()).get("sharded_backend")
     if backend != "torch_dist":
@@ -244,7 +245,7 @@ def inspect(path: Path, trusted: bool = False) -> dict[str, Any]:
     """Everything checked before anything is written (SpecError naming SRC): the tracker, the format
     and version, every pickle (parabench.untrusted, unless ``trusted``), the args against the
     canonical Llama, every file, tensor name and shape."""
-    directory = _iteration_dir(path)
+    directory = iteration_dir(path)
     _check_format(directory)
     untrusted.check_checkpoint(directory, trusted=trusted)
     common = _common(directory, trusted)
