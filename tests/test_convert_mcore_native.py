@@ -207,6 +207,14 @@ def test_megatron_lm_legacy_checkpoint_saved_with_pipeline_stages(tmp_path_facto
     printed = _convert([str(trained / "ckpt" / ITER), "--to", "canonical", "--out", str(canon)])
     assert "(match)" in printed and "torch; saved at tp=1 pp=2" in printed, printed
     _assert_bit_equal_to_the_ranks(canon / "canonical", torch.load(trained / "reference.pt", weights_only=True), 1, 2)
+    out, results = tmp_path / "ddp", tmp_path / "r_ddp"
+    assert "(match)" in _convert([str(canon / "canonical"), "--to", "ddp", "--out", str(out)])
+    _run(["backend=ddp", f"run.steps={SAVED + 2}", f"run.resume={out}"], results)
+    resumed, by_hand = _losses(results, "ddp"), continued_by_hand(out / "canonical", 2)
+    assert len(resumed) == 2 and all(abs(a - b) <= 1e-6 * b for a, b in zip(resumed, by_hand, strict=True)), (
+        resumed,
+        by_hand,
+    )
 
 
 def _edit_rank(src: Path, rank: str, edit) -> None:
