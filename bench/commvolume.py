@@ -42,13 +42,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from parabench.spec import ModelSpec
 
 Kind = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "recv"]
-Group = Literal["dp", "tp", "pp", "cp", "ep"]
+Group = Literal["dp", "tp", "pp", "cp", "ep", "edp"]  # edp: expert data parallel (the experts' dp group)
 Sharding = Literal[
     "none",
     "zero1",
@@ -107,6 +107,7 @@ class Layout:
     # backward saved are back (set_checkpoint_early_stop, on by default), before the layer's last
     # row-parallel all-reduce, whose output no backward saves: 1 recomputed all-reduce per layer, not 2
     recompute_stops_early: bool = False
+    ep: int = 1  # expert-parallel ranks (MoE): carved out of the data-parallel ranks
 
 
 @dataclass(frozen=True)
@@ -309,6 +310,21 @@ def _data_parallel(
     ]
 
 
+def expert_data_parallel(
+    model: ModelSpec, layout: Layout, batch: Batch, widths: Widths, elements: int
+) -> list[Collective]:
+    """The data-parallel collectives of a rank's experts (``elements``: its E / ep experts, padded as
+    the backend pads), which megatron-core runs over the expert-data-parallel group, dp x cp / ep ranks
+    at expert tp = tp (``parallel_state.initialize_model_parallel``: the expert rank generator's dp;
+    the experts' grad buffers are reduced over ``get_expert_data_parallel_group``), not over dp: the
+    same formulas as the dense parameters' (:func:`step_comm`) on that group, labelled ``edp``."""
+    sub = replace(layout, dp=layout.dp * layout.cp // layout.ep, cp=1)
+    return [
+        replace(c, group="edp", what="experts: " + c.what)
+        for c in _data_parallel(model, sub, batch, widths, elements, 0)
+    ]
+
+
 def _root_elements(model: ModelSpec) -> int:
     return sum(math.prod(s) for name, s in model.parameter_shapes().items() if ".layers." not in name)
 
@@ -457,6 +473,7 @@ __all__ = [
     "Widths",
     "bus_factor",
     "deepspeed_flat_numel",
+    "expert_data_parallel",
     "fsdp2_padded_numel",
     "moe_all_to_all",
     "ring_steps",

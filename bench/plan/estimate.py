@@ -19,7 +19,8 @@ distributed optimizer's parameter gather behind the forward, tensor-parallel col
 GEMMs where the stack overlaps them (``Features``; else megatron-core's column-parallel backward hides
 its asynchronous ones, docs/sources.md#plan-tp-backward-overlap), pipeline send/recv in the interleaved
 schedule's steady phase (its warm-up and cool-down block), context parallelism's ring hidden behind
-the attention compute (each kept in ``Estimate.overlap``); pipeline bubble (p - 1) / (v m) of
+the attention compute, a MoE model's token-dispatch all-to-all (expert parallelism) exposed
+(each kept in ``Estimate.overlap``; docs/moe.md#planner); pipeline bubble (p - 1) / (v m) of
 compute + framework (docs/sources.md#pipeline-bubble); the last pipeline stage runs the whole output
 layer beside its layers (docs/sources.md#plan-output-layer); offload: the host link transfers (hidden like
 data-parallel communication, in what the backward has left) and the host optimizer step, exposed
@@ -30,7 +31,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from parabench.commvolume import Batch, Layout, StepComm, step_comm, tp_backward_async
+from parabench.commvolume import (
+    Batch,
+    Collective,
+    Layout,
+    StepComm,
+    Widths,
+    expert_data_parallel,
+    moe_all_to_all,
+    step_comm,
+    tp_backward_async,
+)
 from parabench.flops import flops_per_token
 from parabench.plan.cluster import Cluster
 from parabench.plan.gemms import (
@@ -221,6 +232,8 @@ def activation_bytes(
     # softmax and dropout: their 5as/h term drops, as with a fused attention kernel
     attn = 0.0 if fused_attention or recompute == "selective" else 5 * a * s / (h * t)
     per_layer = s * b * h * ((34 / t if sp else 10 + 24 / t) + attn) if t > 1 else s * b * h * (34 + attn)
+    if m.is_moe:  # the MoE block's activations replace the dense MLP's 19 sbh (docs/moe.md#planner)
+        per_layer += moe_block_bytes(job) - s * b * h * ((19 / t if sp else 3 + 16 / t) if t > 1 else 19)
     width = (4 if job.run.precision == "fp32" else 2) / 2
     layers = m.num_hidden_layers / p
     if recompute == "full":  # layer inputs kept; one layer's activations live during its recompute
@@ -232,6 +245,24 @@ def activation_bytes(
         in_flight = in_flight * (1 + (p - 1) / (p * v))
     logits = 2 * s * b * m.vocab_size / (t if vocab_parallel else 1) * 4
     return stored * width * in_flight + logits
+
+
+def moe_block_bytes(job: JobSpec) -> float:
+    """Activations one MoE block stores for the backward of a micro-batch (2-byte activations), by
+    Korthikanti et al.'s accounting (each GEMM's input, the activation function's input) applied to
+    megatron-core's ``MoELayer``: the router's input (2 T h) and its probabilities (2 T E); for each
+    of the k T routed rows (balanced routing: the rows a device's experts receive equal those it
+    sends), the dispatched row (2 h, fc1's input), fc1's gate and up outputs (4 I, SwiGLU's input),
+    SwiGLU's output (2 I, fc2's input) and fc2's output (2 h, kept for the probability-weighted
+    combine's backward); the expert width over the expert tensor-parallel size (tp). A shared expert
+    runs every token as a dense SwiGLU MLP: 2 h + 6 S per token. T = s b / cp tokens."""
+    m, d, o = job.model, job.data, job.backend.options
+    t = getattr(o, "tp", 1)
+    tokens = d.seq_len // getattr(o, "cp", 1) * d.micro_batch_size
+    h, i, k = m.hidden_size, m.expert_intermediate_size, m.num_experts_per_tok
+    routed = k * (4 * h + 6 * i / t)
+    shared = 2 * h + 6 * m.shared_expert_intermediate_size / t if m.shared_expert_intermediate_size else 0.0
+    return tokens * (2 * h + 2 * m.num_local_experts + routed + shared)
 
 
 def model_passes(job: JobSpec) -> float:
@@ -277,7 +308,9 @@ def estimate(
     framework = cal.per_micro_batch(job.backend.name, kind, threads, layout_key(layout)) * model_passes(job)
     comm, spans, times, gather = _step_comm_s(job, prof, layout, cluster, cal, states)
     column = _tp_backward_async(job, prof, layout, cluster, cal, spans["tp"], stage)
-    overlap = _overlap(job, prof, times, gather, compute, features, 6 * job.model.num_matmul_params() / fpt, column)
+    overlap = _overlap(
+        job, prof, times, gather, compute, features, 6 * job.model.num_active_matmul_params() / fpt, column
+    )
     dp_hidden = overlap.hidden["dp grad reduce"] + overlap.hidden["dp param gather"]
     exposed = sum(times.values()) - sum(overlap.hidden.values())
     transfer, host_step, offload = _offload_time(
@@ -304,24 +337,40 @@ def estimate(
 def _step_comm_s(
     job: JobSpec, prof, layout: Layout, cluster: Cluster, cal: Calibration, states: States
 ) -> tuple[StepComm, dict, dict[str, float], float]:
-    """A step's collectives (commvolume.step_comm), the devices each parallel group spans, each
-    group's seconds on its link, and the data-parallel all-gathers' seconds (ZeRO-3 / FSDP params)."""
-    comm = step_comm(
+    """A step's collectives (commvolume.step_comm; a MoE model's experts synchronised over the
+    expert-data-parallel group and its token dispatch: ``_expert_comm``), the devices each parallel
+    group spans, each group's seconds on its link, and the data-parallel all-gathers' seconds (ZeRO-3 /
+    FSDP params, the distributed optimizer's gather, the experts' included)."""
+    batch = Batch(job.data.seq_len, job.data.micro_batch_size, job.grad_accum)
+    dense = step_comm(
         job.model,
         layout,
-        Batch(job.data.seq_len, job.data.micro_batch_size, job.grad_accum),
+        batch,
         prof.widths(job),
-        dp_elements=states.elements,
+        dp_elements=states.elements - states.expert_elements,
         root_elements=prof.root_elements(job),
     )
+    comm = StepComm(dense.collectives + tuple(_expert_comm(job, layout, batch, prof.widths(job), states)))
     spans = _spans(job)
-    times = {
-        g: sum(c.seconds(*_link(cluster, spans[g], cal, c.kind)) for c in comm.collectives if c.group == g)
-        for g in spans
-    }
-    gather = sum(c.seconds(*_link(cluster, spans["dp"], cal, c.kind)) for c in comm.collectives
-                 if c.group == "dp" and c.kind == "all_gather")  # fmt: skip
+    seconds = {id(c): c.seconds(*_link(cluster, spans[c.group], cal, c.kind)) for c in comm.collectives}
+    times = {g: sum(seconds[id(c)] for c in comm.collectives if c.group == g) for g in spans}
+    gather = sum(seconds[id(c)] for c in comm.collectives if c.group in ("dp", "edp") and c.kind == "all_gather")
     return comm, spans, times, gather
+
+
+def _expert_comm(job: JobSpec, layout: Layout, batch: Batch, widths: Widths, states: States) -> list[Collective]:
+    """A MoE model's collectives beyond the dense ones: its experts' gradient reduction (and
+    distributed-optimizer gather) over the expert-data-parallel group where the backend keeps them apart
+    (``States.expert_elements``: megatron), and with expert parallelism the all-to-all token dispatcher's
+    dispatch and combine, forward and backward, by the communication accounting's own formula
+    (``commvolume.moe_all_to_all``; megatron-core's ``alltoall`` dispatcher, the default; the
+    ``allgather`` dispatcher has no formula here and is not priced)."""
+    out = []
+    if states.expert_elements:
+        out += expert_data_parallel(job.model, layout, batch, widths, states.expert_elements)
+    if getattr(job.backend.options, "moe_token_dispatcher", None) == "alltoall":
+        out += moe_all_to_all(job.model, batch, widths, layout.ep, pp=layout.pp, cp=layout.cp)
+    return out
 
 
 def _compute_s(
@@ -344,7 +393,7 @@ def _compute_s(
         share = recompute_share(job.model, recompute) * recomputed
         logits = logit_elements(*shape)
         last, other = stage_compute_s(
-            forward_gemms(*shape), job.grad_accum, layout.pp, peak_tflops * 1e12, cal.curve(kind), share,
+            forward_gemms(*shape, ep=layout.ep), job.grad_accum, layout.pp, peak_tflops * 1e12, cal.curve(kind), share,
             elementwise_elements(*shape) - logits, attention_recompute=float(recompute == "selective"),
             output_elements=logits,
         )  # fmt: skip
@@ -405,9 +454,12 @@ def _overlap(
     column-parallel backward's asynchronous ones (``column``: re-gathers behind the input-gradient
     GEMMs, reductions behind the weight-gradient GEMMs, each at most those GEMMs' time); the share of
     the pipeline send/recv the schedule overlaps (the profile's ``pp_overlap``: the interleaved
-    schedule's steady phase, not its warm-up and cool-down)."""
+    schedule's steady phase, not its warm-up and cool-down); a MoE model's expert-data-parallel
+    collectives as the dp ones; none of the MoE token dispatcher's all-to-all (megatron-core 0.16
+    overlaps it only with ``overlap_moe_expert_parallel_comm``, off by default: docs/moe.md#planner)."""
     param = prof.param_overlap(job) * min(gather, compute / 3)
-    grad_part = times["dp"] - (gather if prof.param_overlap(job) else 0.0)
+    data = times["dp"] + times["edp"]  # the experts' buffers reduce and gather as the dense ones do
+    grad_part = data - (gather if prof.param_overlap(job) else 0.0)
     regather, reduce, gemm = column
     tp = min(times["tp"], compute * gemm_share) if features.tp_overlap else min(regather, gemm) + min(reduce, gemm)
     hidden = {
@@ -416,9 +468,10 @@ def _overlap(
         "tp": tp,
         "cp ring": min(times["cp"], compute * (1 - gemm_share)),
         "pp send/recv": min(prof.pp_overlap(job) * times["pp"], compute),
+        "ep all-to-all": 0.0,
     }
-    total = {"dp grad reduce": grad_part, "dp param gather": times["dp"] - grad_part, "tp": times["tp"],
-             "cp ring": times["cp"], "pp send/recv": times["pp"]}  # fmt: skip
+    total = {"dp grad reduce": grad_part, "dp param gather": data - grad_part, "tp": times["tp"],
+             "cp ring": times["cp"], "pp send/recv": times["pp"], "ep all-to-all": times["ep"]}  # fmt: skip
     return Overlap(total, hidden)
 
 
@@ -437,9 +490,14 @@ def _offload_time(off: Offload, cluster: Cluster, ranks_per_node: int, backward_
 
 
 def _spans(job: JobSpec) -> dict[str, int]:
-    """Consecutive devices each group spans (Megatron's rank order: tp fastest, then cp, dp, pp)."""
+    """Consecutive devices each group spans (Megatron's rank order: tp fastest, then cp, dp, pp). The
+    expert groups follow megatron-core's expert rank generator (``parallel_state.py``, order
+    tp-ep-dp-pp at expert tp = tp, no cp): an ep group spans tp x ep devices, so it stays inside a node
+    while tp x ep does; the expert-data-parallel group the rest of a pipeline stage."""
     par = job.parallel
-    return {"tp": par.tp, "cp": par.tp * par.cp, "dp": par.tp * par.cp * par.dp, "pp": par.world_size}
+    ep = getattr(job.backend.options, "ep", 1)
+    dp = par.tp * par.cp * par.dp
+    return {"tp": par.tp, "cp": par.tp * par.cp, "dp": dp, "pp": par.world_size, "ep": par.tp * ep, "edp": dp}
 
 
 def _link(cluster: Cluster, span: int, cal: Calibration, op: str = "all_reduce") -> tuple[float, float]:

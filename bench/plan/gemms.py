@@ -95,27 +95,57 @@ class Gemm:
 
 
 def forward_gemms(
-    model: ModelSpec, seq_len: int, micro_batch: int, tp: int = 1, cp: int = 1, vocab_parallel: bool = True
-) -> list[Gemm]:
+    model: ModelSpec, seq_len: int, micro_batch: int, tp: int = 1, cp: int = 1, vocab_parallel: bool = True,
+    ep: int = 1,
+) -> list[Gemm]:  # fmt: skip
     """The forward GEMMs of one micro-batch on one device (all layers; a pipeline stage runs 1 / pp
     of them). The attention scores and their product with V are one batched GEMM each over the
     device's heads: (s / cp) x s x head_dim per head, of which a causal kernel computes half (FlashAttention
     skips the blocks above the diagonal, Dao 2023; Megatron's context-parallel ring balances them over
     the cp ranks): ``count`` = L / 2. (MFU still counts PaLM's full 12 L H Q T.) ``vocab_parallel``
-    false: lm_head whole on every tp rank (FSDP2 + TP splits the decoder layers only)."""
+    false: lm_head whole on every tp rank (FSDP2 + TP splits the decoder layers only). A MoE model's
+    MLP is ``moe_gemms`` (``ep``: its expert-parallel size)."""
     h, i, layers = model.hidden_size, model.intermediate_size, model.num_hidden_layers
     q = model.num_attention_heads * model.head_dim
     kv = model.num_key_value_heads * model.head_dim
     m = micro_batch * seq_len / cp
+    mlp = moe_gemms(model, m, tp, ep) if model.is_moe else [
+        Gemm("gate+up", m, 2 * i / tp, h, layers),
+        Gemm("down", m, h, i / tp, layers),
+    ]  # fmt: skip
     return [
         Gemm("qkv", m, (q + 2 * kv) / tp, h, layers),
         Gemm("attention scores", m, seq_len, q / tp, layers / 2, model.num_attention_heads / tp),
         Gemm("attention x V", m, q / tp, seq_len, layers / 2),
         Gemm("o", m, h, q / tp, layers),
-        Gemm("gate+up", m, 2 * i / tp, h, layers),
-        Gemm("down", m, h, i / tp, layers),
+        *mlp,
         Gemm("lm_head", m, model.vocab_size / (tp if vocab_parallel else 1), h, 1),
     ]
+
+
+def moe_gemms(model: ModelSpec, tokens: float, tp: int = 1, ep: int = 1) -> list[Gemm]:
+    """The MoE block's forward GEMMs of ``tokens`` tokens on one device, all layers: the router
+    (tokens x E x h, replicated), and each of the device's E / ep local experts (megatron-core's
+    ``SequentialMLP``: one GEMM pair per expert, no grouped GEMM) on the rows routed to it. Routing
+    assumed balanced (docs/moe.md#planner): the k x tokens rows of each of the ep ranks spread evenly
+    over the E experts, so a local expert runs k x tokens x ep / E rows (the all-to-all brings it
+    those of every ep rank). Without expert parallelism (ep 1: ddp, fsdp) every expert runs on the
+    device, on k x tokens / E rows each. The shared expert (and its gate) runs every token."""
+    h, i, e, k = model.hidden_size, model.expert_intermediate_size, model.num_local_experts, model.num_experts_per_tok
+    layers, rows = model.num_hidden_layers, tokens * k * ep / e
+    out = [
+        Gemm("router", tokens, e, h, layers),
+        Gemm("experts gate+up", rows, 2 * i / tp, h, layers * e / ep),
+        Gemm("experts down", rows, h, i / tp, layers * e / ep),
+    ]
+    shared = model.shared_expert_intermediate_size
+    if shared:
+        out += [
+            Gemm("shared expert gate+up", tokens, 2 * shared / tp, h, layers),
+            Gemm("shared expert down", tokens, h, shared / tp, layers),
+            Gemm("shared expert gate", tokens, 1, h, layers),
+        ]
+    return out
 
 
 # torchtitan's "op" selective activation checkpointing saves the output of every other mm of a

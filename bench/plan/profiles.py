@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from parabench.adapters.megatron import rank_param_counts
@@ -50,6 +50,10 @@ class States:
     # of ``grads``: what DeepSpeed ZeRO-1/2 keeps beyond the rank's partition (boundary parameters
     # whole, zero_partition_grad_numel); the papers' formulas have no such term
     boundary: float = 0.0
+    # of ``elements``: the experts' (MoE), which megatron-core synchronises over the expert-data-parallel
+    # group (dp / ep ranks at tp = 1: commvolume.expert_data_parallel), not over dp
+    expert_elements: int = 0
+    expert_bytes: float = 0.0  # of ``total``: the experts' parameters, gradients and optimizer states
 
     @property
     def total(self) -> float:
@@ -103,6 +107,9 @@ class Profile:
     # backend options the search adds to a layout that does not fit without them, cheapest first
     # (options the layouts above do not enumerate themselves: Megatron's recompute_granularity)
     recompute_options: tuple[dict[str, Any], ...] = ()
+    # (a layout's options, world size, the model's routed experts) -> the expert-parallel options the
+    # search tries with that layout ({}: none; only a backend with expert parallelism has any)
+    experts: Callable[[dict[str, Any], int, int], Iterator[dict[str, Any]]] = lambda options, world, experts: iter([{}])
 
     def widths(self, job: JobSpec) -> Widths:
         return Widths.for_precision(job.run.precision, self.grad_fp32(job))
@@ -349,16 +356,42 @@ def _ds_offload(job: JobSpec, st: States) -> Offload:
 def _mg_states(job: JobSpec) -> States:
     """Megatron keeps params (working dtype) and fp32 main grads in contiguous buffers; with the
     distributed optimizer each buffer is padded to a multiple of dp (x 128 elements per bucket in
-    megatron-core) and the fp32 main params + Adam moments are sharded over dp."""
+    megatron-core) and the fp32 main params + Adam moments are sharded over dp. A MoE model's experts
+    (``E / ep`` of each layer on a rank: ``rank_param_counts``) sit in buffers of their own, which the
+    distributed optimizer pads and shards over the expert-data-parallel group, dp / ep ranks
+    (megatron-core 0.16 ``distributed_data_parallel.py``: ``expert_parallel_buffers`` on
+    ``intra_expt_dp_group``; ``optimizer/__init__.py``: the ``is_expert_parallel`` groups); docs/moe.md#planner."""
     o, dp = job.backend.options, job.parallel.dp
     psi = max(rank_param_counts(job).values())
     b = _param_bytes(job)
+    main = 4 if job.run.precision != "fp32" else 0  # fp32 training steps the params themselves
+    experts = mg_expert_numel(job)
     if o.distributed_optimizer:
-        padded = round_up(psi, math.lcm(dp, 128)) if dp > 1 else psi
-        main = 4 if job.run.precision != "fp32" else 0  # fp32 training steps the params themselves
-        return States(b * padded, 4.0 * padded, (8 + main) * padded / dp, 0.0, padded)
-    main = 4 if job.run.precision != "fp32" else 0
-    return States(b * psi, 4.0 * psi, (8.0 + main) * psi, 0.0, psi)
+        edp = dp // getattr(o, "ep", 1)
+        dense = _dist_opt_padded(psi - experts, dp)
+        expert = _dist_opt_padded(experts, edp) if experts else 0
+        padded = dense + expert
+        optimizer = (8 + main) * (dense / dp + expert / edp)
+        held = (b + 4.0) * expert + (8 + main) * expert / edp
+        return States(b * padded, 4.0 * padded, optimizer, 0.0, padded, expert_elements=expert, expert_bytes=held)
+    held = (b + 4.0 + 8.0 + main) * experts
+    return States(b * psi, 4.0 * psi, (8.0 + main) * psi, 0.0, psi, expert_elements=experts, expert_bytes=held)
+
+
+def _dist_opt_padded(n: int, ranks: int) -> int:
+    """A distributed-optimizer buffer of ``n`` elements padded to a multiple of its ranks (x 128)."""
+    return round_up(n, math.lcm(ranks, 128)) if ranks > 1 else n
+
+
+def mg_expert_numel(job: JobSpec) -> int:
+    """Expert parameters one megatron rank holds: the E / ep experts of each of its stage's layers,
+    SwiGLU (fc1 = [gate; up], fc2 = down) of width ``moe_intermediate_size``, split over the expert
+    tensor-parallel size (megatron-core's default: tp); the router is replicated with the dense ones."""
+    m, o = job.model, job.backend.options
+    if not m.is_moe:
+        return 0
+    per_expert = 3 * m.hidden_size * m.expert_intermediate_size // o.tp
+    return m.num_hidden_layers // o.pp * (m.num_local_experts // getattr(o, "ep", 1)) * per_expert
 
 
 def _divisors(n: int) -> list[int]:
@@ -388,6 +421,18 @@ def _mg_options(world: int, per_node: int, offload: bool) -> Iterator[dict[str, 
                                 "sequence_parallel": sp,
                                 "distributed_optimizer": dist_opt,
                             }
+
+
+def _mg_experts(options: dict[str, Any], world: int, experts: int) -> Iterator[dict[str, Any]]:
+    """Expert-parallel sizes with a MoE model: the divisors of dp that divide the routed experts
+    (megatron-core carves the ep groups out of the data-parallel ranks). The adapter's validate refuses
+    what it cannot run (with MoE: tp, pp, cp > 1, the distributed optimizer, full recompute), counted
+    like any other refusal."""
+    if not experts:
+        yield {}
+        return
+    dp = world // (options["tp"] * options["cp"] * options["pp"])
+    yield from ({"ep": e} for e in _divisors(dp) if experts % e == 0)
 
 
 def _mg_buffers(job: JobSpec) -> float:
@@ -461,6 +506,7 @@ def _mg_layout(job: JobSpec) -> Layout:
         # megatron-core's tensor_parallel.checkpoint is reentrant: the whole layer forward, its TP
         # collectives included, runs again
         recompute=_mg_recompute(job),  # type: ignore[arg-type]
+        ep=getattr(o, "ep", 1),
     )
 
 
@@ -539,9 +585,11 @@ PROFILES: dict[str, Profile] = {
         recomputed_layers=_mg_recomputed_layers,
         # selective (the attention core again) costs less than full (the whole forward again)
         recompute_options=({"recompute_granularity": "selective"}, {"recompute_granularity": "full"}),
+        experts=_mg_experts,
     ),
     "mindspore": Profile(
         _no_options, _dp_layout(lambda j: "none"), lambda j: True, _replicated, lambda j: 0.0, lambda j: 1.0, _ac
     ),
 }
-PROFILES["mindspeed"] = PROFILES["megatron"]
+# mindspeed: megatron's profile without expert parallelism (its adapter refuses a MoE model: Capabilities.moe)
+PROFILES["mindspeed"] = replace(PROFILES["megatron"], experts=lambda options, world, experts: iter([{}]))

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from parabench.errors import SpecError, UserError
+from parabench.hf import spec_fields
 from parabench.hydraconfig import compose, to_plain
 from parabench.jobs import prepare
 from parabench.plan.cluster import Cluster
@@ -52,7 +53,8 @@ def candidates(base: dict[str, dict[str, Any]], cluster: Cluster, world: int, mb
     if nnodes > 1:
         place += [f"launcher.nnodes={nnodes}", "launcher.master_port=29500"]
     for name, plain in base.items():
-        for options in PROFILES[name].layouts(world, cluster.devices_per_node, cluster.host_link is not None):
+        experts = _routed_experts(plain["model"])
+        for options in _with_experts(name, world, cluster, experts):
             for b in mbs:
                 cfg = copy.deepcopy(plain)
                 cfg["backend"].update(options)
@@ -63,6 +65,21 @@ def candidates(base: dict[str, dict[str, Any]], cluster: Cluster, world: int, mb
                     cfg["launcher"]["master_port"] = 29500
                 changed = [f"backend.{k}={_yaml(v)}" for k, v in options.items() if plain["backend"].get(k) != v]
                 yield cfg, [f"backend={name}", *changed, f"data.micro_batch_size={b}", *place]
+
+
+def _routed_experts(node: dict[str, Any]) -> int:
+    """The model's routed experts per layer (0: dense), ``+model=hf`` read from its config.json."""
+    fields = spec_fields(node) if "path" in node else node
+    return int(fields.get("num_local_experts") or 0)
+
+
+def _with_experts(name: str, world: int, cluster: Cluster, experts: int):
+    """The profile's layouts, each with every expert-parallel size it tries for a model of ``experts``
+    routed experts (none: the layout alone)."""
+    prof = PROFILES[name]
+    for options in prof.layouts(world, cluster.devices_per_node, cluster.host_link is not None):
+        for extra in prof.experts(options, world, experts):
+            yield {**options, **extra}
 
 
 def _yaml(v: Any) -> str:
@@ -137,6 +154,7 @@ def describe(e: Estimate) -> str:
         bits += (
             [f"tp{o.tp}"] + ([f"cp{o.cp}"] if o.cp > 1 else []) + [f"pp{o.pp}"] + ([f"v{o.vpp}"] if o.vpp > 1 else [])
         )
+        bits += [f"ep{o.ep}"] if getattr(o, "ep", 1) > 1 else []
         bits += (["sp"] if o.sequence_parallel else []) + (["distopt"] if o.distributed_optimizer else [])
     if getattr(o, "activation_checkpointing", False) or getattr(o, "recompute_granularity", None) == "full":
         bits.append("recompute")
@@ -160,13 +178,29 @@ def why_wins(e: Estimate, best: Estimate) -> str:
             text = f"as fast as #1 (within 0.5%), {more:+.2f} GiB memory per device"
         else:
             text = f"{100 * slower:.0f}% slower than #1: " + _cost(e, best)
-    return text + "".join(f"; {note}" for note in (_cp_note(e), _offload_note(e), _overlap_note(e)) if note)
+    return text + "".join(
+        f"; {note}" for note in (_ep_note(e), _cp_note(e), _offload_note(e), _overlap_note(e)) if note
+    )
 
 
 def _overlap_note(e: Estimate) -> str:
     """Each communication mechanism of the row and how much of it compute hides (estimate._overlap)."""
     parts = [f"{k} {_dur(e.overlap.hidden.get(k, 0.0))} of {_dur(v)}" for k, v in e.overlap.total.items() if v > 0]
     return "hidden: " + ", ".join(parts) if parts else ""
+
+
+def _ep_note(e: Estimate) -> str:
+    """What expert parallelism buys (the experts' states over ep) and costs (the exposed all-to-all)."""
+    o, m = e.job.backend.options, e.job.model
+    ep = getattr(o, "ep", 1)
+    if not m.is_moe or ep <= 1:
+        return ""
+    group = "inside a node" if e.job.parallel.tp * ep <= e.job.launch.nproc_per_node else "across nodes"
+    return (
+        f"ep{ep}: {m.num_local_experts // ep} of {m.num_local_experts} experts per layer on each device "
+        f"({e.states.expert_bytes / GIB:.1f} GiB of expert states), token all-to-all {e.comm.bus_bytes('ep') / 2**30:.2f} GiB "
+        f"per step {group}, {_dur(e.overlap.total.get('ep all-to-all', 0.0))} exposed"
+    )
 
 
 def _cp_note(e: Estimate) -> str:
@@ -222,7 +256,9 @@ def why_lost(e: Estimate) -> str:
             f"host memory does not fit by {-e.host_margin_bytes / GIB:.2f} GiB (offloaded states need {need:.2f} of "
             f"the {have:.2f} GiB of host memory per device)"
         )
-    return text + "".join(f"; {note}" for note in (_cp_note(e), _offload_note(e), _overlap_note(e)) if note)
+    return text + "".join(
+        f"; {note}" for note in (_ep_note(e), _cp_note(e), _offload_note(e), _overlap_note(e)) if note
+    )
 
 
 def emit_bundle(plain: dict[str, Any], out_dir: Path) -> Path:
