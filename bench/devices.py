@@ -58,6 +58,32 @@ def run_probe(code: str, timeout_s: float, env: dict[str, str] | None = None) ->
     return out.stdout
 
 
+# distribution names whose versions are recorded with every run (bench run, bench comm, bench env)
+VERSIONED = (
+    "torch",
+    "deepspeed",
+    "megatron-core",
+    "mindspore",
+    "torch-npu",
+    "mindspeed",
+    "mlflow",
+    "hydra-core",
+    "numpy",
+)
+
+
+def versions() -> dict[str, str | None]:
+    """The installed version of each VERSIONED distribution (None: absent), Python's and CANN's."""
+    out: dict[str, str | None] = {d: package_version(d) for d in VERSIONED}
+    out["python"] = platform.python_version()
+    out["cann"] = cann_version()
+    return out
+
+
+def cpu_info() -> dict[str, object]:
+    return {"model": cpu_model(), "cores": os.cpu_count(), "machine": platform.machine()}
+
+
 def cann_version() -> str | None:
     """CANN toolkit version from its version.cfg / version.info, where installed."""
     roots = [

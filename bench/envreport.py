@@ -3,27 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import platform
 import sys
 from typing import Any
 
 from parabench.adapters.mindspeed import KNOWN_GOOD
 from parabench.adapters.registry import describe, get_adapter
-from parabench.devices import AUTOLOAD_TEXT, DEVICES, cann_version, cpu_model, package_version
+from parabench.devices import AUTOLOAD_TEXT, DEVICES, cpu_info, package_version, versions
 
-# distribution names whose versions are recorded with every run
-VERSIONED = [
-    "torch",
-    "deepspeed",
-    "megatron-core",
-    "mindspore",
-    "torch-npu",
-    "mindspeed",
-    "mlflow",
-    "hydra-core",
-    "numpy",
-]
 # The distributions each backend runs on. Their supported ranges are not written here: they are read
 # back from parabench's installed metadata, i.e. from pyproject.toml (one source of truth).
 BACKEND_DISTRIBUTIONS = {
@@ -122,17 +108,6 @@ def known_good_sets(found: dict[str, str | None]) -> list[dict[str, Any]]:
         differs = {k: found.get(k) for k, v in pins.items() if not (found.get(k) or "").split("+")[0].startswith(v)}
         sets.append({"source": good["source"], "versions": pins, "differs": differs})
     return sets
-
-
-def versions() -> dict[str, str | None]:
-    out: dict[str, str | None] = {d: package_version(d) for d in VERSIONED}
-    out["python"] = platform.python_version()
-    out["cann"] = cann_version()
-    return out
-
-
-def cpu_info() -> dict[str, Any]:
-    return {"model": cpu_model(), "cores": os.cpu_count(), "machine": platform.machine()}
 
 
 def report() -> dict[str, Any]:

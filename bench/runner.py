@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from parabench import __version__, commreport, envreport, expertload, k8s, trackstore
+from parabench import __version__, commreport, expertload, k8s, trackstore
 from parabench.checkpoint import (
     RUN_ID_ENV,
     STEPS_FILE,
@@ -32,7 +32,7 @@ from parabench.checkpoint import (
     write_resume_file,
     write_stop_request,
 )
-from parabench.devices import DEVICES, cpu_threads
+from parabench.devices import DEVICES, cpu_info, cpu_threads, versions
 from parabench.errors import RunFailed, stopped_by
 from parabench.faults import recovery_figures
 from parabench.flops import FORMULA, Peak, flops_per_token
@@ -318,16 +318,16 @@ def _write_run_dir(
 def _write_env_doc(run_dir: Path, env: dict[str, str]) -> dict[str, str | None]:
     """env.json: package versions, the launch environment without secrets, host, CPU, Python. Returns
     the versions (recorded as MLflow params too)."""
-    versions = envreport.versions()
+    installed = versions()
     env_doc = {
-        "versions": versions,
+        "versions": installed,
         "launch_env": {k: v for k, v in env.items() if not is_secret(k)},
         "host": socket.gethostname(),
-        "cpu": envreport.cpu_info(),
+        "cpu": cpu_info(),
         "python": sys.version,
     }
     (run_dir / "env.json").write_text(json.dumps(env_doc, indent=2))
-    return versions
+    return installed
 
 
 def _summarise(

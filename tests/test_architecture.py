@@ -118,8 +118,6 @@ COMMAND_IMPORTS_DEBT: dict[tuple[str, str], str] = {
         "parabench.plan.search",
         "parabench.runner",
     ): "execute: a row's launch bundle, written as bench run's dry run writes it",
-    ("parabench.comm.command", "parabench.envreport"): "versions(): package versions belong in devices, below both",
-    ("parabench.runner", "parabench.envreport"): "versions(), cpu_info(): as above",
     ("parabench.commreport", "parabench.plan.profiles"): "PROFILES: backend facts that belong in the adapters",
     ("parabench.compare", "parabench.plan.versus"): "predicted vs measured: a building block both can use",
     ("parabench.sweep", "parabench.compare"): "scaling metrics of a sweep: should go to tracking, not a report command",

@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from parabench import __version__, envreport, trackstore
+from parabench import __version__, trackstore
 from parabench.collectives import OPS, CommJob, Fit, SizePoint, fit_alpha_beta, stack_for, sweep
 from parabench.comm.worker import comm_job
-from parabench.devices import DEVICES
+from parabench.devices import DEVICES, versions
 from parabench.errors import SpecError, UserError, stopped_by
 from parabench.hydraconfig import compose, expand_sweep, to_plain
 from parabench.jobs import usable_device
@@ -187,7 +187,7 @@ def _record(
     params = flatten(p.plain)
     for op, f in fitted.items():
         params.update(f.as_params(op))
-    versions = envreport.versions()
+    installed = versions()
     tags = {
         "parabench.kind": "comm",
         "stack": p.library,
@@ -199,7 +199,7 @@ def _record(
         "parabench_version": __version__,
         "run_dir": str(run_dir),
         **{f"refused.{op}": why for op, why in p.refused.items()},
-        **{f"version.{k}": v for k, v in versions.items() if v},
+        **{f"version.{k}": v for k, v in installed.items() if v},
     }
     tracker.start(f"comm-{p.library.replace('/', '-')}-x{job.launch.world_size}", params, tags)
     metrics = []
