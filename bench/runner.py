@@ -13,7 +13,6 @@ import dataclasses
 import json
 import os
 import re
-import shlex
 import signal
 import socket
 import sys
@@ -21,22 +20,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from parabench import __version__, commreport, expertload, k8s, trackstore
+from parabench import __version__, commreport, expertload, rundir, trackstore
 from parabench.checkpoint import (
     RUN_ID_ENV,
     STEPS_FILE,
-    checkpoint_root,
-    checkpointing,
-    link_default_root,
     plan_resume,
-    write_resume_file,
     write_stop_request,
 )
 from parabench.devices import DEVICES, cpu_info, cpu_threads, versions
 from parabench.errors import RunFailed, stopped_by
 from parabench.faults import recovery_figures
 from parabench.flops import FORMULA, Peak, flops_per_token
-from parabench.launchers import Launch, get_launcher, launch_env, log_tails, supervise
+from parabench.launchers import Launch, launch_env, log_tails, supervise
 from parabench.metrics import summarize
 from parabench.runnames import job_run_name
 from parabench.spec import JobSpec, to_dict
@@ -67,51 +62,6 @@ def _interrupted_status(exc: KeyboardInterrupt, tracker) -> str:
 # --------------------------------------------------------------------------------------------
 # Launch.
 # --------------------------------------------------------------------------------------------
-def _export(key: str, value: str) -> str:
-    """One ``export`` line; a PATH-like value that extends this machine's keeps ``$KEY`` so the
-    bundle extends the target machine's instead."""
-    here = os.environ.get(key, "")
-    if here and value.endswith(here) and value != here:
-        return f'export {key}={shlex.quote(value[: -len(here)])}"${key}"'
-    return f"export {key}={shlex.quote(value)}"
-
-
-def write_bundle(job: JobSpec, run_dir: Path, env: dict[str, str], port: int) -> Path:
-    """``launch.sh``: the exact, relocatable command a user can run on the target machine."""
-    launcher = get_launcher(job.backend.adapter.capabilities.launcher)
-    lines = [
-        "#!/usr/bin/env bash",
-        f"# parabench {__version__} launch bundle: backend={job.backend.name} model={job.model.name} "
-        f"device={job.device.type} nnodes={job.launch.nnodes} nproc_per_node={job.launch.nproc_per_node}",
-        "# Needs parabench installed; reads spec.json from this directory. On node N of a multi-node",
-        "# job run it with NODE_RANK=N (and MASTER_ADDR of node 0).",
-        "set -euo pipefail",
-        'RUN_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
-    ]
-    lines += [_export(k, v) for k, v in sorted(env.items()) if not is_secret(k)]
-    for name, text in job.backend.adapter.bundle_files(job).items():
-        (run_dir / name).write_text(text)
-        lines.insert(4, f"# {name}: written beside this script for the backend")
-    lines.append("exec " + launcher.bundle_command(job, port))
-    path = run_dir / "launch.sh"
-    path.write_text("\n".join(lines) + "\n")
-    path.chmod(0o755)
-    if job.launch.k8s.pytorchjob:
-        write_pytorchjob(job, run_dir, env, launcher.bundle_command(job, port), port)
-    return path
-
-
-def write_pytorchjob(job: JobSpec, run_dir: Path, env: dict[str, str], command: str, port: int) -> Path:
-    """``pytorchjob.yaml`` beside ``launch.sh`` (launcher.k8s.pytorchjob=true): the bundle's files in a
-    ConfigMap and a Kubeflow PyTorchJob running ``command`` (parabench.k8s)."""
-    names = ["spec.json", "config.resolved.yaml", *job.backend.adapter.bundle_files(job)]
-    files = {n: (run_dir / n).read_text() for n in names if (run_dir / n).is_file()}
-    path = run_dir / k8s.MANIFEST
-    path.write_text(k8s.render(k8s.manifests(job, env, command, port, files)))
-    print(f"dry run: Kubeflow PyTorchJob written to {path} (kubectl apply -f {path.name})")
-    return path
-
-
 class _Progress:
     """tqdm bar driven by rank 0's progress file."""
 
@@ -258,10 +208,10 @@ def execute(
     # folder and a run.resume path already and reported their skipped checkpoints once.
     repeat = (extra_tags or {}).get("repeat")
     resume_from = plan_resume(job, repeat, warn=lambda msg: None)
-    plain = _write_run_dir(job, plain, run_dir, repeat, resume_from)
+    plain = rundir.prepare(job, plain, run_dir, repeat, resume_from)
     env = launch_env(job)
     port = job.launch.master_port  # 0: the launcher takes one as it starts (launchers._c10d)
-    bundle = write_bundle(job, run_dir, env, job.launch.master_port or 29500)
+    bundle = rundir.write_bundle(job, run_dir, env, job.launch.master_port or 29500)
     if job.launch.dry_run:
         print(f"dry run: launch bundle written to {bundle} (with spec.json and config.resolved.yaml beside it)")
         return None
@@ -291,28 +241,6 @@ def execute(
     finally:
         tracker.log_artifacts(_artifact_files(run_dir), run_dir)
         tracker.end(status)
-
-
-def _write_run_dir(
-    job: JobSpec, plain: dict[str, Any], run_dir: Path, repeat: Any, resume_from: Path | None
-) -> dict[str, Any]:
-    """The run directory before launch: the resume marker, config.resolved.yaml and spec.json (both
-    without credentials: returned, the config as recorded) and the staged data."""
-    import yaml
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    link_default_root(job, run_dir, repeat)
-    write_resume_file(run_dir, resume_from)
-    _say_where_it_starts(job, run_dir, resume_from)
-    (run_dir / "logs").mkdir(exist_ok=True)
-    plain = _without_credentials(plain, run_dir)  # what is written or recorded never has them
-    (run_dir / "config.resolved.yaml").write_text(yaml.safe_dump(plain, sort_keys=False))
-    public = dataclasses.replace(
-        job.tracking, uri=job.tracking.uri and trackstore.without_credentials(job.tracking.uri)
-    )
-    (run_dir / "spec.json").write_text(dataclasses.replace(job, tracking=public).to_json())
-    _stage_data(job, run_dir)
-    return plain
 
 
 def _write_env_doc(run_dir: Path, env: dict[str, str]) -> dict[str, str | None]:
@@ -357,35 +285,12 @@ def _summarise(
     return summary
 
 
-def _say_where_it_starts(job: JobSpec, run_dir: Path, resume_from: Path | None) -> None:
-    """One line for a job that checkpoints or resumes: which checkpoint it continues, or none."""
-    if resume_from is not None:
-        step = json.loads((resume_from / "COMPLETE").read_text()).get("step")
-        print(f"parabench: resuming from step {step} of {resume_from}", flush=True)
-    elif checkpointing(job):
-        root = checkpoint_root(job, run_dir).resolve()
-        print(f"parabench: no checkpoint found in {root}, starting at step 0", flush=True)
-
-
 def _log_partial(job: JobSpec, tracker, run_dir: Path) -> None:
     """An interrupted job's MLflow run keeps the steps its rank 0 had finished (``steps.jsonl``;
     those already logged live are not logged again)."""
     metrics = StepTail(run_dir / STEPS_FILE, job.run.warmup_steps, job.tokens_per_step).new()
     tracker.log_metrics(metrics)
     tracker.set_tags({"interrupted_after_step": max((s for k, _, s in metrics if k == "loss"), default=-1) + 1})
-
-
-def _without_credentials(plain: dict[str, Any], run_dir: Path) -> dict[str, Any]:
-    """The composed config with ``tracking.uri``'s ``user:password@`` left out; the same for the
-    copies Hydra wrote beside the run (``.hydra/``, a sweep's ``multirun.yaml``)."""
-    uri = (plain.get("tracking") or {}).get("uri")
-    if not uri or trackstore.without_credentials(uri) == uri:
-        return plain
-    for folder in (run_dir, run_dir.parent, run_dir.parent.parent):
-        for path in [*(folder / ".hydra").glob("*.yaml"), folder / "multirun.yaml"]:
-            if path.is_file():
-                path.write_text(trackstore.redact(path.read_text()))
-    return {**plain, "tracking": {**plain["tracking"], "uri": trackstore.without_credentials(uri)}}
 
 
 def resume_tags(resume_from: Path | None) -> dict[str, Any]:
@@ -515,12 +420,6 @@ def build_summary(job: JobSpec, adapter, results: list[dict]) -> dict[str, Any]:
     summary.update({f"extra.{k}": v for k, v in extra.items()})
     summary.update(commreport.comm_summary(job, results, summary["step_time_median_s"]))  # measured vs formula
     return summary
-
-
-def _stage_data(job: JobSpec, run_dir: Path) -> None:
-    from parabench.data import stage_data
-
-    stage_data(job, Path(job.run.results_dir) / ".cache", run_dir)
 
 
 def _data_summary(results: list[dict]) -> dict[str, str]:

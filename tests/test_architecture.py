@@ -64,6 +64,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "parabench.convert.megatron_checkpoint",
             "parabench.convert.megatron_legacy",
             "parabench.runnames",
+            "parabench.rundir",
         ),
     ),
     ("backends", ("parabench.adapters",)),
@@ -114,10 +115,6 @@ COMMANDS: dict[str, tuple[str, ...]] = {
 # redesign of issue 27 removes (docs/architecture.md says so), each with what it takes and where it
 # belongs. No new entry: a command needing another's code moves that code down to a building block.
 COMMAND_IMPORTS_DEBT: dict[tuple[str, str], str] = {
-    (
-        "parabench.plan.search",
-        "parabench.runner",
-    ): "execute: a row's launch bundle, written as bench run's dry run writes it",
     ("parabench.commreport", "parabench.plan.profiles"): "PROFILES: backend facts that belong in the adapters",
     ("parabench.compare", "parabench.plan.versus"): "predicted vs measured: a building block both can use",
     ("parabench.sweep", "parabench.compare"): "scaling metrics of a sweep: should go to tracking, not a report command",

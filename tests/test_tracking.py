@@ -23,7 +23,8 @@ def test_launch_bundle_never_carries_secrets(tmp_path):
     workers but are never written to launch.sh; every other variable is exported."""
     from parabench.hydraconfig import compose, to_plain
     from parabench.jobs import prepare
-    from parabench.runner import launch_env, write_bundle
+    from parabench.launchers import launch_env
+    from parabench.rundir import write_bundle
 
     job = prepare(to_plain(compose(["+model=llama", "device=cpu", "launcher.dry_run=true"])))
     plain_env = launch_env(job)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from parabench import rundir
 from parabench.errors import SpecError, UserError
 from parabench.hf import spec_fields
 from parabench.hydraconfig import compose, to_plain
@@ -20,7 +21,6 @@ from parabench.jobs import prepare
 from parabench.plan.cluster import Cluster
 from parabench.plan.estimate import Calibration, Estimate, Features, estimate
 from parabench.plan.profiles import PROFILES
-from parabench.runner import execute
 
 GIB = 1024**3
 
@@ -264,5 +264,5 @@ def why_lost(e: Estimate) -> str:
 def emit_bundle(plain: dict[str, Any], out_dir: Path) -> Path:
     """The dry-run launch bundle of a row, written as ``bench run ... launcher.dry_run=true`` writes it."""
     job = prepare(plain)
-    execute(job, plain, out_dir)
+    rundir.dry_run(job, plain, out_dir)
     return out_dir
