@@ -77,7 +77,7 @@ class DeepSpeedOptions:
     stage3_max_reuse_distance: int | None = None  # [1e9]
     config_file: str | None = None  # a user's ds_config.json, merged (conflicts are errors)
     extensions_dir: str | None = (
-        None  # TORCH_EXTENSIONS_DIR for the JIT ops; null = ~/.cache/parabench/torch_extensions
+        None  # TORCH_EXTENSIONS_DIR for the JIT ops; null = ~/.cache/parabench/torch_extensions/<environment>
     )
 
 
@@ -215,11 +215,27 @@ def _master_and_moment_bytes(job: JobSpec) -> int:
 
 
 def extensions_dir(job: JobSpec) -> str:
-    return str(
-        Path(
-            job.backend.options.extensions_dir or Path.home() / ".cache" / "parabench" / "torch_extensions"
-        ).expanduser()
-    )
+    """TORCH_EXTENSIONS_DIR of the JIT-built ops: backend.extensions_dir, else one folder per Python
+    environment under ~/.cache/parabench/torch_extensions. The build command names the environment's
+    include paths, so two environments sharing one folder rebuilt each other's ops on every run (ninja
+    sees a changed command), and one could load an op built against another torch."""
+    if job.backend.options.extensions_dir:
+        return str(Path(job.backend.options.extensions_dir).expanduser())
+    return str(Path.home() / ".cache" / "parabench" / "torch_extensions" / environment_key())
+
+
+def environment_key() -> str:
+    """This Python environment (its prefix, Python, torch and DeepSpeed versions) as a short folder name."""
+    import hashlib
+    import platform
+    import sys
+
+    versions = [importlib.metadata.version(d) if importlib.util.find_spec(m) else "-" for d, m in _BUILT_AGAINST]
+    text = "|".join([sys.prefix, platform.python_version(), *versions])
+    return f"py{sys.version_info.major}{sys.version_info.minor}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+
+
+_BUILT_AGAINST = (("torch", "torch"), ("deepspeed", "deepspeed"))  # (distribution, module) the ops compile against
 
 
 # --------------------------------------------------------------------------------------------

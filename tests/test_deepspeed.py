@@ -3,6 +3,7 @@
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 from run_matrix import assert_parity, sweep_jobs
@@ -137,6 +138,27 @@ def test_config_is_built_from_the_spec():
     off = deepspeed_config(_job("backend.offload_optimizer=cpu"))
     assert off["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": False}
     assert "zero_force_ds_cpu_optimizer" not in off  # DeepSpeedCPUAdam: DeepSpeed's default check stays on
+
+
+def test_jit_ops_are_built_in_a_folder_of_their_own_environment(monkeypatch, tmp_path):
+    """Two Python environments sharing TORCH_EXTENSIONS_DIR rebuilt each other's ops on every run (the
+    build command names the environment's include paths) and could load an op built against another
+    torch: the default folder is one per environment; backend.extensions_dir is used as given."""
+    import sys
+
+    from parabench.adapters.deepspeed import extensions_dir
+    from parabench.hydraconfig import compose, to_plain
+    from parabench.jobs import prepare
+
+    job = prepare(to_plain(compose(["+model=llama", "backend=deepspeed", "launcher.dry_run=true"])))
+    here = Path(extensions_dir(job))
+    assert here.parent == Path.home() / ".cache" / "parabench" / "torch_extensions"
+    assert here.name.startswith(f"py{sys.version_info.major}{sys.version_info.minor}-")
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "another-venv"))
+    assert Path(extensions_dir(job)) != here and Path(extensions_dir(job)).parent == here.parent
+    assert job.backend.adapter.launch_env(job)["TORCH_EXTENSIONS_DIR"] == extensions_dir(job)
+    mine = prepare(to_plain(compose(["+model=llama", "backend=deepspeed", f"backend.extensions_dir={tmp_path}/ops"])))
+    assert extensions_dir(mine) == str(tmp_path / "ops")
 
 
 def test_user_file_merges_auto_equal_values_and_free_knobs(tmp_path):
