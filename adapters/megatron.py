@@ -36,7 +36,9 @@ ranks are, without / with the distributed optimizer,
   fp32: 4 param + 4 grad + 8 Adam moments = 16      /  4 + 4 + 8/DP
   bf16: 2 param + 4 fp32 grad + 4 fp32 main param + 8 moments = 18  /  6 + 12/DP
 (with fp32 params the "main" params are views of the model params, nothing extra). Megatron pads
-its flat buffers, so the measurement is a little above the formula.
+its flat buffers, so the measurement is a little above the formula. A MoE model's experts have
+buffers and a DistributedOptimizer of their own, sharded over the dp / ep expert-data-parallel ranks
+(``_distopt_bytes``, docs/moe.md#megatron).
 
 Pipeline bubble: predicted (p-1)/m for 1F1B and (p-1)/(v*m) interleaved (Narayanan et al. 2021,
 arXiv 2104.04473, sections 2.2.1-2.2.2). Measured per rank as 1 - (time in forward_step +
@@ -176,6 +178,36 @@ def rank_param_counts(job: JobSpec) -> dict[tuple[int, int], int]:
     return out
 
 
+def expert_numel(job: JobSpec) -> int:
+    """Expert parameters one rank holds: the E / ep experts of each of its stage's layers (0: dense)."""
+    o, m = job.backend.options, job.model
+    if not m.is_moe:
+        return 0
+    layers = m.num_hidden_layers // o.pp
+    return layers * (m.num_local_experts // o.ep) * 3 * m.hidden_size * m.expert_intermediate_size // o.tp
+
+
+def _distopt_bytes(job: JobSpec, psi: int) -> tuple[float, str]:
+    """Model-state bytes of a rank holding ``psi`` parameters under the distributed optimizer, and the
+    formula: every parameter's weight and fp32 gradient held (4 + 4 in fp32, 2 + 4 in bf16), the fp32
+    main params (bf16 only) and AdamW moments sharded - the dense parameters' over the dp data-parallel
+    ranks, a MoE model's experts' over the dp / ep expert-data-parallel ranks, the group megatron-core
+    gives their own buffers and DistributedOptimizer (``expert_parallel_buffers`` on
+    ``intra_expt_dp_group``, ``get_megatron_optimizer``'s ``is_expert_parallel`` groups)."""
+    o, dp = job.backend.options, job.parallel.dp
+    (held, sharded), word = ((6, 12), "6") if job.run.precision == "bf16" else ((8, 8), "4 + 4")
+    experts = expert_numel(job)
+    if not experts:
+        return (held + sharded / dp) * psi, f"({word} + {sharded}/{dp}) * Psi_rank, Psi_rank = {psi}"
+    edp = dp // o.ep  # tp = 1 with MoE (refused otherwise): the expert-data-parallel size
+    dense = psi - experts
+    text = (
+        f"({word} + {sharded}/{dp}) * Psi_dense + ({word} + {sharded}/{edp}) * Psi_experts, "
+        f"Psi_dense = {dense}, Psi_experts = {experts} (experts' states over dp/ep = {edp} ranks)"
+    )
+    return (held + sharded / dp) * dense + (held + sharded / edp) * experts, text
+
+
 # The combinations of a MoE model with other megatron options that parabench has not mapped or checked
 # (option, is it set, why it is refused); docs/moe.md#megatron.
 def _moe_unchecked(o: MegatronOptions) -> list[tuple[str, bool, str]]:
@@ -187,11 +219,6 @@ def _moe_unchecked(o: MegatronOptions) -> list[tuple[str, bool, str]]:
             "backend.transformer_impl",
             o.transformer_impl == "transformer_engine",
             "Transformer Engine's MoE layer spec is not mapped (auto and local use the local spec for MoE)",
-        ),
-        (
-            "backend.distributed_optimizer",
-            o.distributed_optimizer,
-            "its expert-data-parallel sharding is not checked with MoE yet",
         ),
         (
             "backend.recompute_granularity",
@@ -466,12 +493,13 @@ class MegatronAdapter(Adapter):
 
     @classmethod
     def expected_model_state(cls, job: JobSpec) -> StateFormula:
-        o, dp = job.backend.options, job.parallel.dp
+        o = job.backend.options
         psi = max(rank_param_counts(job).values())  # the largest TP/PP shard (first/last stage hold the vocab)
-        if job.run.precision == "bf16":
-            per, text = (6 + 12 / dp, f"(6 + 12/{dp})") if o.distributed_optimizer else (18.0, "(2 + 4 + 4 + 8)")
+        if o.distributed_optimizer:
+            per, text = _distopt_bytes(job, psi)
         else:
-            per, text = (8 + 8 / dp, f"(4 + 4 + 8/{dp})") if o.distributed_optimizer else (16.0, "(4 + 4 + 8)")
+            per, text = (18.0 * psi, "(2 + 4 + 4 + 8)") if job.run.precision == "bf16" else (16.0 * psi, "(4 + 4 + 8)")
+            text += f" * Psi_rank, Psi_rank = {psi}"
         what = "distributed optimizer" if o.distributed_optimizer else "replicated optimizer"
         source = "Megatron-LM distributed optimizer docs (6 + 12/d bytes/param for bf16); Rajbhandari et al. 2019 (arXiv 1910.02054)"
         shard = "largest TP/PP shard"
@@ -479,11 +507,7 @@ class MegatronAdapter(Adapter):
             # each rank holds its num_local_experts / ep experts (docs/sources.md#megatron-moe)
             shard += f", {job.model.num_local_experts // o.ep} of {job.model.num_local_experts} experts per layer (ep={o.ep})"
             source += "; Megatron-Core MoE docs (expert parallelism: experts split over EP ranks), Lepikhin et al. 2020 (GShard, arXiv 2006.16668)"
-        return StateFormula(
-            per * psi,
-            f"{text} * Psi_rank, Psi_rank = {psi} ({shard}), {job.run.precision}, {what} (+ buffer padding)",
-            source,
-        )
+        return StateFormula(per, f"{text} ({shard}), {job.run.precision}, {what} (+ buffer padding)", source)
 
     @classmethod
     def create_engine(cls, ctx: WorkerContext) -> Engine:

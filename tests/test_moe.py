@@ -405,10 +405,6 @@ INVALID_MEGATRON_MOE = {
     "pipeline stages": (["backend.pp=2", "launcher.nproc_per_node=2"], "backend.pp"),
     "shared expert": (["model.shared_expert_intermediate_size=64"], "model.shared_expert_intermediate_size"),
     "top-1": (["model.num_experts_per_tok=1"], "model.num_experts_per_tok"),
-    "distributed optimizer": (
-        ["backend.distributed_optimizer=true", "launcher.nproc_per_node=2"],
-        "backend.distributed_optimizer",
-    ),
     # the first forward under full recompute runs without grad: the load-balancing loss lost its gradient
     "full recompute": (["backend.recompute_granularity=full"], "backend.recompute_granularity"),
 }

@@ -1,0 +1,125 @@
+"""megatron-core's MoE layer with the distributed optimizer (docs/moe.md#megatron): the experts'
+fp32 states sharded over the expert-data-parallel group (dp / ep ranks), the dense ones over dp -
+the formula by hand, parity with ddp on 2 ranks, the measured bytes, a killed run resumed bitwise
+through megatron-core's sharded state dict and its checkpoint converted to ddp.
+
+moe-tiny (conf/model/moe-tiny.yaml): h = 128, 2 layers, 4 query / 2 key-value heads of d = 32, 4
+experts of width 256, top-2, vocabulary 2,048, untied embeddings.
+"""
+
+from __future__ import annotations
+
+import pytest
+from run_matrix import STEPS, assert_parity
+
+from conftest import bench, run_ok, summaries
+from parabench import hydraconfig
+from parabench.jobs import from_config
+
+H, FFN, L, E, V = 128, 256, 2, 4, 2048
+EXPERT = 3 * H * FFN  # w1, w3 and w2 of one expert
+# norms, q, k + v, o, router per layer; the final norm, embedding and lm_head
+DENSE = L * (2 * H + H * H + 2 * 64 * H + H * H + E * H) + H + 2 * V * H
+
+MOE_COMMON = ["+model=moe-tiny", "data.seq_len=64", "run.warmup_steps=0", f"run.steps={STEPS}", "optim.lr=1e-3"]
+DISTOPT = ["backend=megatron", "backend.distributed_optimizer=true"]
+
+
+def _job(*overrides: str):
+    return from_config(hydraconfig.to_plain(hydraconfig.compose(["+model=moe-tiny", *DISTOPT, *overrides])))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        # ep=2 on 2 ranks: 2 of 4 experts per layer, their expert-data-parallel group is one rank (the
+        # experts' states whole), the dense states over dp = 2: 4 param + 4 grad held, 8 moments sharded
+        (
+            ["backend.ep=2", "launcher.nproc_per_node=2"],
+            8 * (DENSE + 2 * L * EXPERT) + 8 * DENSE / 2 + 8 * 2 * L * EXPERT,
+        ),
+        # ep=2 on 4 ranks: the experts' moments over dp / ep = 2 ranks, the dense ones over 4
+        (
+            ["backend.ep=2", "launcher.nproc_per_node=4", "data.global_batch_size=8"],
+            8 * (DENSE + 2 * L * EXPERT) + 8 * DENSE / 4 + 8 * 2 * L * EXPERT / 2,
+        ),
+        # ep=1 on 2 ranks: every expert held, sharded over both ranks as the dense states are
+        (["launcher.nproc_per_node=2"], 8 * (DENSE + 4 * L * EXPERT) + 8 * (DENSE + 4 * L * EXPERT) / 2),
+        # bf16: 2 param + 4 fp32 grad held, 4 fp32 main param + 8 moments sharded
+        (
+            ["backend.ep=2", "launcher.nproc_per_node=4", "data.global_batch_size=8", "run.precision=bf16"],
+            6 * (DENSE + 2 * L * EXPERT) + 12 * DENSE / 4 + 12 * 2 * L * EXPERT / 2,
+        ),
+    ],
+)
+def test_distributed_optimizer_formula_shards_the_experts_over_expert_data_parallel_ranks(overrides, expected):
+    from parabench.adapters.megatron import MegatronAdapter
+
+    job = _job(*overrides)
+    MegatronAdapter.validate(job)  # accepted before launch
+    formula = MegatronAdapter.expected_model_state(job)
+    assert formula.bytes == expected, (formula.bytes, expected, formula.formula)
+    assert "distributed optimizer" in formula.formula
+    if job.backend.options.ep > 1:
+        assert f"dp/ep = {job.parallel.dp // 2} ranks" in formula.formula
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, dict]:
+    """moe-tiny on 2 ranks, STEPS steps each: ddp, megatron ep=2 and ep=1 with the distributed optimizer."""
+    out = {}
+    for label, args in {
+        "ddp": ["backend=ddp"],
+        "ep2": [*DISTOPT, "backend.ep=2"],
+        "ep1": DISTOPT,
+    }.items():
+        results = tmp_path_factory.mktemp(label)
+        proc = bench(["run", *MOE_COMMON, *args, "launcher.nproc_per_node=2", "tracking.enabled=false"], results)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        (out[label],) = summaries(results).values()
+    return out
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("label", ["ep2", "ep1"])
+def test_distributed_optimizer_with_experts_matches_ddp_and_its_formula(runs, label):
+    """Same canonical start (the gathered state's checksum, the experts' slices put together over the
+    expert-data-parallel group and the experts over the expert-parallel group), the megatron parity
+    bounds of tests/test_moe.py against ddp (step 0 within 1e-5, step 10 within 1e-3 relative), and
+    each rank's params + grads + AdamW moments = the formula, the experts' moments over dp / ep ranks."""
+    mg = runs[label]
+    assert mg["backend"] == "megatron" and "distributed optimizer" in mg["model_state_expected_formula"]
+    assert_parity(runs["ddp"], mg, first=1e-5, after_ten=1e-3)
+    for rank in mg["model_state_per_rank"]:
+        assert rank["params"] + rank["grads"] + rank["optimizer"] == mg["model_state_expected_bytes"], rank
+    # tokens per expert: the same routing as ddp's, to the token
+    assert mg["moe_tokens_per_expert"] == runs["ddp"]["moe_tokens_per_expert"]
+
+
+@pytest.mark.full
+def test_distributed_optimizer_with_experts_killed_resumed_bitwise_and_converted_to_ddp(runs, tmp_path):
+    """ep=2 with the distributed optimizer: checkpointed every 5 steps (megatron-core's sharded state
+    dict, the experts' optimizer states from their own DistributedOptimizer), rank 1 killed before step
+    13, launcher.max_restarts=1: resumed from step 10, all 20 losses equal to the uninterrupted run's.
+    Then step 10 converted to ddp (the slices put together) and continued within the megatron parity
+    bounds of the uninterrupted run (the first step within 1e-5, the next nine within 1e-3 relative)."""
+    two = [*DISTOPT, "backend.ep=2", "launcher.nproc_per_node=2", "tracking.enabled=false"]
+    ckpt = tmp_path / "ckpt"
+    fault = ["fault.kind=kill", "fault.rank=1", "fault.step=12", "launcher.max_restarts=1"]
+    saved = ["run.checkpoint.every=5", f"run.checkpoint.dir={ckpt}", "run.checkpoint.keep=0"]
+    resumed = run_ok([*MOE_COMMON, *two, *saved, *fault], tmp_path / "killed")
+    full = runs["ep2"]
+    assert resumed["resumed_step"] == 10 and resumed["restarts"] == 1, resumed
+    assert resumed["losses"] == full["losses"] and resumed["data_checksum"] == full["data_checksum"]
+    out = tmp_path / "ddp"
+    proc = bench(["convert", str(ckpt / "step_000010"), "--to", "ddp", "--out", str(out)], tmp_path)
+    assert proc.returncode == 0 and "(match)" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    continued = run_ok(
+        [*MOE_COMMON, "backend=ddp", "launcher.nproc_per_node=2", "tracking.enabled=false", f"run.resume={out}"],
+        tmp_path / "continued",
+    )
+    after = continued["losses"][-10:]
+    assert continued["resumed_step"] == 10 and len(full["losses"]) == STEPS == 20
+    assert abs(after[0] - full["losses"][10]) <= 1e-5 * abs(full["losses"][10]), (after, full["losses"])
+    for got, want in zip(after, full["losses"][10:], strict=True):
+        assert abs(got - want) <= 1e-3 * abs(want), (after, full["losses"][10:])
