@@ -1,6 +1,6 @@
 """The sweep around jobs: a Hydra callback that opens a parent MLflow run for a multirun sweep
 (the jobs' runs attach to it as children) and, when the sweep ends, records its outcome and the
-scaling efficiency of its jobs (computed by :mod:`parabench.compare`).
+scaling efficiency of its jobs (computed by :mod:`parabench.runtable`, as ``bench compare`` computes it).
 
 Hydra builds it from ``hydra.callbacks.mlflow_parent`` in ``conf/config.yaml``.
 """
@@ -15,8 +15,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
 from parabench import stability
-from parabench.compare import build_sections, load_runs, metric_key, report_dict, scaling_metrics
 from parabench.runnames import stamp
+from parabench.runtable import build_sections, load_runs, metric_key, report_dict, scaling_metrics
 from parabench.spec import tracking_from_config
 from parabench.tracking import PARENT_ENV, JobRun, git_sha
 from parabench.trackstore import redact
@@ -72,7 +72,7 @@ class MultirunCallback(Callback):
 
     @staticmethod
     def _log_scaling(parent: JobRun, run_ids: list[str]) -> None:
-        """Scaling efficiency per backend variant and world size (see parabench.compare)."""
+        """Scaling efficiency per backend variant and world size (see parabench.runtable)."""
         if not run_ids:
             return
         sections = build_sections(load_runs(parent.client, run_ids), baseline=None, strict=False)

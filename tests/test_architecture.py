@@ -87,6 +87,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "parabench.trackstore",
             "parabench.plots",
             "parabench.stability",
+            "parabench.runtable",
             "parabench.hydraconfig",
             "parabench.canonical",
             "parabench.untrusted",
@@ -117,7 +118,6 @@ COMMANDS: dict[str, tuple[str, ...]] = {
 COMMAND_IMPORTS_DEBT: dict[tuple[str, str], str] = {
     ("parabench.commreport", "parabench.plan.profiles"): "PROFILES: backend facts that belong in the adapters",
     ("parabench.compare", "parabench.plan.versus"): "predicted vs measured: a building block both can use",
-    ("parabench.sweep", "parabench.compare"): "scaling metrics of a sweep: should go to tracking, not a report command",
 }
 
 # Third-party packages that are slow to import, need hardware, or are optional extras.

@@ -6,17 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from parabench.compare import (
-    RunRecord,
-    build_sections,
-    grouping_note,
-    render_csv,
-    render_html,
-    render_text,
-    report_dict,
-    scaling_metrics,
-)
+from parabench.compare import render_csv, render_html, render_text
 from parabench.errors import UserError
+from parabench.runtable import RunRecord, build_sections, grouping_note, report_dict, scaling_metrics
 
 
 def rec(run_id, variant, world, tps, gbs=None, model="llama", precision="fp32", seq=128, **kw):
@@ -344,7 +336,7 @@ def test_the_html_report_has_every_section_of_the_text_report_and_the_run_ids():
 
 
 def test_the_grouping_keys_are_read_from_the_params_and_tags_bench_run_logs():
-    from parabench.compare import _conditions
+    from parabench.runtable import _conditions
 
     params = {"data.source": "text", "data.path": "corpus.txt", "data.seed": "7", "run.steps": "10",
               "run.warmup_steps": "2", "data.micro_batch_size": "2", "derived.dp": "1", "derived.tp": "2",
