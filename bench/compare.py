@@ -33,9 +33,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from parabench import stability, trackstore
+from parabench import stability, trackstore, versus
 from parabench.errors import UserError
-from parabench.plan import versus
 from parabench.plots import bar_stack_svg, line_svg
 from parabench.runnames import comparison_experiment, stamp
 from parabench.runtable import (

@@ -38,6 +38,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
         (
             "parabench.runner",
             "parabench.compare",
+            "parabench.versus",
             "parabench.sweep",
             "parabench.slurm",
             "parabench.envreport",
@@ -104,7 +105,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
 COMMANDS: dict[str, tuple[str, ...]] = {
     # sweep, slurm: Hydra's callback and launcher; commreport: a run's communication, measured vs formula
     "run": ("parabench.runner", "parabench.sweep", "parabench.slurm", "parabench.commreport"),
-    "compare": ("parabench.compare",),
+    "compare": ("parabench.compare", "parabench.versus"),  # versus: bench plan's predictions vs the runs
     "env": ("parabench.envreport",),
     "migrate": ("parabench.migrate",),  # bench migrate and bench smoke
     "plan": ("parabench.plan",),
@@ -117,7 +118,6 @@ COMMANDS: dict[str, tuple[str, ...]] = {
 # belongs. No new entry: a command needing another's code moves that code down to a building block.
 COMMAND_IMPORTS_DEBT: dict[tuple[str, str], str] = {
     ("parabench.commreport", "parabench.plan.profiles"): "PROFILES: backend facts that belong in the adapters",
-    ("parabench.compare", "parabench.plan.versus"): "predicted vs measured: a building block both can use",
 }
 
 # Third-party packages that are slow to import, need hardware, or are optional extras.

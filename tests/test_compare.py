@@ -134,7 +134,7 @@ def test_compare_cli_errors_are_one_line(tmp_path, capsys):
 # Predicted (bench plan) vs measured (bench run).
 # --------------------------------------------------------------------------------------------
 def test_plan_rows_meet_only_the_runs_that_carry_all_their_params():
-    from parabench.plan.versus import versus
+    from parabench.versus import versus
 
     match = {"backend.name": "ddp", "data.micro_batch_size": "2", "model.hidden_size": "64", "device": "cpu"}
     row = {"rank": 1, "layout": "ddp dp1 mbs2", "overrides": "backend=ddp", "match": match,

@@ -1,4 +1,5 @@
-"""Predicted (``bench plan``) vs measured (``bench run``), for ``bench compare``.
+"""Predicted (``bench plan``) vs measured (``bench run``), for ``bench compare`` (part of that command:
+it reads the ``plan.json`` artifact ``bench plan`` logs, parabench.plan.render, and imports nothing of it).
 
 A plan is an MLflow run (tag ``parabench.kind=plan``, experiment ``<experiment>-plan``) whose
 ``plan.json`` artifact lists every shown row with the params a run of that row logs (``match``:
