@@ -23,6 +23,10 @@ stage 0: (b + b + K) Psi (fp32: no master, K = 8); stage 1: 2b Psi + K Psi/Nd; s
 b Psi + (b + K) Psi/Nd; stage 3: (2b + K) Psi/Nd. Measured values come from the tensors DeepSpeed
 holds (each storage counted once); flat-buffer alignment padding and ZeRO-3's persistent (small,
 unpartitioned) parameters are reported in ``detail``.
+
+Mixture-of-Experts (docs/moe.md#deepspeed): DeepSpeed-MoE's own layer with ``ep_size = backend.ep``
+(:mod:`parabench.adapters.deepspeed_moe`), ZeRO 0-2; a rank then holds the non-expert parameters and
+E / ep experts per layer, and ZeRO partitions the experts over the Nd / ep expert-data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -46,6 +50,14 @@ from parabench.adapters.base import (
     StateFormula,
     WorkerContext,
 )
+from parabench.adapters.deepspeed_moe import (
+    all_to_all_bytes,
+    check_moe,
+    gather_full_state,
+    group_name,
+    held_numel,
+    swap_blocks,
+)
 from parabench.canonical import MOMENTS, CanonicalState, Lazy
 from parabench.devices import ProbeFailed, resolve, run_probe
 from parabench.errors import SpecError
@@ -66,6 +78,9 @@ class DeepSpeedOptions:
     offload_pin_memory: bool = False
     offload_adam: Literal["cpu_adam", "torch"] = "cpu_adam"  # optimizer under offload_optimizer (see module doc)
     activation_checkpointing: bool = False
+    # Mixture-of-Experts (docs/moe.md#deepspeed): DeepSpeed-MoE's ep_size, each expert-parallel rank
+    # holding num_local_experts / ep experts of every layer; ep divides the world (megatron's name)
+    ep: int = 1
     # Tuning knobs; null = from config_file if it sets them, else DeepSpeed's default (in brackets).
     reduce_bucket_size: int | None = None  # elements per gradient reduce bucket [5e8]
     allgather_bucket_size: int | None = None  # stage 1/2 parameter all-gather bucket [5e8]
@@ -289,6 +304,7 @@ class DeepSpeedAdapter(Adapter):
         precisions=frozenset({"fp32", "bf16", "fp16"}),
         shards_model_states=True,
         model_features=MODEL_FEATURES,
+        moe=True,  # DeepSpeed-MoE's own layer with ep_size (backend.ep), ZeRO 0-2 (docs/moe.md#deepspeed)
         checkpoint=CheckpointSupport(
             format="deepspeed",
             async_save=(
@@ -356,6 +372,7 @@ class DeepSpeedAdapter(Adapter):
                 "DeepSpeed runs fp16 on a CPU only with AVX512-FP16/AMX-FP16 (this one has neither); use bf16 or fp32",
             )
         deepspeed_config(job)  # config-file conflicts, before launch
+        check_moe(job, job.parallel.world_size)
 
     @classmethod
     def launch_env(cls, job: JobSpec) -> dict[str, str]:
@@ -366,7 +383,7 @@ class DeepSpeedAdapter(Adapter):
 
     @classmethod
     def layout_words(cls, options: DeepSpeedOptions) -> list[str]:
-        return [f"zero{options.zero_stage}"]
+        return [f"zero{options.zero_stage}"] + ([f"ep{options.ep}"] if options.ep > 1 else [])
 
     @classmethod
     def expected_model_state(cls, job: JobSpec) -> StateFormula:
@@ -386,9 +403,20 @@ def _cpu_fp16_supported() -> bool:
         return False
 
 
+def _sharded_psi(job: JobSpec) -> tuple[int, float]:
+    """(parameters a rank holds whole, parameters per rank of a ZeRO partition). Dense: (Psi, Psi / Nd).
+    MoE with ep: the rank holds the non-expert Psi_d and its E / ep experts Psi_e / ep; ZeRO splits
+    Psi_d over the Nd data-parallel ranks and the experts over the Nd / ep expert-data-parallel ranks
+    (the MoE param groups' ``real_dp_process_group``, DeepSpeedZeroOptimizer._configure_moe_settings)."""
+    ep, nd = job.backend.options.ep, job.parallel.dp
+    dense, experts = held_numel(job.model, ep)
+    return dense + experts, dense / nd + experts / (nd // ep)
+
+
 def zero_formula(job: JobSpec) -> StateFormula:
     """Per-rank model-state bytes for the job's stage (ZeRO paper, b and K as in the module doc)."""
-    psi, nd, stage = job.model.num_params(), job.parallel.dp, job.backend.options.zero_stage
+    nd, stage, ep = job.parallel.dp, job.backend.options.zero_stage, job.backend.options.ep
+    whole, part = _sharded_psi(job)
     b, k = _bytes_per(job.run.precision), _master_and_moment_bytes(job)
     per = {0: (2 * b + k, 0), 1: (2 * b, k), 2: (b, b + k), 3: (0, 2 * b + k)}[stage]
     replicated, sharded = per
@@ -399,8 +427,10 @@ def zero_formula(job: JobSpec) -> StateFormula:
         2: f"{b} * Psi + ({b} + {k}) * Psi / {nd}",
         3: f"({b} + {b} + {k}) * Psi / {nd}",
     }[stage]
+    if job.model.is_moe:
+        text += f"; MoE: Psi = Psi_dense + Psi_experts / {ep} (ep), experts partitioned over {nd} / {ep} ranks"
     return StateFormula(
-        replicated * psi + sharded * psi / nd,
+        replicated * whole + sharded * part,
         f"ZeRO stage {stage}, {job.run.precision}: {text}; b={b} params/grads, K={k} fp32 master+Adam{where}",
         SOURCE,
     )
@@ -408,8 +438,9 @@ def zero_formula(job: JobSpec) -> StateFormula:
 
 def optimizer_formula(job: JobSpec) -> float:
     """The optimizer-state part alone: K * Psi (stage 0) or K * Psi / Nd (stages 1-3)."""
-    psi, nd, k = job.model.num_params(), job.parallel.dp, _master_and_moment_bytes(job)
-    return k * psi if job.backend.options.zero_stage == 0 else k * psi / nd
+    whole, part = _sharded_psi(job)
+    k = _master_and_moment_bytes(job)
+    return k * whole if job.backend.options.zero_stage == 0 else k * part
 
 
 # --------------------------------------------------------------------------------------------
@@ -420,7 +451,7 @@ class DeepSpeedEngine(Engine):
         import deepspeed
         import torch
 
-        from parabench.adapters.torch_common import adamw_param_groups, make_adamw
+        from parabench.adapters.torch_common import adamw_param_groups, count_routed_tokens, make_adamw
         from parabench.model import build_llama, initial_weights, set_activation_checkpointing
 
         self.ctx = ctx
@@ -429,7 +460,9 @@ class DeepSpeedEngine(Engine):
             Path(os.environ.get("TORCH_EXTENSIONS_DIR", extensions_dir(job))), job.launch.hang_timeout_s
         )
         self.config = deepspeed_config(job)
+        _world_clone_with_timeout(job)
         model = build_llama(job.model, seed=job.run.seed).to(ctx.device.torch_device)
+        self.ep_rank = _expert_parallel(model, job) if job.model.is_moe else 0
         set_activation_checkpointing(model, o.activation_checkpointing)
         named = list(model.named_parameters())
         if o.offload_optimizer != "none" and o.offload_adam == "cpu_adam":
@@ -439,13 +472,17 @@ class DeepSpeedEngine(Engine):
             optimizer = DeepSpeedCPUAdam(
                 adamw_param_groups(named, spec), lr=spec.lr, betas=spec.betas, eps=spec.eps, adamw_mode=True
             )
+        elif job.model.is_moe:
+            optimizer = _moe_adamw(named, job.optim)
         else:
             optimizer = make_adamw(named, job.optim)
         self.client_optimizer = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
-        _world_clone_with_timeout(job)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config)
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
+        self.routed = count_routed_tokens(model, job.model, ctx.device.torch_device)
+        self.moe_blocks = [layer.block_sparse_moe for layer in model.model.layers] if job.model.is_moe else []
+        self.all_to_all_formula: list[int] = []  # MoE, ep > 1: bytes per step by formula (deepspeed_moe)
         self.gas = job.grad_accum
         if job.run.precision != "fp32":
             # DeepSpeed casts the model to bf16/fp16 and derives its fp32 masters from those copies;
@@ -457,7 +494,7 @@ class DeepSpeedEngine(Engine):
 
     # -- training ---------------------------------------------------------------------------
     def train_step(self, micro_batches):
-        from parabench.model import causal_lm_loss
+        from parabench.model import training_loss
 
         n = len(micro_batches)
         if n != self.gas:
@@ -465,7 +502,7 @@ class DeepSpeedEngine(Engine):
         total = self._torch.zeros((), device=self.ctx.device.torch_device)
         first, self._steps = self._steps == 0, self._steps + 1
         for inputs, targets in micro_batches:
-            loss = causal_lm_loss(self.engine(inputs), targets)
+            loss = training_loss(self.engine, self.ctx.job.model, inputs, targets)  # MoE: + coef x aux loss
             self.engine.backward(loss)  # scales by 1/gradient_accumulation_steps itself
             if first:
                 # Gradients held after each micro-batch's backward (DeepSpeed frees them after the
@@ -507,7 +544,13 @@ class DeepSpeedEngine(Engine):
 
     def full_state_dict(self):
         """Full fp32 weights: the fp32 masters where DeepSpeed keeps them (gathered from the ZeRO
-        partitions, a collective), else the parameters themselves (stage 0, fp32)."""
+        partitions, a collective), else the parameters themselves (stage 0, fp32). MoE: the experts
+        of every expert-parallel rank, under their canonical names (deepspeed_moe.gather_full_state)."""
+        if self.ctx.job.model.is_moe:
+            job = self.ctx.job
+            return gather_full_state(
+                self.names, lambda i: self._full_weight(self.params[i]), job.model, job.backend.options.ep, self.ep_rank
+            )
         return {name: self._full_weight(p) for name, p in zip(self.names, self.params)}
 
     def _full_weight(self, p):
@@ -564,6 +607,7 @@ class DeepSpeedEngine(Engine):
     def export_canonical(self):
         """One parameter's weight or moment at a time, gathered when canonical.write (or checksum)
         reaches it, in the same order on every rank: a conversion holds one full tensor, not the model."""
+        _no_moe_conversion(self.ctx.job)
         self._link_optimizer_fragments()
         params = dict(zip(self.names, self.params))
         shapes = {n: tuple(_full_shape(p)) for n, p in params.items()}
@@ -604,6 +648,7 @@ class DeepSpeedEngine(Engine):
     def import_canonical(self, state):
         from deepspeed.utils import safe_set_full_optimizer_state
 
+        _no_moe_conversion(self.ctx.job)
         if state.moments is None:
             return  # weights only: AdamW starts fresh, as in a new run
         self._ensure_optimizer_state()
@@ -625,6 +670,29 @@ class DeepSpeedEngine(Engine):
                 )
         self.engine.global_steps = state.step  # the checkpoint tag (global_step<N>) and DeepSpeed's counters
         self.engine.global_samples = state.step * self.engine.train_batch_size()
+
+    # -- MoE ---------------------------------------------------------------------------------
+    def tokens_per_expert(self):
+        """Collective, after each step: the canonical count of the router logits each layer returned
+        (as ddp counts), summed over the world (every rank routes its own rows before the all-to-all);
+        and, with ep > 1, the step's all-to-all bytes by formula from each layer forward's capacity."""
+        if self.routed is None:
+            return None
+        loads = [load for block in self.moe_blocks for load in block.loads]
+        for block in self.moe_blocks:
+            block.loads.clear()
+        job = self.ctx.job
+        ep = job.backend.options.ep
+        if ep > 1 and loads:
+            from deepspeed.utils import groups
+
+            # DeepSpeed's dropless capacity: the most tokens one expert gets from one rank of the group
+            most = self._torch.stack(loads)
+            self._torch.distributed.all_reduce(
+                most, op=self._torch.distributed.ReduceOp.MAX, group=groups._get_expert_parallel_group(group_name(ep))
+            )
+            self.all_to_all_formula.append(all_to_all_bytes(job.model, most.tolist(), _bytes_per(job.run.precision)))
+        return self.routed.take(group=None)
 
     # -- accounting -------------------------------------------------------------------------
     def _grad_bytes(self) -> dict[str, int]:
@@ -663,7 +731,7 @@ class DeepSpeedEngine(Engine):
         moments, other = optimizer_state_tensors([inner])
         master_bytes, moment_bytes = held_bytes(masters), held_bytes(moments)
         master_elements = sum(p.numel() for p in masters)
-        psi, nd = job.model.num_params(), job.parallel.dp
+        nd = job.parallel.dp
         snap = self._grad_snapshot or self._grad_bytes()
         detail = {
             "fp32_master_bytes": master_bytes,
@@ -674,8 +742,10 @@ class DeepSpeedEngine(Engine):
             **{k: v for k, v in snap.get("sources", {}).items() if v},  # where the gradient bytes live
         }
         if o.zero_stage >= 1:
-            # DeepSpeed pads each flat group so that it splits evenly (and aligned) over Nd ranks.
-            detail["padding_elements"] = master_elements * nd - psi
+            # DeepSpeed pads each flat group so that it splits evenly (and aligned) over Nd ranks
+            # (MoE: the experts' groups over the Nd / ep expert-data-parallel ranks; x Nd as if every
+            # rank padded alike)
+            detail["padding_elements"] = round((master_elements - _sharded_psi(job)[1]) * nd)
         if o.zero_stage == 3:
             persistent = [p.data for p in self.params if getattr(p, "ds_persist", False)]
             detail["zero3_persistent_param_bytes"] = held_bytes(persistent)
@@ -702,6 +772,9 @@ class DeepSpeedEngine(Engine):
         }
         if "padding_elements" in ms.detail:
             out["zero.padding_elements"] = ms.detail["padding_elements"]
+        measured = self.all_to_all_formula[self.ctx.job.run.warmup_steps :]
+        if measured:  # MoE, ep > 1: read by parabench.commreport beside the measured all-to-all bytes
+            out[f"moe.rank{self.ctx.rank}.all_to_all_formula_bytes"] = sum(measured) / len(measured)
         return out
 
     def artifacts(self) -> dict[str, Any]:
@@ -717,6 +790,46 @@ class DeepSpeedEngine(Engine):
             "deepspeed_version": deepspeed.__version__,
             "torch_extensions_dir": os.environ.get("TORCH_EXTENSIONS_DIR"),
         }
+
+
+def _no_moe_conversion(job: JobSpec) -> None:
+    if job.model.is_moe:
+        raise RuntimeError(
+            "deepspeed: bench convert of a DeepSpeed-MoE model (its experts) is not mapped yet (docs/moe.md)"
+        )
+
+
+def _expert_parallel(model, job: JobSpec) -> int:
+    """DeepSpeed's expert-parallel groups of ``backend.ep`` ranks (made now, as DeepSpeed-MoE would
+    at ``deepspeed.initialize``, to know this rank's experts), then every layer's canonical block
+    swapped for DeepSpeed's MoE layer holding them. Returns this rank's expert-parallel rank."""
+    from deepspeed import comm
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.utils import groups
+
+    ep = job.backend.options.ep
+    comm.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    if group_name(ep) not in groups._get_expert_parallel_group_dict():
+        groups._create_expert_and_data_parallel(ep)
+    ep_rank = groups._get_expert_parallel_rank(group_name(ep))
+    swap_blocks(model, job.model, ep, ep_rank)
+    return ep_rank
+
+
+def _moe_adamw(named, spec):
+    """The harness's AdamW groups, named, with the experts moved into DeepSpeed's MoE groups (ZeRO
+    partitions those over the expert-data-parallel ranks): DeepSpeed's own
+    ``split_params_into_different_moe_groups_for_optimizer``."""
+    import torch
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    from parabench.adapters.torch_common import adamw_param_groups
+
+    groups = adamw_param_groups(named, spec)
+    for group, name in zip(groups, ("decay", "no_decay"), strict=True):
+        group["name"] = name
+    groups = split_params_into_different_moe_groups_for_optimizer(groups)
+    return torch.optim.AdamW(groups, lr=spec.lr, betas=spec.betas, eps=spec.eps)
 
 
 def _world_clone_with_timeout(job: JobSpec) -> None:

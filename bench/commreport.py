@@ -70,10 +70,12 @@ def formula(job: JobSpec, padded: bool = True) -> dict[str, dict[str, float]] | 
 
 
 def _expert_parallel(job: JobSpec, batch: Batch, widths: Any) -> list[Any]:
-    """The all-to-all token dispatcher's collectives of a backend with an ``ep`` option (megatron's
-    ``backend.ep`` with ``moe_token_dispatcher=alltoall``); none for other dispatchers or ep = 1."""
+    """The all-to-all token dispatcher's collectives of megatron's ``backend.ep`` with
+    ``moe_token_dispatcher=alltoall``; none for other dispatchers, ep = 1 or another backend
+    (DeepSpeed-MoE's padded buffer depends on the routing: its engine reports its formula,
+    :func:`_reported_all_to_all`)."""
     options = job.backend.options
-    if getattr(options, "moe_token_dispatcher", "alltoall") != "alltoall":
+    if getattr(options, "moe_token_dispatcher", None) != "alltoall":
         return []
     ep, par = getattr(options, "ep", 1), job.parallel
     return moe_all_to_all(job.model, batch, widths, ep, pp=par.pp, cp=par.cp, scalar_elements=SCALAR_ELEMENTS)
@@ -89,12 +91,20 @@ def all_to_all_rank_mean(job: JobSpec, results: list[dict[str, Any]]) -> float |
     return sum(per_rank) / len(per_rank) if any(per_rank) else None
 
 
+def _reported_all_to_all(results: list[dict[str, Any]]) -> float:
+    """The all-to-all formula a backend's ranks evaluated on their own routing (DeepSpeed-MoE: 4 x E x
+    C x h bytes per layer forward, C its dropless capacity; ``extra``
+    ``moe.rank<i>.all_to_all_formula_bytes``, per measured step), mean over the ranks; 0 if none did."""
+    values = [v for r in results for k, v in r.get("extra", {}).items() if k.endswith(".all_to_all_formula_bytes")]
+    return sum(values) / len(values) if values else 0
+
+
 def _all_to_all_summary(job: JobSpec, results: list[dict[str, Any]]) -> dict[str, Any]:
     """The all-to-all bytes per step, mean over ranks, measured and by formula (MoE expert parallelism)."""
     profile = PROFILES.get(job.backend.name)
     batch = Batch(job.data.seq_len, job.data.micro_batch_size, job.grad_accum)
     terms = _expert_parallel(job, batch, profile.widths(job)) if profile is not None else []
-    want = sum(c.size_bytes * c.calls for c in terms if c.kind == "all_to_all")
+    want = sum(c.size_bytes * c.calls for c in terms if c.kind == "all_to_all") or _reported_all_to_all(results)
     got = all_to_all_rank_mean(job, results)
     if got is None and not want:
         return {}

@@ -281,7 +281,7 @@ def test_mixtral_router_jitter_is_refused(tmp_path, capsys):
     assert_refused_before_launch(["+model=hf", f"model.path={tmp_path / 'm'}"], "router_jitter_noise", tmp_path, capsys)
 
 
-@pytest.mark.parametrize("backend", ["deepspeed", "mindspore", "mindspeed"])
+@pytest.mark.parametrize("backend", ["mindspore", "mindspeed"])  # deepspeed: tests/test_moe_deepspeed.py
 def test_backends_without_moe_refuse_it_before_launch(tmp_path, capsys, backend):
     line = assert_refused_before_launch(
         ["+model=moe-tiny", f"backend={backend}"], "model.num_local_experts", tmp_path, capsys
