@@ -35,6 +35,7 @@ from parabench.model import (
     build_llama,
     causal_lm_loss,
     load_balancing_loss,
+    load_canonical,
     training_loss,
     weights_checksum,
 )
@@ -297,13 +298,14 @@ def test_fsdp_with_tensor_parallel_refuses_experts_before_launch(tmp_path, capsy
 
 
 @pytest.mark.full
-def test_moe_tiny_trains_on_two_ddp_ranks(results):
-    """Three steps of moe-tiny on 2 ranks: finite losses, FLOPs per token from the active parameters."""
-    proc = bench(
-        ["run", "+model=moe-tiny", "launcher.nproc_per_node=2", *FAST, "run.steps=3", "tracking.enabled=false"],
-        results,
-    )
+def test_moe_tiny_trains_on_two_ddp_ranks_and_exports_a_mixtral_transformers_loads(results, tmp_path):
+    """Three steps of moe-tiny on 2 ranks: finite losses, FLOPs per token from the active parameters; its
+    step-3 checkpoint converted with --to hf is a MixtralForCausalLM checkpoint transformers loads, with
+    the trained canonical model's logits (within 1e-5)."""
+    args = ["run", "+model=moe-tiny", "launcher.nproc_per_node=2", *FAST, "run.steps=3", "run.checkpoint.every=3"]
+    proc = bench([*args, "tracking.enabled=false"], results)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    _assert_hf_export_is_a_mixtral(next(results.glob("runs/*/*/*/summary.json")).parent, tmp_path / "hf")
     (summary,) = summaries(results).values()
     losses = summary["losses"]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
@@ -313,6 +315,26 @@ def test_moe_tiny_trains_on_two_ddp_ranks(results):
     achieved = summary["tokens_per_s_per_device"] * summary["flops_per_token"] / 1e12
     assert summary["achieved_tflops_per_device"] == pytest.approx(achieved)
     assert summary["mfu"] == pytest.approx(achieved / summary["peak_tflops_per_device"])
+
+
+def _assert_hf_export_is_a_mixtral(run_dir: Path, out: Path) -> None:
+    """bench convert RUN --to hf: transformers' MixtralForCausalLM loads it (every tensor, none left at
+    its init) and gives the logits of the canonical model holding the converted weights."""
+    proc = bench(["convert", str(run_dir), "--to", "hf", "--out", str(out)], out.parent)
+    assert proc.returncode == 0 and "(match)" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
+    theirs, info = transformers.MixtralForCausalLM.from_pretrained(
+        str(out), dtype=torch.float32, output_loading_info=True
+    )
+    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    spec = _preset("moe-tiny")
+    spec = dataclasses.replace(spec, weights=str(out / "model.safetensors"))
+    ours = build_llama(spec)
+    load_canonical(ours, spec, seed=0)
+    tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (theirs.eval()(tokens).logits - ours.eval()(tokens)).abs().max().item()
+    assert diff < 1e-5, diff
 
 
 @pytest.mark.full
