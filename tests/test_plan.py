@@ -314,10 +314,34 @@ def test_activation_bytes_full_recompute_fp32_and_pipeline_in_flight():
     # full recompute: 2 sbh per layer (the layer inputs) + one layer's activations live while it is recomputed
     assert _acts("ddp", 1, 2, "full") == pytest.approx(2 * SBH * L + SBH * 54)
     assert _acts("ddp", 1, 2, "none", "run.precision=fp32") == pytest.approx(2 * SBH * 54 * L)  # 4-byte
-    # 1F1B, p = 2, m = 4: the first stage holds L/p layers for min(p, m) = 2 micro-batches
-    assert _acts("megatron", 2, 8, pp=2) == pytest.approx(SBH * 54 * (L / 2) * 2)
-    # interleaved (v = 2): (1 + (p - 1) / (p v)) = 1.25 times that (Korthikanti et al. 2022, section 4.2.3)
-    assert _acts("megatron", 2, 8, pp=2, vpp=2) == pytest.approx(SBH * 54 * (L / 2) * 2 * 1.25)
+
+
+@pytest.mark.parametrize(
+    ("vocab", "vpp", "first", "last"),
+    [
+        # 1F1B, p = 2, m = 4: the first stage holds L/p layers for min(p, m) = 2 micro-batches, the last
+        # (no warm-up forward) for 1, beside the logits
+        (256, 1, 2, 1),
+        (32_000, 1, 2, 1),
+        # interleaved (v = 2): the first stage (1 + (p - 1) / (p v)) x p = 2.5 (Korthikanti et al. 2022,
+        # section 4.2.3), the last ((v - 1) p + 1) / v = 1.5 (megatron-core's warm-up of rank p - 1)
+        (256, 2, 2.5, 1.5),
+        (32_000, 2, 2.5, 1.5),
+    ],
+)
+def test_activation_bytes_are_the_fuller_pipeline_stage(vocab, vpp, first, last):
+    # a device is one stage: the first stage's micro-batches in flight, or the last stage's fewer ones
+    # plus the fp32 logits and their gradient (2 s b V x 4 bytes), whichever is more - not the
+    # first stage's activations plus the last stage's logits (which no device holds)
+    from parabench.plan.estimate import activation_bytes
+
+    job = _job("megatron", 2, *ACT, "data.global_batch_size=8", f"model.vocab_size={vocab}", pp=2, vpp=vpp)
+    stage, logits = SBH * 54 * (L / 2), 2 * 128 * 2 * vocab * 4
+    got = activation_bytes(job, "none", fused_attention=False)
+    assert got == pytest.approx(max(first * stage, last * stage + logits))
+    # V = 256: 0.5 MB of logits against 3.5 MB of activations per stage and micro-batch: the first
+    # stage is fuller; V = 32,000 (65.5 MB): the last
+    assert (got == pytest.approx(first * stage)) == (vocab == 256)
 
 
 def _estimate(backend, world, *overrides, cal=None, device="cuda", **options):
@@ -787,8 +811,10 @@ def test_interleaving_exposes_its_warm_up_and_cool_down_send_recv(vpp, gbs):
     assert e.job.grad_accum == m
     act = 1 * 128 * 256 * 2  # b x s x h in bf16, one boundary
     # p = 2: each rank sends 2 v - 1 tensors per micro-batch (the first chunk has no predecessor,
-    # the last no successor) and receives as many, each one call of 5 us + bytes / 450 GB/s
-    total = 2 * (2 * vpp - 1) * m * (5e-6 + act / 450e9)
+    # the last no successor) and receives as many, each one call of 5 us + bytes / 450 GB/s; a send
+    # and a receive of one schedule step are one batched call, waited together (megatron-core
+    # p2p_communication.py, P2PCommunicator._communicate): the link is busy for one of them
+    total = (2 * vpp - 1) * m * (5e-6 + act / 450e9)
     warm = min(2 * (2 - 1) + (vpp - 1) * 2, m * vpp)
     assert interleaved_warmup(2, vpp, m) == warm
     assert e.overlap.total["pp send/recv"] == pytest.approx(total)
@@ -796,6 +822,21 @@ def test_interleaving_exposes_its_warm_up_and_cool_down_send_recv(vpp, gbs):
     assert e.overlap.hidden["pp send/recv"] == pytest.approx(total - exposed)
     assert (warm == m * vpp) == (e.overlap.hidden["pp send/recv"] == 0)
     assert e.exposed_comm_s == pytest.approx(e.comm_s - sum(e.overlap.hidden.values()))
+
+
+def test_plain_1f1b_exposes_one_transfer_per_send_recv_pair():
+    # pp4, m = 8: a middle rank sends its activation forward and its gradient back for each
+    # micro-batch (2 m sends) and receives as many; 1F1B pairs them in send_forward_recv_backward and
+    # send_backward_recv_forward, each one batch_isend_irecv waited together (megatron-core 0.16
+    # schedules.py forward_backward_pipelining_without_interleaving, p2p_communication.py
+    # _communicate), so the rank waits 2 m transfers of 5 us + b s h x 2 bytes / 450 GB/s, not 4 m;
+    # none hidden (the non-interleaved schedule refuses overlap_p2p_comm)
+    e = _estimate("megatron", 4, *PIPE, "data.global_batch_size=8", pp=4)
+    m, act = 8, 1 * 128 * 256 * 2
+    assert e.job.grad_accum == m and e.job.parallel.dp == 1
+    assert e.overlap.total["pp send/recv"] == pytest.approx(2 * m * (5e-6 + act / 450e9))
+    assert e.overlap.hidden["pp send/recv"] == 0
+    assert e.exposed_comm_s == pytest.approx(e.overlap.total["pp send/recv"])  # no dp, tp or cp
 
 
 def test_deeper_interleaving_costs_more_exposed_send_recv_as_the_bubble_shrinks():

@@ -219,8 +219,9 @@ def activation_bytes(
     job: JobSpec, recompute: str, fused_attention: bool = False, vocab_parallel: bool = True, recomputed: float = 1.0
 ) -> float:
     """Activations a device holds at its peak (Korthikanti et al. 2022, Table 2, for 2-byte
-    activations; fp32 doubles them) plus the fp32 logits and their gradient of the last stage
-    (split over tp when lm_head is: ``vocab_parallel``).
+    activations; fp32 doubles them) on the pipeline stage that holds the most: the first stage's
+    micro-batches in flight, or the last stage's with the fp32 logits and their gradient (split over
+    tp when lm_head is: ``vocab_parallel``; ``stages_in_flight``).
     ``recompute``: none | selective | full (docs/sources.md#activation-memory); ``recomputed``: the
     share of the layers full recompute covers (the others keep all their activations)."""
     m, d, o = job.model, job.data, job.backend.options
@@ -240,11 +241,24 @@ def activation_bytes(
         stored = 2 * s * b * h * layers * recomputed + per_layer * (layers * (1 - recomputed) + 1)
     else:
         stored = per_layer * layers
-    in_flight = min(p, job.grad_accum)
-    if v > 1:  # interleaved 1F1B: the first stage holds (1 + (p - 1) / (p v)) x p micro-batches
-        in_flight = in_flight * (1 + (p - 1) / (p * v))
+    first, last = stages_in_flight(p, v, job.grad_accum)
     logits = 2 * s * b * m.vocab_size / (t if vocab_parallel else 1) * 4
-    return stored * width * in_flight + logits
+    # a device is one pipeline stage: the first holds the most micro-batches, the last the logits
+    return max(stored * width * first, stored * width * last + logits)
+
+
+def stages_in_flight(p: int, v: int, micro_batches: int) -> tuple[float, float]:
+    """Micro-batches whose activations the first and the last pipeline stage hold at their peak (in
+    stage-sized units; a model chunk is 1 / v of a stage). 1F1B (megatron-core 0.16 schedules.py
+    ``forward_backward_pipelining_without_interleaving``): rank r runs p - r - 1 warm-up forwards
+    before its first backward, so the first stage holds min(p, m) and the last one. Interleaved
+    (``forward_backward_pipelining_with_interleaving``): rank r runs (p - r - 1) x 2 + (v - 1) x p
+    warm-up chunk-steps, at most m v; the first stage holds (1 + (p - 1) / (p v)) x p micro-batches
+    (Korthikanti et al. 2022 sec. 4.2.3), the last ((v - 1) p + 1) / v."""
+    if v <= 1:
+        return float(min(p, micro_batches)), float(min(1, micro_batches))
+    first = min(p, micro_batches) * (1 + (p - 1) / (p * v))
+    return first, min((v - 1) * p + 1, micro_batches * v) / v
 
 
 def moe_block_bytes(job: JobSpec) -> float:
@@ -354,6 +368,14 @@ def _step_comm_s(
     spans = _spans(job)
     seconds = {id(c): c.seconds(*_link(cluster, spans[c.group], cal, c.kind)) for c in comm.collectives}
     times = {g: sum(seconds[id(c)] for c in comm.collectives if c.group == g) for g in spans}
+    # a pipeline rank's send and receive of one schedule step go out in one call and are waited
+    # together (megatron-core 0.16 p2p_communication.py ``P2PCommunicator._communicate``: one
+    # batch_isend_irecv, or isend/irecv pairs, then wait on all): the 1F1B steady state's
+    # send_forward_recv_backward and the interleaved warm-up's send_forward_recv_forward move both
+    # tensors at once over a full-duplex link, so the step spends the longer of the two, not their sum
+    times["pp"] = max(
+        sum(seconds[id(c)] for c in comm.collectives if c.group == "pp" and c.kind == kind) for kind in ("send", "recv")
+    )
     gather = sum(seconds[id(c)] for c in comm.collectives if c.group in ("dp", "edp") and c.kind == "all_gather")
     return comm, spans, times, gather
 
