@@ -25,7 +25,8 @@ Mixture-of-Experts (``model.num_local_experts > 0``, docs/moe.md#megatron): ever
 megatron-core's ``MoELayer`` (``TopKRouter``, the ``backend.moe_token_dispatcher``, ``SequentialMLP``
 experts) with ``expert_model_parallel_size = backend.ep``; router and experts are mapped from the
 canonical Mixtral names, expert-parallel rank r holding experts [r*E/ep, (r+1)*E/ep). The canonical
-load-balancing loss is added to each micro-batch's loss (``MegatronEngine._aux_loss``).
+load-balancing loss is added to each micro-batch's loss (``MegatronEngine._aux_loss``); with pipeline
+stages it is exchanged between them (``MegatronEngine._stage_aux``, docs/moe.md#megatron).
 
 CPU/NPU execution goes through ``parabench.redirect.install("cuda", target)`` inside the
 worker only (CUDA APIs, ``device="cuda"`` literals, CUDA RNG -> host/NPU); see docs/megatron.md.
@@ -213,7 +214,11 @@ def _distopt_bytes(job: JobSpec, psi: int) -> tuple[float, str]:
 def _moe_unchecked(o: MegatronOptions) -> list[tuple[str, bool, str]]:
     return [
         ("backend.tp", o.tp > 1, "expert tensor parallelism is not mapped yet: use tp=1"),
-        ("backend.pp", o.pp > 1, "the load-balancing loss over all layers' router logits needs pp=1"),
+        (
+            "backend.vpp",
+            o.vpp > 1,
+            "interleaved stages are not checked with MoE (the load-balancing loss is exchanged per stage): use vpp=1",
+        ),
         ("backend.cp", o.cp > 1, "context parallelism is not checked with MoE: use cp=1"),
         (
             "backend.transformer_impl",
@@ -659,6 +664,7 @@ class MegatronEngine(Engine):
         layout = _layout(job, te_names=use_te)
         self.layout, self.stage, self.tp_rank = layout, stage, tp_rank
         self._router_logits: list = []  # this micro-batch's router logits per MoE layer (the aux loss)
+        self._aux_sends: list = []  # pp > 1: (request, tensor) of the router statistics sent this step
         self.routed = None  # MoE: tokens per expert of this step (parabench.expertload)
         for c in range(o.vpp):
             vp_stage = c if o.vpp > 1 else None
@@ -845,19 +851,82 @@ class MegatronEngine(Engine):
         # tokens - data-parallel ranks their own rows (the expert-parallel ranks are data-parallel ranks
         # and route their own tokens before the all-to-all), context-parallel ranks their sequence chunks,
         # tensor-parallel ranks their sequence-parallel slices (megatron-core's MoELayer refuses tp > 1
-        # without sequence parallelism in training). pp > 1 is refused with a MoE model before launch,
-        # so this one stage holds every layer.
-        return self.routed.take(self.ps.get_tensor_and_data_parallel_group(with_context_parallel=True))
+        # without sequence parallelism in training). With pp > 1 each stage counted its own layers:
+        # summed over the pipeline group too.
+        counts = self.routed.take(self.ps.get_tensor_and_data_parallel_group(with_context_parallel=True))
+        if self.opts.pp == 1:
+            return counts
+        import torch
+        import torch.distributed as dist
+
+        total = torch.tensor(counts, dtype=torch.int64)
+        dist.all_reduce(total, group=self.ps.get_pipeline_model_parallel_group())
+        return total.tolist()
 
     def _aux_loss(self):
         """``router_aux_loss_coef`` x the Switch load-balancing loss over this micro-batch's router
-        logits of all layers, as the canonical ``training_loss`` (parabench.model.load_balancing_loss)."""
+        logits of all layers, as the canonical ``training_loss`` (parabench.model.load_balancing_loss).
+        With pp > 1, on the last stage: the earlier stages' routed assignments and probabilities
+        (``_stage_aux``) received, the whole loss's value, its gradient through this stage's routers."""
         from parabench.model import load_balancing_loss
 
         spec = self.ctx.job.model
         logits = [x.reshape(-1, spec.num_local_experts) for x in self._router_logits]
         self._router_logits.clear()
-        return spec.router_aux_loss_coef * load_balancing_loss(logits, spec.num_local_experts, spec.num_experts_per_tok)
+        if self.opts.pp == 1:
+            return spec.router_aux_loss_coef * load_balancing_loss(
+                logits, spec.num_local_experts, spec.num_experts_per_tok
+            )
+        import torch
+        import torch.distributed as dist
+
+        assigned, probs = _router_sums(logits, spec.num_local_experts, spec.num_experts_per_tok)
+        group, ranks = self._pp_ranks()
+        others = [torch.empty(2, spec.num_local_experts) for _ in ranks[:-1]]
+        for src, part in zip(ranks[:-1], others, strict=True):
+            dist.recv(part, src=src, group=group, tag=_AUX_TAG)
+        assigned = assigned + sum(part[0] for part in others)
+        for dst in ranks[:-1]:  # every stage's gradient needs every layer's assignments
+            self._aux_sends.append((dist.isend(assigned, dst=dst, group=group, tag=_AUX_TAG + 1), assigned))
+        total = probs + sum(part[1] for part in others)  # the earlier stages' without gradient
+        return self._aux_scale(logits) * torch.sum(assigned * total)
+
+    def _aux_scale(self, logits: list) -> float:
+        """coef x E / N^2, N = the micro-batch's (token, layer) rows over all layers: the load-balancing
+        loss is coef x E x sum_e (assignments to e / N) (probabilities of e / N)."""
+        spec = self.ctx.job.model
+        rows = logits[0].shape[0] * spec.num_hidden_layers
+        return spec.router_aux_loss_coef * spec.num_local_experts / rows**2
+
+    def _pp_ranks(self):
+        import torch.distributed as dist
+
+        group = self.ps.get_pipeline_model_parallel_group()
+        return group, dist.get_process_group_ranks(group)
+
+    def _stage_aux(self, hidden, micro_batches: int):
+        """A stage before the last (pp > 1): its layers' share of the load-balancing loss of Mixtral, a
+        product of sums over all layers that no stage can compute alone. Its routed assignments and
+        summed router probabilities go to the last stage, which computes the loss's value; in the
+        backward its probabilities get the loss's gradient, coef x E / N^2 x the assignments summed over
+        all layers (received from the last stage) / the micro-batches (the schedule's averaging)."""
+        import torch
+        import torch.distributed as dist
+
+        spec = self.ctx.job.model
+        logits = [x.reshape(-1, spec.num_local_experts) for x in self._router_logits]
+        self._router_logits.clear()
+        assigned, probs = _router_sums(logits, spec.num_local_experts, spec.num_experts_per_tok)
+        group, ranks = self._pp_ranks()
+        sent = torch.stack([assigned, probs.detach()])
+        self._aux_sends.append((dist.isend(sent, dst=ranks[-1], group=group, tag=_AUX_TAG), sent))
+
+        def received():
+            out = assigned.new_empty(assigned.shape)
+            dist.recv(out, src=ranks[-1], group=group, tag=_AUX_TAG + 1)
+            return out * (self._aux_scale(logits) / micro_batches)
+
+        return _aux_gradient().apply(hidden, probs, received)
 
     def _wrap_ddp(self, chunks: list, config) -> list:
         """Megatron's DDP around each model chunk (bucketing on the first only), replicas identical."""
@@ -1033,6 +1102,8 @@ class MegatronEngine(Engine):
             per_token = model(tokens, positions, None, labels=labels)  # loss on the last stage, hidden states elsewhere
             if not job.model.is_moe:
                 return per_token, _loss
+            if not self.ps.is_pipeline_last_stage(ignore_virtual=True):
+                return self._stage_aux(per_token, len(micro_batches)), _loss
             return per_token, lambda per_token: _loss(per_token, self._aux_loss())
 
         data = [iter(micro_batches) for _ in self.chunks] if len(self.chunks) > 1 else iter(micro_batches)
@@ -1050,6 +1121,8 @@ class MegatronEngine(Engine):
         self.schedule_s += time.perf_counter() - t0
         ok, _grad_norm, _ = self.optimizer.step()
         self.counters.active = False
+        while self._aux_sends:  # the stages' router statistics sent to the last stage (pp > 1)
+            self._aux_sends.pop()[0].wait()
         if not ok:
             raise RuntimeError("megatron optimizer step was skipped (non-finite gradients)")
         self.steps += 1
@@ -1384,6 +1457,41 @@ def _sequence_parallel_rmsnorm():
             self.weight.sequence_parallel = bool(config.sequence_parallel)
 
     return SequenceParallelRMSNorm
+
+
+_AUX_TAG = 3100  # p2p tags of the load-balancing loss's exchange between stages (megatron's own p2p: 0)
+
+
+def _router_sums(logits: list, experts: int, top_k: int):
+    """(assignments to each expert, router probabilities of each expert) summed over the rows of
+    ``logits`` (one [rows, experts] tensor per layer), as ``load_balancing_loss`` computes them: softmax
+    in fp32, the top-k of it, one assignment per (row, slot); the probabilities keep their gradient."""
+    import torch
+    import torch.nn.functional as F
+
+    probs = F.softmax(torch.cat(logits, dim=0), dim=-1, dtype=torch.float)
+    _, selected = torch.topk(probs, top_k, dim=-1)
+    assigned = F.one_hot(selected, experts).float().sum(dim=(0, 1))
+    return assigned, probs.sum(dim=0)
+
+
+def _aux_gradient():
+    """An autograd function: the stage's output unchanged forward; backward, its gradient unchanged and
+    the router probabilities' of the load-balancing loss (``received()``), as a stage before the last
+    one cannot add the loss to a loss of its own (megatron-core backpropagates its output)."""
+    import torch
+
+    class AuxGradient(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, hidden, probs, received):
+            ctx.received = received
+            return hidden.view_as(hidden)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, ctx.received(), None
+
+    return AuxGradient
 
 
 def _loss(per_token, aux_loss=0.0):

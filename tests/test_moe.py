@@ -424,7 +424,6 @@ INVALID_MEGATRON_MOE = {
         "backend.ep",
     ),
     "expert tensor parallelism": (["backend.tp=2", "launcher.nproc_per_node=2"], "backend.tp"),
-    "pipeline stages": (["backend.pp=2", "launcher.nproc_per_node=2"], "backend.pp"),
     "shared expert": (["model.shared_expert_intermediate_size=64"], "model.shared_expert_intermediate_size"),
     "top-1": (["model.num_experts_per_tok=1"], "model.num_experts_per_tok"),
     # the first forward under full recompute runs without grad: the load-balancing loss lost its gradient

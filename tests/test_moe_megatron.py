@@ -1,7 +1,9 @@
-"""megatron-core's MoE layer with the distributed optimizer (docs/moe.md#megatron): the experts'
-fp32 states sharded over the expert-data-parallel group (dp / ep ranks), the dense ones over dp -
-the formula by hand, parity with ddp on 2 ranks, the measured bytes, a killed run resumed bitwise
-through megatron-core's sharded state dict and its checkpoint converted to ddp.
+"""megatron-core's MoE layer with the distributed optimizer and with pipeline stages
+(docs/moe.md#megatron). The distributed optimizer: the experts' fp32 states sharded over the
+expert-data-parallel group (dp / ep ranks), the dense ones over dp - the formula by hand, parity with
+ddp on 2 ranks, the measured bytes, a killed run resumed bitwise through megatron-core's sharded state
+dict and its checkpoint converted to ddp. Pipeline stages: each stage's experts, and Mixtral's
+load-balancing loss over all layers exchanged between the stages - parity with ddp on 2 ranks.
 
 moe-tiny (conf/model/moe-tiny.yaml): h = 128, 2 layers, 4 query / 2 key-value heads of d = 32, 4
 experts of width 256, top-2, vocabulary 2,048, untied embeddings.
@@ -12,7 +14,7 @@ from __future__ import annotations
 import pytest
 from run_matrix import STEPS, assert_parity
 
-from conftest import bench, run_ok, summaries
+from conftest import assert_refused_before_launch, bench, run_ok, summaries
 from parabench import hydraconfig
 from parabench.jobs import from_config
 
@@ -72,6 +74,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
         "ddp": ["backend=ddp"],
         "ep2": [*DISTOPT, "backend.ep=2"],
         "ep1": DISTOPT,
+        "pp2": ["backend=megatron", "backend.pp=2"],
     }.items():
         results = tmp_path_factory.mktemp(label)
         proc = bench(["run", *MOE_COMMON, *args, "launcher.nproc_per_node=2", "tracking.enabled=false"], results)
@@ -96,21 +99,27 @@ def test_distributed_optimizer_with_experts_matches_ddp_and_its_formula(runs, la
     assert mg["moe_tokens_per_expert"] == runs["ddp"]["moe_tokens_per_expert"]
 
 
+KILLED = {"ep2": [*DISTOPT, "backend.ep=2"], "pp2": ["backend=megatron", "backend.pp=2"]}
+
+
 @pytest.mark.full
-def test_distributed_optimizer_with_experts_killed_resumed_bitwise_and_converted_to_ddp(runs, tmp_path):
-    """ep=2 with the distributed optimizer: checkpointed every 5 steps (megatron-core's sharded state
-    dict, the experts' optimizer states from their own DistributedOptimizer), rank 1 killed before step
-    13, launcher.max_restarts=1: resumed from step 10, all 20 losses equal to the uninterrupted run's.
-    Then step 10 converted to ddp (the slices put together) and continued within the megatron parity
-    bounds of the uninterrupted run (the first step within 1e-5, the next nine within 1e-3 relative)."""
-    two = [*DISTOPT, "backend.ep=2", "launcher.nproc_per_node=2", "tracking.enabled=false"]
+@pytest.mark.parametrize("label", KILLED)
+def test_experts_killed_resumed_bitwise_and_converted_to_ddp(runs, tmp_path, label):
+    """ep=2 with the distributed optimizer (the experts' optimizer states from their own
+    DistributedOptimizer), and pp=2 (each stage's experts): checkpointed every 5 steps through
+    megatron-core's sharded state dict, rank 1 killed before step 13, launcher.max_restarts=1: resumed
+    from step 10, all 20 losses equal to the uninterrupted run's. Then step 10 converted to ddp (the
+    slices and stages put together) and continued within the megatron parity bounds of the
+    uninterrupted run (the first step within 1e-5, the next nine within 1e-3 relative)."""
+    two = [*KILLED[label], "launcher.nproc_per_node=2", "tracking.enabled=false"]
     ckpt = tmp_path / "ckpt"
     fault = ["fault.kind=kill", "fault.rank=1", "fault.step=12", "launcher.max_restarts=1"]
     saved = ["run.checkpoint.every=5", f"run.checkpoint.dir={ckpt}", "run.checkpoint.keep=0"]
     resumed = run_ok([*MOE_COMMON, *two, *saved, *fault], tmp_path / "killed")
-    full = runs["ep2"]
+    full = runs[label]
     assert resumed["resumed_step"] == 10 and resumed["restarts"] == 1, resumed
     assert resumed["losses"] == full["losses"] and resumed["data_checksum"] == full["data_checksum"]
+    assert resumed["moe_tokens_per_expert"] == full["moe_tokens_per_expert"]
     out = tmp_path / "ddp"
     proc = bench(["convert", str(ckpt / "step_000010"), "--to", "ddp", "--out", str(out)], tmp_path)
     assert proc.returncode == 0 and "(match)" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -123,3 +132,38 @@ def test_distributed_optimizer_with_experts_killed_resumed_bitwise_and_converted
     assert abs(after[0] - full["losses"][10]) <= 1e-5 * abs(full["losses"][10]), (after, full["losses"])
     for got, want in zip(after, full["losses"][10:], strict=True):
         assert abs(got - want) <= 1e-3 * abs(want), (after, full["losses"][10:])
+
+
+def test_pipeline_stages_with_experts_are_accepted_and_interleaving_refused(tmp_path, capsys):
+    from parabench.adapters.megatron import MegatronAdapter
+
+    job = _job("backend.pp=2", "backend.distributed_optimizer=false", "launcher.nproc_per_node=2")
+    MegatronAdapter.validate(job)
+    # a stage holds half the layers and every expert of them: 16 bytes each (fp32, replicated AdamW)
+    per_layer = 2 * H + H * H + 2 * 64 * H + H * H + E * H + E * EXPERT
+    assert MegatronAdapter.expected_model_state(job).bytes == 16 * (per_layer + H + V * H)  # the last stage
+    four = ["model.num_hidden_layers=4", "backend=megatron", "backend.pp=2", "backend.vpp=2"]
+    line = assert_refused_before_launch(
+        ["+model=moe-tiny", *four, "launcher.nproc_per_node=2", "data.global_batch_size=8"],
+        "backend.vpp",
+        tmp_path,
+        capsys,
+    )
+    assert "with a MoE model" in line, line
+
+
+@pytest.mark.full
+def test_pipeline_stages_with_experts_match_ddp(runs):
+    """pp=2 on 2 ranks (ep=1, dp=1), each stage one layer and its 4 experts: the canonical start, the
+    megatron parity bounds, and every one of the 20 losses within 1e-5 relative of ddp's. The tighter
+    bound is what catches the load-balancing loss's exchange between the stages: measured 1.2e-7 at
+    most, and with the first stage's share of its gradient dropped 4.9e-5 at step 1 (2.7e-5 at step
+    10, inside the 1e-3 bound). Tokens per expert summed over the stages equal ddp's; each rank's
+    model states at most the formula's (the largest stage's), the last stage's equal to it."""
+    mg, ref = runs["pp2"], runs["ddp"]
+    assert_parity(ref, mg, first=1e-5, after_ten=1e-3)
+    for step, (got, want) in enumerate(zip(mg["losses"], ref["losses"], strict=True)):
+        assert abs(got - want) <= 1e-5 * abs(want), (step, got, want)
+    assert mg["moe_tokens_per_expert"] == ref["moe_tokens_per_expert"]
+    held = [r["params"] + r["grads"] + r["optimizer"] for r in mg["model_state_per_rank"]]
+    assert max(held) == mg["model_state_expected_bytes"] and len(held) == 2, held

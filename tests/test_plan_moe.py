@@ -171,7 +171,6 @@ def _search(cluster_name: str, world: int, mbs: list[int], *overrides: str, mode
     [
         (6, {"ep": 3}, "backend.ep"),  # 3 does not divide the 4 experts
         (4, {"ep": 2, "tp": 2}, "backend.tp"),
-        (4, {"ep": 2, "pp": 2}, "backend.pp"),
     ],
 )
 def test_layouts_the_megatron_adapter_refuses_are_refused(world, options, key):
@@ -207,7 +206,9 @@ def test_mixtral_on_64_h100s_fits_expert_parallel_layouts_with_the_distributed_o
     found = _search("h100-sxm", 64, [1], "data.global_batch_size=256", model="mixtral-8x7b")
     first = found.ranked[0].job.backend.options
     assert (first.ep, first.distributed_optimizer) == (8, True)
-    assert all(e.job.backend.options.distributed_optimizer for e in found.ranked if e.job.backend.options.ep > 1)
+    # on one pipeline stage an ep layout fits only with the distributed optimizer (pp > 1 splits the layers)
+    one_stage = [e.job.backend.options for e in found.ranked if e.job.backend.options.pp == 1]
+    assert all(o.distributed_optimizer for o in one_stage if o.ep > 1)
     replicated = [
         e for e in found.unfit if e.job.backend.options.ep == 8 and not e.job.backend.options.distributed_optimizer
     ]
