@@ -19,6 +19,7 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -118,6 +119,18 @@ class Comm(ABC):
         pass
 
 
+def subgroups_default_to(timeout: timedelta) -> None:
+    """Every process group this worker creates without a timeout gets the job's collective timeout.
+    Frameworks make their subgroups with ``new_group(ranks)`` and no timeout (DeepSpeed's expert- and
+    data-parallel groups, deepspeed/utils/groups.py), which torch then gives its module default
+    (``distributed_c10d._get_default_timeout``: 30 minutes, NCCL's 10), not the job's: a rank hung in
+    such a group held its peers that long. Worker processes only (adapters run there)."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout
+
+
 class TorchComm(Comm):
     """torch.distributed: the device's backend (gloo on CPU, nccl on CUDA, hccl on NPU)."""
 
@@ -129,6 +142,7 @@ class TorchComm(Comm):
         self.dist = dist
         self.tensor_device = device.torch_device
         timeout = datetime.timedelta(seconds=job.launch.collective_timeout_s)
+        subgroups_default_to(timeout)
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         if restart in ("", "0"):
             dist.init_process_group(backend=device.dist_backend, timeout=timeout)

@@ -257,3 +257,42 @@ def test_dense_deepspeed_keeps_its_formula():
     )
     psi = job.model.num_params()
     assert not job.model.is_moe and zero_formula(job).bytes == 4 * psi + 16 * psi / 2
+
+
+def test_every_subgroup_a_worker_creates_gets_the_jobs_collective_timeout(monkeypatch):
+    """DeepSpeed makes its expert- and data-parallel groups with new_group(ranks) and no timeout, which
+    torch gave its 30-minute default: a rank hung in an all-to-all held its peer that long, whatever
+    launcher.collective_timeout_s said. A worker's TorchComm makes the job's timeout every new group's
+    default (one gloo rank in this process; torch's defaults restored after)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    from parabench.adapters.base import TorchComm
+    from parabench.devices import DEVICES
+    from parabench.hydraconfig import compose, to_plain
+    from parabench.jobs import prepare
+
+    for name in ("default_pg_timeout", "default_pg_nccl_timeout"):
+        monkeypatch.setattr(distributed_c10d, name, getattr(distributed_c10d, name))
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0", "WORLD_SIZE": "1"}
+    for key, value in {**env, "TORCHELASTIC_RESTART_COUNT": "0"}.items():
+        monkeypatch.setenv(key, value)
+    job = prepare(to_plain(compose(["+model=llama", "launcher.collective_timeout_s=42", "launcher.dry_run=true"])))
+    comm = TorchComm(job, DEVICES["cpu"](0))
+    try:
+        group = dist.new_group(ranks=[0])  # as deepspeed/utils/groups.py makes its groups
+        assert distributed_c10d._get_default_timeout(dist.Backend.GLOO) == datetime.timedelta(seconds=42)
+        assert group._get_backend(torch.device("cpu")).options._timeout == datetime.timedelta(seconds=42)
+    finally:
+        comm.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
