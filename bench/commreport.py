@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from parabench.commlog import SCALAR_ELEMENTS
-from parabench.commvolume import Batch, moe_all_to_all, step_comm
+from parabench.commvolume import Batch, expert_data_parallel, moe_all_to_all, repeated_param_gathers, step_comm
 from parabench.plan.profiles import PROFILES
 from parabench.spec import JobSpec
 
@@ -51,22 +51,34 @@ def formula(job: JobSpec, padded: bool = True) -> dict[str, dict[str, float]] | 
     if profile is None:
         return None
     batch = Batch(job.data.seq_len, job.data.micro_batch_size, job.grad_accum)
-    elements = profile.states(job).elements if padded else None
+    states, layout, widths = profile.states(job), profile.layout(job), profile.widths(job)
+    elements, experts = _dp_elements(states, padded, getattr(job.backend.options, "ep", 1))
     comm = step_comm(
-        job.model,
-        profile.layout(job),
-        batch,
-        profile.widths(job),
-        dp_elements=elements or None,
-        root_elements=profile.root_elements(job),
+        job.model, layout, batch, widths, dp_elements=elements or None, root_elements=profile.root_elements(job)
     )
+    # a MoE model's experts are synchronised over the expert-data-parallel group where the backend
+    # keeps them apart (megatron-core: dp / ep ranks), as bench plan prices them
+    edp = expert_data_parallel(job.model, layout, batch, widths, experts) if experts else []
+    data_parallel = repeated_param_gathers((*comm.collectives, *edp), profile.param_gathers(job))
     out: dict[str, dict[str, float]] = {}
-    for c in (*comm.collectives, *_expert_parallel(job, batch, profile.widths(job))):
+    for c in (*data_parallel, *_expert_parallel(job, batch, widths)):
         rec = out.setdefault(c.kind, {"bytes": 0.0, "bus_bytes": 0.0, "calls": 0})
         rec["bytes"] += c.size_bytes * c.calls
         rec["bus_bytes"] += c.bus_bytes
         rec["calls"] += c.calls
     return out
+
+
+def _dp_elements(states: Any, padded: bool, ep: int) -> tuple[int | None, int]:
+    """(dense elements over dp, expert elements over the expert-data-parallel group) of a rank, padded
+    as the backend pads or not; (None: the model's own count, 0) where the profile keeps no experts
+    apart, or at ep = 1, where megatron-core keeps them in the dense buffers (measured: one
+    reduce-scatter and one all-gather per step for moe-tiny with the distributed optimizer)."""
+    if not states.expert_elements or ep == 1:
+        return (states.elements if padded else None), 0
+    if padded:
+        return states.elements - states.expert_elements, states.expert_elements
+    return states.exact_elements - states.exact_expert_elements, states.exact_expert_elements
 
 
 def _expert_parallel(job: JobSpec, batch: Batch, widths: Any) -> list[Any]:

@@ -310,6 +310,16 @@ def _data_parallel(
     ]
 
 
+def repeated_param_gathers(collectives: Iterable[Collective], times: int) -> list[Collective]:
+    """``collectives`` with the data-parallel parameter all-gathers (dp and expert dp) made ``times``
+    per step: a framework that gathers the distributed optimizer's parameters more than once
+    (megatron-core with MoE: one gather per optimizer of its chain, plan.profiles)."""
+    return [
+        replace(c, calls=c.calls * times) if c.kind == "all_gather" and c.group in ("dp", "edp") else c
+        for c in collectives
+    ]
+
+
 def expert_data_parallel(
     model: ModelSpec, layout: Layout, batch: Batch, widths: Widths, elements: int
 ) -> list[Collective]:
@@ -474,6 +484,7 @@ __all__ = [
     "bus_factor",
     "deepspeed_flat_numel",
     "expert_data_parallel",
+    "repeated_param_gathers",
     "fsdp2_padded_numel",
     "moe_all_to_all",
     "ring_steps",

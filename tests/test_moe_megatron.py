@@ -97,6 +97,14 @@ def test_distributed_optimizer_with_experts_matches_ddp_and_its_formula(runs, la
         assert rank["params"] + rank["grads"] + rank["optimizer"] == mg["model_state_expected_bytes"], rank
     # tokens per expert: the same routing as ddp's, to the token
     assert mg["moe_tokens_per_expert"] == runs["ddp"]["moe_tokens_per_expert"]
+    # bench run's communication formula, per kind, is what the busiest rank moved over its links: at
+    # ep=2 the experts' reduce-scatter and gather run over a group of dp / ep = 1 rank (nothing moves),
+    # and each optimizer of megatron-core's chain gathers every buffer (2 all-gathers per step); at
+    # ep=1 the experts sit in the dense buffers (one of each). all_to_all has its own mean-over-ranks check.
+    measured, formula = mg["comm_measured"], mg["comm_formula"]
+    for kind in ("reduce_scatter", "all_gather"):
+        assert measured[kind]["bus_bytes"] == formula[kind]["bus_bytes"], (kind, measured[kind], formula[kind])
+    assert formula["all_gather"]["calls"] == {"ep2": 2, "ep1": 1}[label]
 
 
 KILLED = {"ep2": [*DISTOPT, "backend.ep=2"], "pp2": ["backend=megatron", "backend.pp=2"]}
@@ -167,3 +175,41 @@ def test_pipeline_stages_with_experts_match_ddp(runs):
     assert mg["moe_tokens_per_expert"] == ref["moe_tokens_per_expert"]
     held = [r["params"] + r["grads"] + r["optimizer"] for r in mg["model_state_per_rank"]]
     assert max(held) == mg["model_state_expected_bytes"] and len(held) == 2, held
+
+
+def _round128(n: int) -> int:
+    return -(-n // 128) * 128  # a distributed-optimizer buffer on 2 ranks: a multiple of lcm(2, 128)
+
+
+@pytest.mark.parametrize(
+    "overrides, want",
+    [
+        # a dense and an expert DistributedOptimizer in megatron-core's chain, each gathering every buffer;
+        # the experts' reduce-scatter and gather run over dp / ep = 1 rank: nothing moves
+        (["backend.ep=2"], {"reduce_scatter": (4 * _round128(DENSE), 1), "all_gather": (4 * _round128(DENSE), 2)}),
+        # with overlap_param_gather the forward's pre-hooks gather once
+        (
+            ["backend.ep=2", "backend.overlap_param_gather=true"],
+            {"reduce_scatter": (4 * _round128(DENSE), 1), "all_gather": (4 * _round128(DENSE), 1)},
+        ),
+        # ep=1: the experts share the dense buffers, over dp
+        (
+            ["backend.ep=1"],
+            {
+                "reduce_scatter": (4 * (_round128(DENSE) + _round128(L * E * EXPERT)), 1),
+                "all_gather": (4 * (_round128(DENSE) + _round128(L * E * EXPERT)), 1),
+            },
+        ),
+        # no distributed optimizer: the dense gradients' all-reduce only
+        (["backend.ep=2", "backend.distributed_optimizer=false"], {"all_reduce": (4 * DENSE, 1)}),
+    ],
+)
+def test_the_communication_formula_follows_megatron_cores_expert_buffers(overrides, want):
+    """bench run's formula (parabench.commreport.formula) for moe-tiny on 2 megatron ranks, by hand:
+    size per call and calls of each data-parallel kind, measured equal in
+    test_distributed_optimizer_with_experts_matches_ddp_and_its_formula (bus bytes per kind)."""
+    from parabench.commreport import formula
+
+    got = formula(_job("launcher.nproc_per_node=2", *overrides))
+    data_parallel = {k: (v["bytes"] / v["calls"], v["calls"]) for k, v in got.items() if k != "all_to_all"}
+    assert data_parallel == want

@@ -39,6 +39,7 @@ from parabench.commvolume import (
     Widths,
     expert_data_parallel,
     moe_all_to_all,
+    repeated_param_gathers,
     step_comm,
     tp_backward_async,
 )
@@ -364,7 +365,8 @@ def _step_comm_s(
         dp_elements=states.elements - states.expert_elements,
         root_elements=prof.root_elements(job),
     )
-    comm = StepComm(dense.collectives + tuple(_expert_comm(job, layout, batch, prof.widths(job), states)))
+    collectives = dense.collectives + tuple(_expert_comm(job, layout, batch, prof.widths(job), states))
+    comm = StepComm(tuple(repeated_param_gathers(collectives, prof.param_gathers(job))))
     spans = _spans(job)
     seconds = {id(c): c.seconds(*_link(cluster, spans[c.group], cal, c.kind)) for c in comm.collectives}
     times = {g: sum(seconds[id(c)] for c in comm.collectives if c.group == g) for g in spans}

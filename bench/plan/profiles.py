@@ -54,6 +54,10 @@ class States:
     # group (dp / ep ranks at tp = 1: commvolume.expert_data_parallel), not over dp
     expert_elements: int = 0
     expert_bytes: float = 0.0  # of ``total``: the experts' parameters, gradients and optimizer states
+    # the rank's parameters and experts before the distributed optimizer's padding (MoE): the formula
+    # without padding, from which bench run reports the padding's bytes (parabench.commreport)
+    exact_elements: int = 0
+    exact_expert_elements: int = 0
 
     @property
     def total(self) -> float:
@@ -110,6 +114,8 @@ class Profile:
     # (a layout's options, world size, the model's routed experts) -> the expert-parallel options the
     # search tries with that layout ({}: none; only a backend with expert parallelism has any)
     experts: Callable[[dict[str, Any], int, int], Iterator[dict[str, Any]]] = lambda options, world, experts: iter([{}])
+    # times a step all-gathers the distributed optimizer's parameters (megatron: once per optimizer of its chain)
+    param_gathers: Callable[[JobSpec], int] = lambda job: 1
 
     def widths(self, job: JobSpec) -> Widths:
         return Widths.for_precision(job.run.precision, self.grad_fp32(job))
@@ -373,9 +379,13 @@ def _mg_states(job: JobSpec) -> States:
         padded = dense + expert
         optimizer = (8 + main) * (dense / dp + expert / edp)
         held = (b + 4.0) * expert + (8 + main) * expert / edp
-        return States(b * padded, 4.0 * padded, optimizer, 0.0, padded, expert_elements=expert, expert_bytes=held)
+        exact = {"exact_elements": psi, "exact_expert_elements": experts}
+        return States(
+            b * padded, 4.0 * padded, optimizer, 0.0, padded, expert_elements=expert, expert_bytes=held, **exact
+        )
     held = (b + 4.0 + 8.0 + main) * experts
-    return States(b * psi, 4.0 * psi, (8.0 + main) * psi, 0.0, psi, expert_elements=experts, expert_bytes=held)
+    exact = {"exact_elements": psi, "exact_expert_elements": experts}
+    return States(b * psi, 4.0 * psi, (8.0 + main) * psi, 0.0, psi, expert_elements=experts, expert_bytes=held, **exact)
 
 
 def _dist_opt_padded(n: int, ranks: int) -> int:
@@ -453,6 +463,21 @@ def _mg_param_overlap(job: JobSpec) -> float:
     CPU (no streams) it blocks, as FSDP's does (``_fsdp_overlap``)."""
     o = job.backend.options
     return float(o.overlap_param_gather and o.distributed_optimizer and job.device.type != "cpu")
+
+
+def _mg_param_gathers(job: JobSpec) -> int:
+    """How often a step all-gathers every parameter buffer (dense and expert): megatron-core's
+    ChainedOptimizer steps one DistributedOptimizer per param-group kind - the dense one over dp and,
+    with MoE, the experts' over dp / ep - and each one's ``step_with_ready_grads`` calls
+    ``start_param_sync`` on every model chunk, which gathers all of the chunk's bucket groups, the
+    expert ones too (megatron-core 0.16.1 optimizer/distrib_optimizer.py, distributed/
+    distributed_data_parallel.py ``start_param_sync``): twice per step with experts unless
+    ``overlap_param_gather`` moves the gathers to the forward's pre-hooks. Measured: moe-tiny ep=2 on
+    2 ranks, 4 all-gathers per step (2 buffers x 2 optimizers), bus bytes twice the single gather's;
+    at ep = 1 one all-gather (the experts sit in the dense buffers, one optimizer)."""
+    o = job.backend.options
+    experts_apart = mg_expert_numel(job) > 0 and getattr(o, "ep", 1) > 1  # at ep = 1 they share the dense buffers
+    return 2 if o.distributed_optimizer and experts_apart and not o.overlap_param_gather else 1
 
 
 def interleaved_warmup(pp: int, vpp: int, micro_batches: int) -> int:
@@ -586,6 +611,7 @@ PROFILES: dict[str, Profile] = {
         # selective (the attention core again) costs less than full (the whole forward again)
         recompute_options=({"recompute_granularity": "selective"}, {"recompute_granularity": "full"}),
         experts=_mg_experts,
+        param_gathers=_mg_param_gathers,
     ),
     "mindspore": Profile(
         _no_options, _dp_layout(lambda j: "none"), lambda j: True, _replicated, lambda j: 0.0, lambda j: 1.0, _ac
