@@ -1,22 +1,11 @@
 """``bench compare``: read runs back from MLflow, group them, and put comparable ones side by side.
 
-Grouping: by everything that changes the numbers. A *section* holds rows that may share a ratio:
-same model, device, precision, sequence length, data (source, path and seed, and the checksum of the
-rows trained on), measured and warm-up steps, and start (fresh, or resumed from step N: a resumed
-run measured other steps than a fresh one, so it is never a repeat of it unless ``--pool-resumed``
-asks for that). A *row* is one configuration inside it: backend variant (backend name plus the
-``backend.*`` options that differ between runs of that backend), world size, layout (dp/tp/pp/cp
-degrees and nodes), global and micro batch; repeated runs of a row are aggregated (median, with the
-min-max band). Runs that differ in any section key never meet in one ratio: they go to separate
-sections, whose note names the runs set apart and why (and an explicit ``--runs`` list that mixes
-them is refused).
-
-Ratios against ``--baseline KEY=VALUE`` compare a row with the baseline row of the same section,
-world size and global batch. Scaling efficiency (per backend variant, against its world-size-1
-row): E(N) = throughput(N) / (N x throughput(1)) - weak scaling when the per-device batch is the
-same at N and 1, strong scaling when the global batch is the same (docs/sources.md#scaling-efficiency).
-With repeats, the band of a ratio is [min/max, max/min]; a ratio whose band contains 1.0 is
-marked as within noise, and so are efficiencies whose bands overlap 1.0 or each other.
+The grouping, ratios and scaling efficiency are the runs table's (parabench.runtable: sections of
+runs that may share a ratio, rows of one configuration with their repeats, baseline ratios and
+E(N) = throughput(N) / (N x throughput(1)) with their noise bands); this module reads the runs,
+refuses an explicit ``--runs`` list that mixes sections, and renders the report (text, markdown,
+CSV, HTML with plots) and its MLflow record, with bench plan's predictions beside the measurements
+(parabench.versus).
 """
 
 from __future__ import annotations

@@ -130,13 +130,20 @@ def _edit_args(src: Path, **changes) -> None:
     torch.save(state, common)
 
 
-def test_megatron_lm_checkpoint_bad_input(mc_native, tmp_path, capsys):
-    src, out = tmp_path / "ckpt", tmp_path / "out"
+def _copier(saved: Path, src: Path):
+    """A function giving a fresh copy of ``saved`` at ``src`` each call (one bad input per copy)."""
 
     def fresh() -> Path:
         shutil.rmtree(src, ignore_errors=True)
-        shutil.copytree(mc_native / "ckpt", src)
+        shutil.copytree(saved, src)
         return src
+
+    return fresh
+
+
+def test_megatron_lm_checkpoint_bad_input(mc_native, tmp_path, capsys):
+    src, out = tmp_path / "ckpt", tmp_path / "out"
+    fresh = _copier(mc_native / "ckpt", src)
 
     (fresh() / ITER / "__1_0.distcp").unlink()
     _refused([str(src), "--to", "ddp", "--out", str(out)], "__1_0.distcp is missing", out, capsys)
@@ -228,11 +235,7 @@ def _edit_rank(src: Path, rank: str, edit) -> None:
 
 def test_megatron_lm_legacy_checkpoint_bad_input(mc_legacy, tmp_path, capsys):
     src, out = tmp_path / "ckpt", tmp_path / "out"
-
-    def fresh() -> Path:
-        shutil.rmtree(src, ignore_errors=True)
-        shutil.copytree(mc_legacy / "ckpt", src)
-        return src
+    fresh = _copier(mc_legacy / "ckpt", src)
 
     shutil.rmtree(fresh() / ITER / "mp_rank_01")
     _refused([str(src), "--to", "ddp", "--out", str(out)], "mp_rank_01/model_optim_rng.pt is missing", out, capsys)
