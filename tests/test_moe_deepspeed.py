@@ -246,6 +246,29 @@ def test_deepspeed_ep2_all_to_all_bytes_equal_the_formula(ds_runs, stage):
     assert want and ds["comm_all_to_all_rank_mean_bytes"] == want and ds["comm_all_to_all_diff_bytes"] == 0, ds
     assert ds["comm_measured"]["all_to_all"]["calls"] == 8
     assert want >= 2 * 4 * (2 * 64 * 2) * 128 * 4  # layers x 4 calls x T x k rows x h x fp32
+    # the gradient reduction (and ZeRO-1/2's parameter gather) of the busiest rank, per kind, over its
+    # links = bench run's formula: the experts' groups span dp / ep = 1 rank and move nothing
+    measured, formula = ds["comm_measured"], ds["comm_formula"]
+    for kind in ("all_reduce", "all_gather") if stage else ("all_reduce",):
+        assert measured[kind]["bus_bytes"] == formula[kind]["bus_bytes"], (kind, measured[kind], formula[kind])
+
+
+# the non-expert parameters of moe-tiny (h 128, 2 layers, 4 query / 2 key-value heads of 32, 4 experts,
+# vocabulary 2,048, untied): norms, q, k + v, o, router per layer; the final norm, embedding and lm_head
+DENSE = 2 * (2 * 128 + 128 * 128 + 2 * 64 * 128 + 128 * 128 + 4 * 128) + 128 + 2 * 2048 * 128
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_deepspeed_moe_communication_formula_by_hand(stage):
+    """bench run's formula (parabench.commreport.formula) for ep=2 on 2 ranks: the non-expert gradients
+    all-reduced over dp (each AdamW group flattened and padded to 2 x dp: 624,256 elements, already a
+    multiple of 4), ZeRO-1/2's updated non-expert partitions all-gathered; the experts' groups are
+    partitioned and reduced over dp / ep = 1 rank, where nothing moves."""
+    from parabench.commreport import formula
+
+    got = formula(_job(f"backend.zero_stage={stage}", "backend.ep=2", "launcher.nproc_per_node=2"))
+    want = {"all_reduce": (4 * DENSE, 1)} | ({"all_gather": (4 * DENSE, 1)} if stage else {})
+    assert DENSE == 624_256 and {k: (v["bytes"], v["calls"]) for k, v in got.items()} == want
 
 
 def test_dense_deepspeed_keeps_its_formula():

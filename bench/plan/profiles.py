@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
+from parabench.adapters.deepspeed_moe import held_numel
 from parabench.adapters.megatron import rank_param_counts
 from parabench.commvolume import (
     Layout,
@@ -263,6 +264,8 @@ def _fsdp_offload(job: JobSpec, st: States) -> Offload:
 def _ds_states(job: JobSpec) -> States:
     o, psi, nd, b = job.backend.options, job.model.num_params(), job.parallel.dp, _param_bytes(job)
     k = 8 if job.run.precision == "fp32" and o.zero_stage == 0 else 12
+    if getattr(o, "ep", 1) > 1:
+        return _ds_moe_states(job, k)
     if o.zero_stage == 0:
         return States(b * psi, b * psi, k * psi, 0.0, psi)
     if o.zero_stage == 3:
@@ -289,6 +292,33 @@ def _ds_states(job: JobSpec) -> States:
     if o.offload_param != "none":
         host += st.params
     return States(st.params, st.grads, st.optimizer, host, padded, st.boundary)
+
+
+def _ds_moe_states(job: JobSpec, k: int) -> States:
+    """DeepSpeed-MoE with expert parallelism (ZeRO 0-2): a rank holds the non-expert parameters and
+    E / ep experts of every layer (deepspeed_moe.held_numel). ``split_params_into_different_moe_groups_
+    for_optimizer`` puts the experts in param groups of their own, which ZeRO flattens, pads (2 x ranks)
+    and partitions over the expert-data-parallel group, dp / ep ranks, and reduces there; the
+    non-expert groups over dp (DeepSpeed 0.19.8 stage_1_and_2.py, moe/utils.py). Gradients: the
+    partitions only (the boundary parameters kept whole are not counted)."""
+    o, nd, b, ep = job.backend.options, job.parallel.dp, _param_bytes(job), job.backend.options.ep
+    dense, experts = held_numel(job.model, ep)
+    edp = nd // ep
+    exact = {"exact_elements": dense + experts, "exact_expert_elements": experts}
+    if o.zero_stage == 0:
+        held = dense + experts
+        return States(b * held, b * held, k * held, 0.0, held, expert_elements=experts, **exact)
+    groups = [sum(n for name, n in g if ".experts." not in name) for g in _named_group_members(job)]
+    padded_dense, padded_experts = deepspeed_flat_numel(groups, nd), deepspeed_flat_numel([experts], edp)
+    part = padded_dense / nd + padded_experts / edp
+    padded = padded_dense + padded_experts
+    return States(b * padded, b * part, k * part, 0.0, padded, expert_elements=padded_experts, **exact)
+
+
+def _named_group_members(job: JobSpec) -> list[list[tuple[str, int]]]:
+    """(name, elements) of the two AdamW groups (decay: 2-D weights, then the rest), model order."""
+    shapes = job.model.parameter_shapes().items()
+    return [[(n, math.prod(s)) for n, s in shapes if len(s) >= 2], [(n, math.prod(s)) for n, s in shapes if len(s) < 2]]
 
 
 def _ds_buffers(job: JobSpec) -> float:
@@ -539,7 +569,7 @@ def _dp_layout(sharding: Callable[[JobSpec], Any]) -> Callable[[JobSpec], Layout
     def layout(job: JobSpec) -> Layout:
         o = job.backend.options
         recompute = "full" if getattr(o, "activation_checkpointing", False) else "none"
-        return Layout(dp=job.parallel.dp, sharding=sharding(job), recompute=recompute)
+        return Layout(dp=job.parallel.dp, sharding=sharding(job), recompute=recompute, ep=getattr(o, "ep", 1))
 
     return layout
 
