@@ -553,6 +553,36 @@ def test_megatron_moe_matches_ddp_and_its_model_state_formula(moe_runs, label):
         assert rank["params"] + rank["grads"] + rank["optimizer"] == mg["model_state_expected_bytes"], rank
 
 
+def killed_resumed_and_converted_to_ddp(two: list[str], full: dict, tmp_path: Path) -> dict:
+    """``two`` (a 2-rank MoE job) checkpointed every 5 steps, rank 1 killed before step 13 with
+    launcher.max_restarts=1: one command, resumed from step 10, all losses, the data and tokens per
+    expert (steps 0-9 carried in the checkpoint, 10-19 routed again) as ``full``, the uninterrupted
+    run's. Then its step 10 converted to ddp (checksum read back equal) and continued on 2 ddp ranks
+    within the megatron parity bounds of ``full`` (the first step within 1e-5, the next nine within
+    1e-3 relative): that run's summary."""
+    ckpt = tmp_path / "ckpt"
+    fault = ["fault.kind=kill", "fault.rank=1", "fault.step=12", "launcher.max_restarts=1"]
+    saved = ["run.checkpoint.every=5", f"run.checkpoint.dir={ckpt}", "run.checkpoint.keep=0"]
+    resumed = run_ok([*MOE_COMMON, *two, *saved, *fault], tmp_path / "killed")
+    assert resumed["resumed_step"] == 10 and resumed["restarts"] == 1, resumed
+    assert resumed["losses"] == full["losses"] and resumed["data_checksum"] == full["data_checksum"]
+    assert resumed["moe_tokens_per_expert"] == full["moe_tokens_per_expert"]
+    out = tmp_path / "ddp"
+    proc = bench(["convert", str(ckpt / "step_000010"), "--to", "ddp", "--out", str(out)], tmp_path)
+    assert proc.returncode == 0 and "(match)" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    continued = run_ok(
+        [*MOE_COMMON, "backend=ddp", "launcher.nproc_per_node=2", "tracking.enabled=false", f"run.resume={out}"],
+        tmp_path / "continued",
+    )
+    # from that common state, ddp follows the uninterrupted run within the megatron parity bounds
+    after = continued["losses"][-10:]
+    assert continued["resumed_step"] == 10 and len(full["losses"]) == STEPS == 20
+    assert abs(after[0] - full["losses"][10]) <= 1e-5 * abs(full["losses"][10]), (after, full["losses"])
+    for got, want in zip(after, full["losses"][10:], strict=True):
+        assert abs(got - want) <= 1e-3 * abs(want), (after, full["losses"][10:])
+    return continued
+
+
 @pytest.mark.full
 def test_megatron_moe_killed_restarted_resumed_bitwise_and_converted_to_ddp(moe_runs, tmp_path):
     """ep=2: checkpointed every 5 steps, rank 1 killed before step 13 with launcher.max_restarts=1 -
@@ -562,30 +592,11 @@ def test_megatron_moe_killed_restarted_resumed_bitwise_and_converted_to_ddp(moe_
     and continued: from that common state, ddp's losses follow the uninterrupted ep=2 run's within
     the megatron parity bounds (the first step's within 1e-5, the next nine within 1e-3 relative)."""
     two = ["backend=megatron", "backend.ep=2", "launcher.nproc_per_node=2", "tracking.enabled=false"]
-    ckpt = tmp_path / "ckpt"
-    fault = ["fault.kind=kill", "fault.rank=1", "fault.step=12", "launcher.max_restarts=1"]
-    saved = ["run.checkpoint.every=5", f"run.checkpoint.dir={ckpt}", "run.checkpoint.keep=0"]
-    resumed = run_ok([*MOE_COMMON, *two, *saved, *fault], tmp_path / "killed")
     full = moe_runs["ep2"]
-    assert resumed["resumed_step"] == 10 and resumed["restarts"] == 1, resumed
-    assert resumed["losses"] == full["losses"] and resumed["data_checksum"] == full["data_checksum"]
-    # tokens per expert: steps 0-9 carried in the checkpoint, 10-19 routed again, all as uninterrupted
-    assert resumed["moe_tokens_per_expert"] == full["moe_tokens_per_expert"]
-    out = tmp_path / "ddp"
     # the target's AdamW settings are the source's (its marker's optim.lr=1e-3, carried by bench convert)
-    proc = bench(["convert", str(ckpt / "step_000010"), "--to", "ddp", "--out", str(out)], tmp_path)
-    assert proc.returncode == 0 and "(match)" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
-    continued = run_ok(
-        [*MOE_COMMON, "backend=ddp", "launcher.nproc_per_node=2", "tracking.enabled=false", f"run.resume={out}"],
-        tmp_path / "continued",
-    )
-    after = continued["losses"][-10:]
+    continued = killed_resumed_and_converted_to_ddp(two, full, tmp_path)
     # bench convert carries the harness history: the first 10 steps' tokens per expert are megatron's
     assert continued["moe_tokens_per_expert"][:10] == full["moe_tokens_per_expert"][:10]
-    assert continued["resumed_step"] == 10 and len(full["losses"]) == STEPS == 20
-    assert abs(after[0] - full["losses"][10]) <= 1e-5 * abs(full["losses"][10]), (after, full["losses"])
-    for got, want in zip(after, full["losses"][10:], strict=True):
-        assert abs(got - want) <= 1e-3 * abs(want), (after, full["losses"][10:])
 
 
 # --------------------------------------------------------------------------------------------

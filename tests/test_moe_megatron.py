@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import pytest
 from run_matrix import STEPS, assert_parity
+from test_moe import killed_resumed_and_converted_to_ddp
 
-from conftest import assert_refused_before_launch, bench, run_ok, summaries
+from conftest import assert_refused_before_launch, bench, summaries
 from parabench import hydraconfig
 from parabench.jobs import from_config
 
@@ -120,26 +121,7 @@ def test_experts_killed_resumed_bitwise_and_converted_to_ddp(runs, tmp_path, lab
     slices and stages put together) and continued within the megatron parity bounds of the
     uninterrupted run (the first step within 1e-5, the next nine within 1e-3 relative)."""
     two = [*KILLED[label], "launcher.nproc_per_node=2", "tracking.enabled=false"]
-    ckpt = tmp_path / "ckpt"
-    fault = ["fault.kind=kill", "fault.rank=1", "fault.step=12", "launcher.max_restarts=1"]
-    saved = ["run.checkpoint.every=5", f"run.checkpoint.dir={ckpt}", "run.checkpoint.keep=0"]
-    resumed = run_ok([*MOE_COMMON, *two, *saved, *fault], tmp_path / "killed")
-    full = runs[label]
-    assert resumed["resumed_step"] == 10 and resumed["restarts"] == 1, resumed
-    assert resumed["losses"] == full["losses"] and resumed["data_checksum"] == full["data_checksum"]
-    assert resumed["moe_tokens_per_expert"] == full["moe_tokens_per_expert"]
-    out = tmp_path / "ddp"
-    proc = bench(["convert", str(ckpt / "step_000010"), "--to", "ddp", "--out", str(out)], tmp_path)
-    assert proc.returncode == 0 and "(match)" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
-    continued = run_ok(
-        [*MOE_COMMON, "backend=ddp", "launcher.nproc_per_node=2", "tracking.enabled=false", f"run.resume={out}"],
-        tmp_path / "continued",
-    )
-    after = continued["losses"][-10:]
-    assert continued["resumed_step"] == 10 and len(full["losses"]) == STEPS == 20
-    assert abs(after[0] - full["losses"][10]) <= 1e-5 * abs(full["losses"][10]), (after, full["losses"])
-    for got, want in zip(after, full["losses"][10:], strict=True):
-        assert abs(got - want) <= 1e-3 * abs(want), (after, full["losses"][10:])
+    killed_resumed_and_converted_to_ddp(two, runs[label], tmp_path)
 
 
 def test_pipeline_stages_with_experts_are_accepted_and_interleaving_refused(tmp_path, capsys):
