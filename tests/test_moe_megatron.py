@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 from run_matrix import STEPS, assert_parity
-from test_moe import killed_resumed_and_converted_to_ddp
+from test_moe import killed_resumed_and_converted_to_ddp, train_moe_runs
 
-from conftest import assert_refused_before_launch, bench, summaries
+from conftest import assert_refused_before_launch
 from parabench import hydraconfig
 from parabench.jobs import from_config
 
@@ -70,18 +70,13 @@ def test_distributed_optimizer_formula_shards_the_experts_over_expert_data_paral
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
     """moe-tiny on 2 ranks, STEPS steps each: ddp, megatron ep=2 and ep=1 with the distributed optimizer."""
-    out = {}
-    for label, args in {
+    runs = {
         "ddp": ["backend=ddp"],
         "ep2": [*DISTOPT, "backend.ep=2"],
         "ep1": DISTOPT,
         "pp2": ["backend=megatron", "backend.pp=2"],
-    }.items():
-        results = tmp_path_factory.mktemp(label)
-        proc = bench(["run", *MOE_COMMON, *args, "launcher.nproc_per_node=2", "tracking.enabled=false"], results)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        (out[label],) = summaries(results).values()
-    return out
+    }
+    return train_moe_runs(tmp_path_factory, runs)
 
 
 @pytest.mark.full
