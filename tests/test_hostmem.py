@@ -4,6 +4,7 @@ process's own peak."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import time
 
@@ -12,12 +13,22 @@ from parabench import hostmem
 MIB = 2**20
 
 
+def _fresh_resident(size: int) -> mmap.mmap:
+    """``size`` bytes of new anonymous pages, each written, so resident. Not a bytearray: malloc may
+    serve one from pages freed earlier in this process and still resident (the default tier saw the
+    worker's 1.67 GiB not grow by a 300 MiB bytearray), which is no new memory at all."""
+    pages = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)  # anonymous, private: copy-on-write after a fork
+    for offset in range(0, size, mmap.PAGESIZE):
+        pages[offset] = 1
+    return pages
+
+
 def test_a_peak_inside_the_block_is_measured_and_one_before_it_is_not():
     before = hostmem.tree_resident_bytes(os.getpid())
     with hostmem.PeakHostMemory(sample_s=0.05) as peak:
-        held = bytearray(300 * MIB)  # resident: bytearray writes its zeros
+        held = _fresh_resident(300 * MIB)
         time.sleep(0.3)
-        del held
+        held.close()
     assert peak.bytes >= before + 280 * MIB, (peak.bytes / MIB, before / MIB)
     with hostmem.PeakHostMemory(sample_s=0.05) as quiet:  # the 300 MiB are gone: ru_maxrss did not rise
         time.sleep(0.2)
@@ -44,8 +55,7 @@ def test_a_forked_child_does_not_count_its_parents_pages_again():
     """A child forked while its parent holds 300 MiB shares those pages (copy-on-write, as Megatron's
     forked checkpoint writers do): the tree's resident bytes rise by them once, not twice (a sum of
     VmRSS counts them in each process)."""
-    held = bytearray(300 * MIB)
-    held[::4096] = b"x" * len(held[::4096])  # resident
+    held = _fresh_resident(300 * MIB)
     before = hostmem.tree_resident_bytes(os.getpid())
     pid = os.fork()
     if pid == 0:  # the child only waits, touching nothing
@@ -57,3 +67,4 @@ def test_a_forked_child_does_not_count_its_parents_pages_again():
     finally:
         os.waitpid(pid, 0)
     assert with_child < before + 100 * MIB, (before / MIB, with_child / MIB)
+    held.close()  # held mapped until here: its pages are what the child shares
