@@ -179,35 +179,38 @@ def inspect(directory: Path, name: str, trusted: bool) -> dict[str, Any]:
         "world_size": None,
         "trusted": trusted,
     }
-    steps = {rank_state(path, _load(path, trusted), bf16)[2] for path in ranks.values()}
-    if len(steps) != 1:
-        raise SpecError("SRC", f"{directory}: the ranks hold optimizer state at different steps or only some: {steps}")
-    meta["step"] = steps.pop()
-    _assemble(meta)  # names and shapes; read() assembles again (the files are read twice)
+    _, meta["step"] = _assemble(meta)  # names, shapes and the one step; read() assembles again
     return meta
 
 
-def _shards(meta: dict[str, Any]) -> dict[str, dict]:
-    """{"weights" | moment: {(stage, 0, tensor rank): {module name: fp32 array}}} of every rank file."""
+def _shards(meta: dict[str, Any]) -> tuple[dict[str, dict], int | None]:
+    """{"weights" | moment: {(stage, 0, tensor rank): {module name: fp32 array}}} of every rank file, and
+    the optimizer's step, which every rank must hold alike (None: no optimizer state, no moments)."""
     bf16 = meta["precision"] == "bf16"
     parts: dict[str, dict] = {"weights": {}, **{m: {} for m in MOMENTS}}
+    steps = set()
     for (stage, tp_rank), path in meta["ranks"].items():
-        weights, moments, _ = rank_state(path, _load(path, meta["trusted"]), bf16)
+        weights, moments, step = rank_state(path, _load(path, meta["trusted"]), bf16)
+        steps.add(step)
         parts["weights"][(stage, 0, tp_rank)] = {n: t.float().numpy() for n, t in weights.items()}
         for m in MOMENTS:
             parts[m][(stage, 0, tp_rank)] = {n: t.float().numpy() for n, t in (moments or {}).get(m, {}).items()}
-    return parts if meta["step"] is not None else {"weights": parts["weights"]}
+    if len(steps) != 1:
+        where = meta["directory"]
+        raise SpecError("SRC", f"{where}: the ranks hold optimizer state at different steps or only some: {steps}")
+    step = steps.pop()
+    return (parts if step is not None else {"weights": parts["weights"]}), step
 
 
-def _assemble(meta: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def _assemble(meta: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], int | None]:
     """The full canonical weights (and moments) of every rank's shards, put together by the layout's
     mapping (parabench.adapters.megatron_mapping); every rank must hold exactly the names and shapes
-    the args' model has at that rank when sharded the same way."""
+    the args' model has at that rank when sharded the same way. With the optimizer's step."""
     from parabench.adapters.megatron_mapping import Layout, shard_all, unshard_all
 
     spec = meta["spec"]
     layout = Layout(tp=meta["tp"], pp=meta["pp"], te_names=meta["te_names"])
-    parts = _shards(meta)
+    parts, step = _shards(meta)
     try:
         full = {key: unshard_all(shards, spec, layout) for key, shards in parts.items()}
         expected = shard_all(full["weights"], spec, layout)
@@ -222,7 +225,7 @@ def _assemble(meta: dict[str, Any]) -> dict[str, dict[str, Any]]:
             raise SpecError(
                 "SRC", f"{meta['ranks'][(stage, tp_rank)]}: {wrong[0]} is not what the args' model holds at that rank"
             )
-    return full
+    return full, step
 
 
 def read(meta: dict[str, Any]) -> CanonicalState:
@@ -231,7 +234,7 @@ def read(meta: dict[str, Any]) -> CanonicalState:
     them (zeros, step 0)."""
     import numpy as np
 
-    full = _assemble(meta)
+    full, _ = _assemble(meta)
     if meta["step"] is None:
         zeros = {n: np.zeros_like(w) for n, w in full["weights"].items()}
         return CanonicalState(full["weights"], {m: zeros for m in MOMENTS}, 0)
