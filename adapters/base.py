@@ -68,6 +68,17 @@ class CheckpointSupport:
     options: frozenset[str] = frozenset()
 
 
+# ddp and fsdp: torch.distributed.checkpoint, resharded on load to any data-parallel world size
+DCP_SUPPORT = CheckpointSupport(
+    format="dcp",
+    # measured on 2 gloo ranks (fsdp): async_save's background collectives ran on the training
+    # process group and interleaved with FSDP's all-gathers ("Application timeout caused pair closure")
+    async_save="DCP async_save shares the training process group with its background thread; not enabled "
+    "until it gets a process group of its own (docs/resilience.md)",
+    reshard=frozenset({"world_size", "dp", "dp_shard"}),
+)
+
+
 @dataclass(frozen=True)
 class ConvertSupport:
     """How a backend takes part in ``bench convert`` (docs/convert.md): its engine maps its state to

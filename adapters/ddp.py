@@ -9,17 +9,24 @@ held once, not twice.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from parabench.adapters.base import Adapter, Availability, Capabilities, ConvertSupport, StateFormula, WorkerContext
-from parabench.adapters.torch_common import DCP_SUPPORT, TorchEngine
+from parabench.adapters.base import (
+    DCP_SUPPORT,
+    Adapter,
+    Availability,
+    Capabilities,
+    ConvertSupport,
+    StateFormula,
+    WorkerContext,
+)
 from parabench.errors import SpecError
-from parabench.model import build_llama, set_activation_checkpointing
 from parabench.spec import MODEL_FEATURES, JobSpec
+
+if TYPE_CHECKING:
+    from parabench.adapters.ddp_engine import DDPEngine
 
 
 @dataclass(frozen=True)
@@ -28,11 +35,6 @@ class DDPOptions:
     gradient_as_bucket_view: bool = True  # grads alias the buckets: one copy, not two
     static_graph: bool = False
     activation_checkpointing: bool = False
-
-
-class DDPEngine(TorchEngine):
-    def full_state_dict(self):
-        return {n: p.detach().float().cpu() for n, p in self.model.module.named_parameters()}
 
 
 class DDPAdapter(Adapter):
@@ -62,22 +64,6 @@ class DDPAdapter(Adapter):
 
     @classmethod
     def create_engine(cls, ctx: WorkerContext) -> DDPEngine:
-        from torch.nn.parallel import DistributedDataParallel
+        from parabench.adapters.ddp_engine import create_engine
 
-        job, opts = ctx.job, ctx.job.backend.options
-        model = build_llama(job.model, seed=job.run.seed).to(ctx.device.torch_device)
-        set_activation_checkpointing(model, opts.activation_checkpointing)
-        ddp = DistributedDataParallel(
-            model,
-            bucket_cap_mb=opts.bucket_cap_mb,
-            gradient_as_bucket_view=opts.gradient_as_bucket_view,
-            static_graph=opts.static_graph,
-        )
-        if ctx.comm_log is not None:  # its C++ reducer's all-reduce made visible (parabench.commlog)
-            ctx.comm_log.hook_ddp(ddp)
-
-        def sync(last: bool):
-            return ddp.no_sync() if not last else contextlib.nullcontext()
-
-        autocast = torch.bfloat16 if job.run.precision == "bf16" else None
-        return DDPEngine(ctx, ddp, list(model.named_parameters()), sync, autocast)
+        return create_engine(ctx)

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from parabench import untrusted
-from parabench.adapters.base import CheckpointSupport, Engine, ModelStateBytes, WorkerContext
+from parabench.adapters.base import Engine, ModelStateBytes, WorkerContext
 from parabench.canonical import MOMENTS, CanonicalState
 from parabench.expertload import RoutedTokens
 from parabench.metrics import torch_model_state
@@ -33,17 +33,6 @@ def dcp_failure(exc) -> str:
     """One line from DCP's CheckpointException: the first failing rank and its error."""
     rank, (error, _tb) = next(iter(sorted(exc.failures.items(), key=lambda kv: kv[0])))
     return f"rank {rank}: {type(error).__name__}: {error}"
-
-
-# ddp and fsdp: torch.distributed.checkpoint, resharded on load to any data-parallel world size
-DCP_SUPPORT = CheckpointSupport(
-    format="dcp",
-    # measured on 2 gloo ranks (fsdp): async_save's background collectives ran on the training
-    # process group and interleaved with FSDP's all-gathers ("Application timeout caused pair closure")
-    async_save="DCP async_save shares the training process group with its background thread; not enabled "
-    "until it gets a process group of its own (docs/resilience.md)",
-    reshard=frozenset({"world_size", "dp", "dp_shard"}),
-)
 
 
 def count_routed_tokens(model: torch.nn.Module, spec: ModelSpec, device) -> RoutedTokens | None:

@@ -8,6 +8,7 @@ abort the interpreter (and, with device-backend autoload, even breaks ``import t
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import importlib.util
 import os
@@ -109,6 +110,29 @@ def package_version(dist: str) -> str | None:
         return None
 
 
+def torch_build_field(name: str) -> str | None:
+    """A string field of the installed torch's ``torch/version.py`` (``cuda``, ``hip``; torch writes
+    it at build time as plain assignments), read without importing torch (2-3 CPU-seconds): None if
+    the build has none or the file cannot be read."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    try:
+        tree = ast.parse((Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text())
+    except (OSError, SyntaxError, StopIteration):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign):
+            target, value = node.target, node.value
+        else:
+            continue
+        if isinstance(target, ast.Name) and target.id == name and isinstance(value, ast.Constant):
+            return value.value if isinstance(value.value, str) else None
+    return None
+
+
 class Device:
     """One device kind. Subclasses are registered in ``DEVICES`` by ``kind``."""
 
@@ -190,12 +214,17 @@ class CUDADevice(Device):
 
     @classmethod
     def presence(cls) -> Presence:
-        if package_version("torch") is None:
+        version = package_version("torch")
+        if version is None:
             return Presence(False, "torch is not installed")
+        # read, not imported: on a CPU build the parent's check costs no torch import
+        if torch_build_field("__version__") is not None and torch_build_field("cuda") is None:
+            return Presence(False, f"this torch build ({version}) has no CUDA support")
         import torch
 
         if torch.version.cuda is None:
             return Presence(False, f"this torch build ({torch.__version__}) has no CUDA support")
+
         if not torch.cuda.is_available():
             return Presence(False, f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device")
         n = torch.cuda.device_count()

@@ -41,6 +41,7 @@ STATE_FILE = "state.json"
 SPOOL_ID_TAG = "parabench.spool_id"  # finds the run a spool belongs to, on the store
 CONNECT_TIMEOUT_S = 15.0  # a server that answers slower when the job starts: spooled
 SYNC_PROBE_TIMEOUT_S = 60.0  # bench sync: how long a just-restarted server may take to answer its first request
+STORE_CACHE = Path.home() / ".cache" / "parabench" / "mlflow-stores"  # trackstore.seed_sqlite_store
 METRIC_BATCH = 500  # log_batch: at most 1000 metrics a call (MLflow's limit), 100 params
 
 
@@ -68,6 +69,7 @@ def _client(uri: str):
     uri = trackstore.credentials_to_env(uri, os.environ)  # MLflow prints the URI it is given
     mlflow.set_tracking_uri(uri)
     with trackstore.store_lock(uri):  # a new SQLite file's schema is created here, once
+        trackstore.seed_sqlite_store(uri, STORE_CACHE)
         return MlflowClient(tracking_uri=uri)
 
 

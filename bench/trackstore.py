@@ -9,6 +9,11 @@ share it.
   experiment at once race in MLflow's create-experiment (the name is UNIQUE) and, on a new SQLite
   file, in its schema creation: a local SQLite store is opened under a file lock beside the
   database, and a create that lost the race to another job takes the experiment that job created.
+- A new local SQLite store starts as a copy of an empty store (:func:`seed_sqlite_store`): MLflow
+  creates a new database by running every schema migration since its first release, ~3 CPU-seconds
+  of each new results directory; the empty, migrated database is kept once per MLflow version under
+  ``~/.cache/parabench/mlflow-stores/`` and copied. MLflow still verifies the copy's schema revision
+  and creates its Default experiment (left out of the copy) when it opens it.
 - Experiments are created as model-training experiments (docs/sources.md#mlflow-experiment-kind),
   so that MLflow 3's UI opens them on the runs table instead of its GenAI overview.
 
@@ -24,6 +29,8 @@ import contextlib
 import fcntl
 import os
 import re
+import shutil
+import sqlite3
 from collections.abc import Iterator, MutableMapping
 from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -239,6 +246,45 @@ def store_lock(uri: str) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def seed_sqlite_store(uri: str, cache_dir: Path) -> None:
+    """Create the missing database of a ``sqlite:///`` store as a copy of the empty migrated store of
+    this MLflow version in ``cache_dir`` (made here the first time). Any other store, an existing
+    database, or a cache that cannot be written: nothing (MLflow then creates the schema itself).
+    Call under :func:`store_lock`."""
+    db = sqlite_path(uri)
+    if db is None or (db.exists() and db.stat().st_size > 0):
+        return
+    try:
+        template = _empty_store(cache_dir)
+    except OSError:  # a read-only or full home: MLflow migrates the new database itself
+        return
+    partial = db.with_name(f".{db.name}.{os.getpid()}.seeding")
+    shutil.copyfile(template, partial)
+    os.replace(partial, db)
+
+
+def _empty_store(cache_dir: Path) -> Path:
+    """An MLflow SQLite database with every migration of the installed MLflow applied and no
+    experiment: made once per MLflow version, atomically (concurrent makers each rename a complete
+    file over the same name)."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    template = cache_dir / f"mlflow-{mlflow.__version__}-empty.db"
+    if template.exists():
+        return template
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    partial = cache_dir / f".{template.name}.{os.getpid()}"
+    partial.unlink(missing_ok=True)
+    MlflowClient(tracking_uri=f"sqlite:///{partial}").search_experiments()  # migrates, adds Default
+    with contextlib.closing(sqlite3.connect(partial)) as con, con:
+        # MLflow re-creates experiment 0 with the copy's own artifact root and time when it opens it
+        con.execute("DELETE FROM experiment_tags WHERE experiment_id = 0")
+        con.execute("DELETE FROM experiments WHERE experiment_id = 0")
+    os.replace(partial, template)
+    return template
 
 
 def experiment_id(client, name: str, artifact_location: str | None) -> str:

@@ -155,7 +155,7 @@ def test_the_planners_tp_collectives_are_the_ones_dtensor_issues(recompute):
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from parabench.adapters.fsdp import apply_tensor_parallel
+    from parabench.adapters.fsdp_engine import apply_tensor_parallel
     from parabench.commvolume import Batch, step_comm
     from parabench.model import build_llama, set_activation_checkpointing
     from parabench.plan.profiles import PROFILES

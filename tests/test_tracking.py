@@ -173,3 +173,49 @@ def test_bench_compare_closes_a_run_a_killed_bench_left_running(tmp_path, capsys
     assert "closed a run left RUNNING by a killed bench" in capsys.readouterr().err
     run = client.get_run(run_id)
     assert run.info.status == "KILLED" and "ended without recording a status" in run.data.tags["failure_reason"]
+
+
+def test_a_new_sqlite_store_is_a_copy_of_the_empty_migrated_one(tmp_path, monkeypatch):
+    """The first new store of an MLflow version leaves an empty, migrated database in the cache; every
+    later new store is a copy of it (MLflow's migrations do not run again), opens with MLflow's schema
+    check, and gets its own Default experiment (artifact root, time); an existing database is never
+    replaced, and a cache that cannot be written leaves the creation to MLflow."""
+    import sqlite3
+
+    import mlflow.store.db.utils as db_utils
+    from mlflow.tracking import MlflowClient
+
+    from parabench import trackstore
+
+    monkeypatch.chdir(tmp_path)
+    cache = tmp_path / "cache"
+    first = tmp_path / "a" / "mlflow.db"
+    first.parent.mkdir()
+    trackstore.seed_sqlite_store(f"sqlite:///{first}", cache)
+    (template,) = cache.glob("mlflow-*-empty.db")
+    assert first.read_bytes() == template.read_bytes()
+    with sqlite3.connect(template) as con:  # Default is left out of the copy ...
+        assert con.execute("SELECT count(*) FROM experiments").fetchone() == (0,)
+
+    def no_migrations(engine):
+        raise AssertionError("MLflow migrated a seeded store")
+
+    monkeypatch.setattr(db_utils, "_initialize_tables", no_migrations)
+    second = f"sqlite:///{tmp_path / 'b' / 'mlflow.db'}"
+    (tmp_path / "b").mkdir()
+    trackstore.seed_sqlite_store(second, cache)
+    client = MlflowClient(second)
+    default = client.get_experiment("0")  # ... and made by MLflow when it opens the copy
+    assert default.name == "Default" and default.artifact_location == str(tmp_path / "mlruns" / "0")
+    client.create_experiment("x")
+    before = (tmp_path / "b" / "mlflow.db").read_bytes()
+    trackstore.seed_sqlite_store(second, cache)
+    assert (tmp_path / "b" / "mlflow.db").read_bytes() == before
+    assert [e.name for e in MlflowClient(second).search_experiments()] == ["x", "Default"]
+
+    blocker = tmp_path / "a-file"  # a cache folder that cannot be made (root writes into read-only ones)
+    blocker.write_text("")
+    third = tmp_path / "c" / "mlflow.db"
+    third.parent.mkdir()
+    trackstore.seed_sqlite_store(f"sqlite:///{third}", blocker / "cache")
+    assert not third.exists()
