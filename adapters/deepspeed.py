@@ -258,6 +258,7 @@ _BUILT_AGAINST = (("torch", "torch"), ("deepspeed", "deepspeed"))  # (distributi
 # --------------------------------------------------------------------------------------------
 _PROBE = r"""
 import json, sys
+sys.modules["mlflow"] = None  # as import_deepspeed: the autotuner's optional mlflow import costs seconds
 import deepspeed
 from deepspeed.accelerator import get_accelerator
 from deepspeed.ops.op_builder.all_ops import ALL_OPS
@@ -446,10 +447,33 @@ def optimizer_formula(job: JobSpec) -> float:
 # --------------------------------------------------------------------------------------------
 # Worker side.
 # --------------------------------------------------------------------------------------------
+def import_deepspeed():
+    """``import deepspeed`` without the ``import mlflow`` it makes: DeepSpeed's package import reaches
+    its autotuner (deepspeed/__init__ -> runtime.config -> autotuning/autotuner.py), which tries
+    ``import mlflow`` to log `deepspeed --autotuning` trials - 3.7 CPU-seconds of every rank here when
+    MLflow is installed, as it is beside parabench. The workers never autotune: mlflow is made
+    unimportable for the duration of this import (its ``try`` then sets ``has_mlflow = False``) and
+    importable again after. A process that already holds mlflow or deepspeed imports as usual."""
+    import sys
+
+    if "deepspeed" in sys.modules or "mlflow" in sys.modules:
+        import deepspeed
+
+        return deepspeed
+    sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` raises ImportError
+    try:
+        import deepspeed
+    finally:
+        if "mlflow" in sys.modules and sys.modules["mlflow"] is None:
+            del sys.modules["mlflow"]
+    return deepspeed
+
+
 class DeepSpeedEngine(Engine):
     def __init__(self, ctx: WorkerContext):
-        import deepspeed
         import torch
+
+        deepspeed = import_deepspeed()
 
         from parabench.adapters.torch_common import adamw_param_groups, count_routed_tokens, make_adamw
         from parabench.model import build_llama, initial_weights, set_activation_checkpointing

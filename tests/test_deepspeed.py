@@ -161,6 +161,22 @@ def test_jit_ops_are_built_in_a_folder_of_their_own_environment(monkeypatch, tmp
     assert extensions_dir(mine) == str(tmp_path / "ops")
 
 
+def test_workers_import_deepspeed_without_its_autotuners_mlflow():
+    """import_deepspeed (the engine's import) leaves mlflow unimported - DeepSpeed's autotuner tries it
+    at package import, 3.7 CPU-seconds of every rank - and importable afterwards."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from parabench.adapters.deepspeed import import_deepspeed; import_deepspeed()\n"
+        "import deepspeed.autotuning.autotuner as tuner; print('mlflow' in sys.modules, tuner.has_mlflow)\n"
+        "import mlflow; print(mlflow.__name__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-3:] == ["False", "False", "mlflow"], out.stdout  # after DeepSpeed's log lines
+
+
 def test_user_file_merges_auto_equal_values_and_free_knobs(tmp_path):
     from parabench.adapters.deepspeed import deepspeed_config
 
