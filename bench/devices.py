@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from parabench.flops import cpu_gemm_peak, table_peak
+from parabench.flops import GemmReading, cpu_gemm_peak, read_gemm, table_peak
 
 # With torch_npu installed but no CANN, ``import torch`` itself fails unless device-backend
 # autoload is off (docs/sources.md#device-backend-autoload). Workers that want torch_npu import it explicitly.
@@ -173,9 +173,14 @@ class Device:
         raise NotImplementedError
 
     @classmethod
-    def peak(cls, precision: str, threads: int, cache_dir: Path, device_name: str):
+    def peak(cls, precision: str, threads: int, cache_dir: Path, device_name: str, reading: GemmReading | None = None):
         """Peak dense FLOP/s of one device for MFU: the datasheet table; None when unknown."""
         return table_peak(device_name, precision)
+
+    @classmethod
+    def read_peak(cls, precision: str, threads: int) -> GemmReading | None:
+        """A measurement :meth:`peak` takes as ``reading`` (a device without a datasheet): None."""
+        return None
 
 
 class CPUDevice(Device):
@@ -203,9 +208,13 @@ class CPUDevice(Device):
         return cpu_model()
 
     @classmethod
-    def peak(cls, precision: str, threads: int, cache_dir: Path, device_name: str):
-        """No datasheet for 'a CPU': measure a GEMM at the rank's thread count (cached)."""
-        return cpu_gemm_peak(threads, precision, cache_dir, device_name)
+    def peak(cls, precision: str, threads: int, cache_dir: Path, device_name: str, reading: GemmReading | None = None):
+        """No datasheet for 'a CPU': a GEMM at the rank's thread count (``reading``, or measured now; cached)."""
+        return cpu_gemm_peak(threads, precision, cache_dir, device_name, reading)
+
+    @classmethod
+    def read_peak(cls, precision: str, threads: int) -> GemmReading | None:
+        return read_gemm(threads, precision)
 
 
 class CUDADevice(Device):

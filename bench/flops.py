@@ -93,17 +93,35 @@ def table_peak(device_name: str, precision: str) -> Peak | None:
     return None
 
 
-def cpu_gemm_peak(threads: int, precision: str, cache_dir: Path, cpu_name: str) -> Peak:
+@dataclass(frozen=True)
+class GemmReading:
+    """One best-of-5 torch.mm measurement (:func:`read_gemm`): TFLOP/s and the torch it ran on."""
+
+    tflops: float
+    torch_version: str
+
+
+def read_gemm(threads: int, precision: str) -> GemmReading:
+    """Measure the GEMM of :func:`cpu_gemm_peak` now (imports torch)."""
+    import torch
+
+    return GemmReading(_gemm_tflops(threads, precision), torch.__version__)
+
+
+def cpu_gemm_peak(
+    threads: int, precision: str, cache_dir: Path, cpu_name: str, reading: GemmReading | None = None
+) -> Peak:
     """The highest torch.mm throughput seen at ``threads`` intra-op threads on this CPU model.
 
     Measured on every call (best of 5 at 1024^3, 2 * 1024^3 FLOPs each; docs/sources.md#cpu-gemm-peak)
     and kept in ``cache_dir`` only when it beats the stored one: a measurement taken under load never
-    lowers the peak, so MFU does not move with the machine's other work.
+    lowers the peak, so MFU does not move with the machine's other work. ``reading``: a measurement
+    a process that had torch loaded took already (rank 0 of a run, after its last step: the bench
+    parent then imports no torch); None measures here.
     """
-    import torch
-
-    key = f"{cpu_name}|threads={threads}|{precision}|torch={torch.__version__}"
-    now = _gemm_tflops(threads, precision)
+    reading = reading or read_gemm(threads, precision)
+    now = reading.tflops
+    key = f"{cpu_name}|threads={threads}|{precision}|torch={reading.torch_version}"
     best = keep_highest(cache_dir / "cpu_gemm_peak.json", key, now, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     when = best["measured_at"] or "before measurement times were recorded"
     return Peak(

@@ -30,7 +30,7 @@ from parabench.checkpoint import (
 from parabench.devices import DEVICES, cpu_info, cpu_threads, versions
 from parabench.errors import RunFailed, stopped_by
 from parabench.faults import recovery_figures
-from parabench.flops import FORMULA, Peak, flops_per_token
+from parabench.flops import FORMULA, GemmReading, Peak, flops_per_token
 from parabench.launchers import Launch, launch_env, log_tails, supervise
 from parabench.metrics import summarize
 from parabench.runnames import job_run_name
@@ -373,7 +373,7 @@ def _last_exception(log: Path) -> str | None:
 def build_summary(job: JobSpec, adapter, results: list[dict]) -> dict[str, Any]:
     results = sorted(results, key=lambda r: r["rank"])
     fpt = flops_per_token(job.model, job.data.seq_len)
-    peak = _peak(job, results[0]["device_name"])
+    peak = _peak(job, results[0]["device_name"], next((r["gemm"] for r in results if r.get("gemm")), None))
     summary = summarize(results, job.tokens_per_step, fpt, peak.tflops if peak else None)
     checksums = {r["initial_checksum"] for r in results}
     expected = adapter.expected_model_state(job)
@@ -433,7 +433,8 @@ def _data_summary(results: list[dict]) -> dict[str, str]:
     }
 
 
-def _peak(job: JobSpec, device_name: str):
+def _peak(job: JobSpec, device_name: str, gemm: dict | None):
+    """``gemm``: the GEMM rank 0 measured (parabench.worker), or None (then measured here, if needed)."""
     if job.device.peak_tflops:
         return Peak(job.device.peak_tflops, "user-supplied (device.peak_tflops)")
     return DEVICES[job.device.type].peak(
@@ -441,6 +442,7 @@ def _peak(job: JobSpec, device_name: str):
         cpu_threads(job.launch.nproc_per_node, job.device.threads_per_rank),
         Path(job.run.results_dir) / ".cache",
         device_name,
+        GemmReading(**gemm) if gemm else None,
     )
 
 

@@ -10,6 +10,7 @@ scheduler (``MS_ROLE=MS_SCHED``), which this module serves without training.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -20,7 +21,7 @@ from pathlib import Path
 from parabench.adapters.base import WorkerContext
 from parabench.checkpoint import RUN_ID_ENV, STEPS_FILE, Checkpointer, CheckpointError, StopRequested
 from parabench.commlog import CommLog
-from parabench.devices import DEVICES, drain_comm_threads
+from parabench.devices import DEVICES, cpu_threads, drain_comm_threads
 from parabench.faults import record_detection, restart_count
 from parabench.jobs import load_job
 from parabench.launchers import msrun_scheduler_started, rank_of, serve_msrun_scheduler
@@ -94,6 +95,7 @@ def _run(job, adapter, run_dir: Path, rank: int, local_rank: int, world: int, st
         checkpointer = Checkpointer(engine, ctx, run_id=os.environ.get(RUN_ID_ENV) or None)
     result = train(engine, ctx, on_step, checkpointer)
     result.update(initial_checksum=checksum, setup_s=setup_s, device_name=ctx.device.name(), pid=os.getpid())
+    result.update(gemm=_peak_reading(job, rank))
     first = first_step[0] if first_step else None
     result.update(restart_count=restart_count(), started_wall=started_wall, first_step_wall=first)
     if rank == 0:
@@ -105,6 +107,18 @@ def _run(job, adapter, run_dir: Path, rank: int, local_rank: int, world: int, st
     engine.close()
     ctx.comm.close()
     return 0
+
+
+def _peak_reading(job, rank: int) -> dict | None:
+    """Rank 0 measures the GEMM peak of MFU (a CPU's; a datasheet device has none) after its last step,
+    where torch is loaded already: in the bench parent that measurement was its only use of torch
+    (2.5 CPU-seconds of import in every run). A process without torch (MindSpore's) leaves it to the
+    parent; so does a user-supplied device.peak_tflops."""
+    if rank != 0 or job.device.peak_tflops or "torch" not in sys.modules:
+        return None
+    threads = cpu_threads(job.launch.nproc_per_node, job.device.threads_per_rank)
+    reading = DEVICES[job.device.type].read_peak(job.run.precision, threads)
+    return dataclasses.asdict(reading) if reading else None
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import time
 import pytest
 from run_matrix import assert_parity, pair, sweep_jobs
 
-from conftest import FAST, REPO, bench, mlflow_runs, summaries
+from conftest import FAST, REPO, mlflow_runs, summaries
 
 TWO_RANKS = pytest.mark.matrix("ddp", "fsdp")
 ONE_RANK = pytest.mark.matrix("ddp@1", "fsdp@1")
@@ -23,9 +23,15 @@ def rel(a: float, b: float) -> float:
 
 @pytest.mark.e2e
 def test_readme_main_command_records_a_finished_mlflow_run(results):
-    proc = bench(["run", "+model=llama"], results)
+    """... and the bench parent never imports torch (-X importtime lists the parent's imports only):
+    rank 0 measured the CPU's GEMM peak for MFU, which was the parent's one use of it."""
+    cmd = [sys.executable, "-X", "importtime", "-m", "parabench", "run", "+model=llama", f"run.results_dir={results}"]
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tokens/s" in proc.stdout and "MFU" in proc.stdout
+    parent_imports = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "import time:" in line}
+    assert "mlflow" in parent_imports and "torch" not in parent_imports
     runs = mlflow_runs(results)
     assert len(runs) == 1
     run = runs.iloc[0]
@@ -49,6 +55,8 @@ def test_readme_main_command_records_a_finished_mlflow_run(results):
     )
     assert run["params.model.hidden_size"] == "256"
     summary = next(iter(summaries(results).values()))
+    (rank0,) = results.glob("runs/*/*/*/ranks/rank0.json")
+    assert json.loads(rank0.read_text())["gemm"]["tflops"] == pytest.approx(run["metrics.peak_tflops_per_device"])
     assert summary["measured_steps"] == 10 and len(summary["losses"]) == 12
     assert summary["losses"][-1] < summary["losses"][0]  # it trains
 

@@ -120,3 +120,33 @@ def test_the_cpu_peak_is_the_highest_measurement_and_says_when(tmp_path, monkeyp
     assert "this run: 0.2" in peaks[2].source
     other = flops.cpu_gemm_peak(1, "fp32", tmp_path, "Some CPU")
     assert other.tflops == 0.1 and other.measured_at == "2026-12-05T16:00:00Z"
+
+
+def test_a_ranks_gemm_reading_is_kept_without_measuring_again(tmp_path, monkeypatch):
+    """The bench parent takes rank 0's reading (parabench.worker) into the highest-seen cache and
+    measures nothing itself; rank 0 reads only on a CPU-peak device, other ranks and a user-supplied
+    peak never do."""
+    import parabench.flops as flops
+    from parabench import worker
+    from parabench.flops import GemmReading
+
+    def no_measurement(threads, precision):
+        raise AssertionError("measured in the parent")
+
+    monkeypatch.setattr(flops, "_gemm_tflops", no_measurement)
+    peak = DEVICES["cpu"].peak("fp32", 1, tmp_path, "Some CPU", GemmReading(0.05, "2.13.0+cpu"))
+    assert peak.tflops == 0.05 and "this run: 0.05" in peak.source
+    assert "Some CPU|threads=1|fp32|torch=2.13.0+cpu" in (tmp_path / "cpu_gemm_peak.json").read_text()
+    assert DEVICES["cpu"].peak("fp32", 1, tmp_path, "Some CPU", GemmReading(0.04, "2.13.0+cpu")).tflops == 0.05
+
+    monkeypatch.setattr(flops, "_gemm_tflops", lambda threads, precision: 0.07)
+    from parabench.jobs import from_config
+
+    job = from_config(to_plain(compose(["+model=llama", "device=cpu"])))
+    assert worker._peak_reading(job, 0) == {"tflops": 0.07, "torch_version": __import__("torch").__version__}
+    assert worker._peak_reading(job, 1) is None
+    assert (
+        worker._peak_reading(from_config(to_plain(compose(["+model=llama", "device=cpu", "device.peak_tflops=1"]))), 0)
+        is None
+    )
+    assert DEVICES["cuda"].read_peak("bf16", 1) is None  # a datasheet device
