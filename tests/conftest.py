@@ -4,9 +4,11 @@ test tiers and the rules that keep them honest (see "Test tiers" below)."""
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -237,6 +239,34 @@ def _train_shard(shard: tuple[str, int, list[str]], root: Path) -> dict[str, run
     jobs = run_matrix.sweep_jobs(results)
     assert len(jobs) == len(chosen), [j.name for j in jobs]
     return {variant: run_matrix.MatrixRun.read(run_dir, results) for variant, run_dir in zip(chosen, jobs, strict=True)}
+
+
+@pytest.fixture(scope="session")
+def shared_run(tmp_path_factory):
+    """``shared_run(args)`` -> the summary of ``bench run ARGS`` (one job), trained once per session
+    for every module that asks with the same arguments (the 20-step moe-tiny ddp reference of
+    test_moe, test_moe_megatron and test_moe_deepspeed), under pytest-xdist by the first worker to
+    ask, the other waiting on its lock. Readers must not write into its run directory."""
+    shared = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        shared = shared.parent  # one per session, above each worker's own
+    root = shared / "shared-runs"
+    root.mkdir(exist_ok=True)
+
+    def run(args: list[str], timeout: float = 900) -> dict:
+        key = hashlib.sha256(json.dumps(args).encode()).hexdigest()[:16]
+        results, done = root / key, root / f"{key}.done"
+        with open(root / f"{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if training fails
+            if not done.exists():
+                shutil.rmtree(results, ignore_errors=True)  # a failed try of another worker
+                proc = bench(["run", *args], results, timeout=timeout)
+                assert proc.returncode == 0, proc.stderr[-4000:]
+                done.write_text(json.dumps(args))
+        (summary,) = summaries(results).values()
+        return summary
+
+    return run
 
 
 @pytest.fixture

@@ -504,7 +504,7 @@ MOE_COMMON = ["+model=moe-tiny", "data.seq_len=64", "run.warmup_steps=0", f"run.
 
 
 @pytest.fixture(scope="module")
-def moe_runs(tmp_path_factory) -> dict[str, dict]:
+def moe_runs(shared_run) -> dict[str, dict]:
     """moe-tiny on 2 ranks, STEPS steps each: ddp, megatron ep=2 (both token dispatchers) and ep=1 x dp=2."""
     runs = {
         "ddp": ["backend=ddp"],
@@ -513,20 +513,18 @@ def moe_runs(tmp_path_factory) -> dict[str, dict]:
         "ep1-dp2": ["backend=megatron"],
         "ep2-allgather": ["backend=megatron", "backend.ep=2", "backend.moe_token_dispatcher=allgather"],
     }
-    return train_moe_runs(tmp_path_factory, runs)
+    return train_moe_runs(shared_run, runs)
 
 
-def train_moe_runs(tmp_path_factory, runs: dict[str, list[str]]) -> dict[str, dict]:
-    """label -> summary of a 2-rank moe-tiny run (MOE_COMMON) with each label's arguments. lr 1e-3 (every
-    run alike): at the default 3e-4 moe-tiny's loss fell by 0.07 in 10 steps, under the 0.1
-    assert_parity asks of a run that trains."""
-    out = {}
-    for label, args in runs.items():
-        results = tmp_path_factory.mktemp(label)
-        proc = bench(["run", *MOE_COMMON, *args, "launcher.nproc_per_node=2", "tracking.enabled=false"], results)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        (out[label],) = summaries(results).values()
-    return out
+def train_moe_runs(shared_run, runs: dict[str, list[str]]) -> dict[str, dict]:
+    """label -> summary of a 2-rank moe-tiny run (MOE_COMMON) with each label's arguments, through the
+    session's shared runs (conftest: a run another module trained with the same arguments is read,
+    not trained again). lr 1e-3 (every run alike): at the default 3e-4 moe-tiny's loss fell by 0.07 in
+    10 steps, under the 0.1 assert_parity asks of a run that trains."""
+    return {
+        label: shared_run([*MOE_COMMON, *args, "launcher.nproc_per_node=2", "tracking.enabled=false"])
+        for label, args in runs.items()
+    }
 
 
 @pytest.mark.full

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from run_matrix import STEPS, assert_parity
 
-from conftest import assert_refused_before_launch, assert_trains_like_the_canonical_model, bench, summaries
+from conftest import assert_refused_before_launch, assert_trains_like_the_canonical_model
 from parabench import hydraconfig
 from parabench.jobs import from_config, model_spec
 from parabench.spec import ModelSpec
@@ -164,21 +164,17 @@ STAGES = (0, 1, 2)
 
 
 @pytest.fixture(scope="module")
-def ds_runs(tmp_path_factory) -> dict[str, dict]:
+def ds_runs(shared_run) -> dict[str, dict]:
     """moe-tiny on 2 ranks, STEPS steps each (lr 1e-3, as tests/test_moe.py): ddp and deepspeed ep=2 at
-    ZeRO 0, 1 and 2; ddp and ZeRO-0 again without gradient clipping."""
+    ZeRO 0, 1 and 2; ddp and ZeRO-0 again without gradient clipping (the session's shared runs: the
+    ddp reference is test_moe's)."""
     runs = {"ddp": ["backend=ddp"], "ddp-noclip": ["backend=ddp", "optim.grad_clip=0"]}
     runs.update({f"zero{s}": ["backend=deepspeed", "backend.ep=2", f"backend.zero_stage={s}"] for s in STAGES})
     runs["zero0-noclip"] = [*runs["zero0"], "optim.grad_clip=0"]
-    out = {}
-    for label, args in runs.items():
-        results = tmp_path_factory.mktemp(label)
-        proc = bench(
-            ["run", *COMMON, *args, "launcher.nproc_per_node=2", "tracking.enabled=false"], results, timeout=900
-        )
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        (out[label],) = summaries(results).values()
-    return out
+    return {
+        label: shared_run([*COMMON, *args, "launcher.nproc_per_node=2", "tracking.enabled=false"])
+        for label, args in runs.items()
+    }
 
 
 @pytest.mark.full

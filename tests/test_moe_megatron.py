@@ -68,7 +68,7 @@ def test_distributed_optimizer_formula_shards_the_experts_over_expert_data_paral
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, dict]:
+def runs(shared_run) -> dict[str, dict]:
     """moe-tiny on 2 ranks, STEPS steps each: ddp, megatron ep=2 and ep=1 with the distributed optimizer."""
     runs = {
         "ddp": ["backend=ddp"],
@@ -76,7 +76,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
         "ep1": DISTOPT,
         "pp2": ["backend=megatron", "backend.pp=2"],
     }
-    return train_moe_runs(tmp_path_factory, runs)
+    return train_moe_runs(shared_run, runs)
 
 
 @pytest.mark.full
