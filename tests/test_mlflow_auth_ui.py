@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST, bench
+from conftest import FAST, MLFLOW_SERVER_ENV, bench
 
 pytestmark = pytest.mark.full  # one `mlflow server --app-name basic-auth` for the module
 
@@ -52,7 +52,7 @@ def _serve(args: list[str], log: Path, env: dict[str, str]) -> tuple[subprocess.
             [*cmd, "--workers", "1"],
             stdout=out,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", **env},
+            env={**os.environ, **MLFLOW_SERVER_ENV, **env},
             start_new_session=True,
         )
     url = f"http://127.0.0.1:{port}"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST, REPO, assert_refused_before_launch, bench
+from conftest import FAST, MLFLOW_SERVER_ENV, REPO, assert_refused_before_launch, bench
 
 CONCURRENT = 8
 TINY = [*FAST, "run.steps=2", "run.checksum=false", "device=cpu"]
@@ -93,7 +93,7 @@ def _serve(store: str, artifacts: Path, port: int, log: Path) -> subprocess.Pope
             cmd,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"},
+            env={**os.environ, **MLFLOW_SERVER_ENV},
             start_new_session=True,
         )
     _wait_healthy(f"http://127.0.0.1:{port}", proc, log)
