@@ -44,8 +44,8 @@ TINY = [
 
 
 # The environment of the tests' `mlflow server`: MLflow 3's server also starts, unless told not to, a job
-# runner and four huey consumers (MLFLOW_SERVER_ENABLE_JOB_EXECUTION, for its GenAI jobs and trace
-# roll-ups), five more processes importing MLflow and then polling for as long as the server lives;
+# runner and seven huey consumers (MLFLOW_SERVER_ENABLE_JOB_EXECUTION, for its GenAI jobs and trace
+# roll-ups), eight more processes importing MLflow and then polling for as long as the server lives;
 # parabench records runs, metrics and artifacts only and never submits a job.
 MLFLOW_SERVER_ENV = {"MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 
