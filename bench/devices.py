@@ -110,10 +110,10 @@ def package_version(dist: str) -> str | None:
         return None
 
 
-def torch_build_field(name: str) -> str | None:
-    """A string field of the installed torch's ``torch/version.py`` (``cuda``, ``hip``; torch writes
-    it at build time as plain assignments), read without importing torch (2-3 CPU-seconds): None if
-    the build has none or the file cannot be read."""
+def torch_build() -> dict[str, str | None] | None:
+    """The string fields of the installed torch's ``torch/version.py`` (``__version__``, ``cuda``,
+    ``hip``; torch writes them at build time as plain assignments), read without importing torch
+    (2-3 CPU-seconds); None if torch or the file cannot be read."""
     spec = importlib.util.find_spec("torch")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -121,6 +121,7 @@ def torch_build_field(name: str) -> str | None:
         tree = ast.parse((Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text())
     except (OSError, SyntaxError, StopIteration):
         return None
+    fields: dict[str, str | None] = {}
     for node in tree.body:
         if isinstance(node, ast.Assign) and len(node.targets) == 1:
             target, value = node.targets[0], node.value
@@ -128,9 +129,9 @@ def torch_build_field(name: str) -> str | None:
             target, value = node.target, node.value
         else:
             continue
-        if isinstance(target, ast.Name) and target.id == name and isinstance(value, ast.Constant):
-            return value.value if isinstance(value.value, str) else None
-    return None
+        if isinstance(target, ast.Name) and isinstance(value, ast.Constant):
+            fields[target.id] = value.value if isinstance(value.value, str) else None
+    return fields
 
 
 class Device:
@@ -226,14 +227,13 @@ class CUDADevice(Device):
         version = package_version("torch")
         if version is None:
             return Presence(False, "torch is not installed")
-        # read, not imported: on a CPU build the parent's check costs no torch import
-        if torch_build_field("__version__") is not None and torch_build_field("cuda") is None:
+        build = torch_build()  # read, not imported: on a CPU build the parent's check costs no torch import
+        if build is not None and build.get("__version__") and build.get("cuda") is None:
             return Presence(False, f"this torch build ({version}) has no CUDA support")
         import torch
 
         if torch.version.cuda is None:
             return Presence(False, f"this torch build ({torch.__version__}) has no CUDA support")
-
         if not torch.cuda.is_available():
             return Presence(False, f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device")
         n = torch.cuda.device_count()

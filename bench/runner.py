@@ -373,7 +373,7 @@ def _last_exception(log: Path) -> str | None:
 def build_summary(job: JobSpec, adapter, results: list[dict]) -> dict[str, Any]:
     results = sorted(results, key=lambda r: r["rank"])
     fpt = flops_per_token(job.model, job.data.seq_len)
-    peak = _peak(job, results[0]["device_name"], next((r["gemm"] for r in results if r.get("gemm")), None))
+    peak = _peak(job, results[0]["device_name"], results[0].get("gemm"))  # rank 0 measures (parabench.worker)
     summary = summarize(results, job.tokens_per_step, fpt, peak.tflops if peak else None)
     checksums = {r["initial_checksum"] for r in results}
     expected = adapter.expected_model_state(job)

@@ -101,8 +101,15 @@ def assert_trains_like_the_canonical_model(engine, job, steps: int = 3) -> None:
         assert math.isclose(got, want, rel_tol=1e-5), (step, got, want)
 
 
-def bench(args: list[str], results: Path, timeout: float = 600, env: dict | None = None, cwd: Path | None = None):
-    cmd = [sys.executable, "-m", "parabench", *args]
+def bench(
+    args: list[str],
+    results: Path,
+    timeout: float = 600,
+    env: dict | None = None,
+    cwd: Path | None = None,
+    python_args: tuple[str, ...] = (),
+):
+    cmd = [sys.executable, *python_args, "-m", "parabench", *args]
     if args and args[0] == "run":
         cmd.append(f"run.results_dir={results}")
     full_env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", **(env or {})}

@@ -11,7 +11,7 @@ import time
 import pytest
 from run_matrix import assert_parity, pair, sweep_jobs
 
-from conftest import FAST, REPO, mlflow_runs, summaries
+from conftest import FAST, REPO, bench, mlflow_runs, summaries
 
 TWO_RANKS = pytest.mark.matrix("ddp", "fsdp")
 ONE_RANK = pytest.mark.matrix("ddp@1", "fsdp@1")
@@ -25,9 +25,7 @@ def rel(a: float, b: float) -> float:
 def test_readme_main_command_records_a_finished_mlflow_run(results):
     """... and the bench parent never imports torch (-X importtime lists the parent's imports only):
     rank 0 measured the CPU's GEMM peak for MFU, which was the parent's one use of it."""
-    cmd = [sys.executable, "-X", "importtime", "-m", "parabench", "run", "+model=llama", f"run.results_dir={results}"]
-    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    proc = bench(["run", "+model=llama"], results, python_args=("-X", "importtime"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tokens/s" in proc.stdout and "MFU" in proc.stdout
     parent_imports = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "import time:" in line}
