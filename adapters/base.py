@@ -15,9 +15,10 @@ The harness never branches on the backend's name: everything backend-specific li
 
 from __future__ import annotations
 
+import contextlib
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -140,6 +141,27 @@ def subgroups_default_to(timeout: timedelta) -> None:
 
     distributed_c10d.default_pg_timeout = timeout
     distributed_c10d.default_pg_nccl_timeout = timeout
+
+
+def _uncompiled(model: Any = None, **_options: Any) -> Any:
+    """``torch.compile``'s signature, compiling nothing: the function itself (or a decorator)."""
+    return model if model is not None else (lambda fn: fn)
+
+
+@contextlib.contextmanager
+def torch_compile_as_identity(torch: Any) -> Iterator[Any]:
+    """``torch.compile`` returns what it is given while a framework's package is imported (worker
+    processes only), then is put back; yields the identity decorator. Megatron-core and DeepSpeed
+    decorate helpers with ``torch.compile`` at import (megatron's fusions through ``jit_fuser``,
+    DeepSpeed's Muon optimizer): the first decoration imports TorchDynamo's and Inductor's compile
+    stack, 2-3 CPU-seconds of every rank here, for functions a parabench CPU run never calls
+    compiled (docs/testing.md#less-work-in-every-process-2026-12-07)."""
+    compile_ = torch.compile
+    torch.compile = _uncompiled
+    try:
+        yield _uncompiled
+    finally:
+        torch.compile = compile_
 
 
 class TorchComm(Comm):

@@ -49,6 +49,7 @@ from parabench.adapters.base import (
     ModelStateBytes,
     StateFormula,
     WorkerContext,
+    torch_compile_as_identity,
 )
 from parabench.adapters.deepspeed_moe import (
     all_to_all_bytes,
@@ -447,22 +448,36 @@ def optimizer_formula(job: JobSpec) -> float:
 # --------------------------------------------------------------------------------------------
 # Worker side.
 # --------------------------------------------------------------------------------------------
+MUON = "deepspeed.runtime.zero.muon.muon_optimizer"  # in 0.19.8 (tested); older releases may lack it
+
+
 def import_deepspeed():
     """``import deepspeed`` without the ``import mlflow`` it makes: DeepSpeed's package import reaches
     its autotuner (deepspeed/__init__ -> runtime.config -> autotuning/autotuner.py), which tries
     ``import mlflow`` to log `deepspeed --autotuning` trials - 3.7 CPU-seconds of every rank here when
     MLflow is installed, as it is beside parabench. The workers never autotune: mlflow is made
     unimportable for the duration of this import (its ``try`` then sets ``has_mlflow = False``) and
-    importable again after. A process that already holds mlflow or deepspeed imports as usual."""
+    importable again after. ``torch.compile`` is the identity during the import too
+    (adapters.base.torch_compile_as_identity) and for the Muon optimizer's module, which ZeRO's
+    optimizers import on their first step (``isinstance(optimizer, MuonWithAuxAdam)``) and which
+    compiles three helpers at import: that imported Inductor, 2.2 CPU-s a rank. parabench's optimizer
+    is its own AdamW: the helpers are never called.
+    A process that already holds mlflow or deepspeed imports as usual."""
     import sys
 
     if "deepspeed" in sys.modules or "mlflow" in sys.modules:
         import deepspeed
 
         return deepspeed
+    import torch
+
     sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` raises ImportError
     try:
-        import deepspeed
+        with torch_compile_as_identity(torch):
+            import deepspeed
+
+            if importlib.util.find_spec(MUON) is not None:  # ZeRO's steps import it; it compiles at import
+                importlib.import_module(MUON)
     finally:
         if "mlflow" in sys.modules and sys.modules["mlflow"] is None:
             del sys.modules["mlflow"]

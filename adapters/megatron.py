@@ -76,6 +76,7 @@ from parabench.adapters.megatron_compat import (
     define_router_gemm_without_te,
     distopt_checkpoint_blocker,
     distopt_format,
+    import_core_uncompiled,
     loading_torch_adam,
     num_layers_to_build,
     optimizer_state_kwargs,
@@ -619,6 +620,8 @@ class MegatronEngine(Engine):
         self._async_queue = None  # dist_checkpointing's background saves (run.checkpoint.async)
         self.counters = _Counters()
         try:
+            if self.device_type == "cpu":  # fusions off on a CPU: no compile wrappers (megatron_compat)
+                import_core_uncompiled(torch)
             if redirect_cuda and self.device_type in ("cpu", "npu"):
                 # CUDA -> host (or NPU): torch.cuda.*, device="cuda" literals, CUDA RNG, .cuda(), nccl.
                 self._redirection = install("cuda", self.device_type)

@@ -26,6 +26,15 @@ comparing version strings, so the engine code reads the same on every release:
   choose by what the installed classes and functions have. On both, loading it without Transformer
   Engine or Apex (torch's AdamW) needs :func:`loading_torch_adam` around it.
 
+* **Importing megatron-core on a CPU.** Both releases decorate their fusion helpers with
+  ``megatron.core.jit.jit_fuser``, which is ``torch.compile`` on torch >= 2.2
+  (``megatron/core/jit.py``): each decoration at import builds a compile wrapper, and the first one
+  imports TorchDynamo and Inductor - 3 of the 5 CPU-seconds ``import megatron.core`` took in every CPU
+  rank here. A CPU run turns the fusions off (``bias_activation_fusion`` and the rest, in the
+  adapter's TransformerConfig) and never calls a compiled kernel, so :func:`import_core_uncompiled`
+  imports megatron-core with ``jit_fuser`` the plain function, what 0.16's own ``disable_jit_fuser()``
+  sets after the fact (too late: the decorators have run by then).
+
 The rest of what the adapter calls (``initialize_model_parallel``, DDP and its config, the
 distributed optimizer, the schedules and ``finalize_model_grads``, the tensor-parallel mappings)
 has the same signature on both for the arguments used: 0.16's process-group collection
@@ -38,7 +47,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import sys
 from typing import Any
+
+from parabench.adapters.base import torch_compile_as_identity
+
+
+def import_core_uncompiled(torch: Any) -> None:
+    """Import megatron-core with ``jit_fuser`` an identity decorator, in a CPU worker before anything
+    else imports it (module docstring); ``jit_fuser`` stays the identity for the modules megatron-core
+    imports later."""
+    if "megatron.core" in sys.modules:
+        return
+    with torch_compile_as_identity(torch) as identity:
+        import megatron.core.jit as jit
+    jit.jit_fuser = identity
 
 
 def _accepts(fn: Any, name: str) -> bool:

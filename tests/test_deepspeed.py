@@ -163,18 +163,22 @@ def test_jit_ops_are_built_in_a_folder_of_their_own_environment(monkeypatch, tmp
 
 def test_workers_import_deepspeed_without_its_autotuners_mlflow():
     """import_deepspeed (the engine's import) leaves mlflow unimported - DeepSpeed's autotuner tries it
-    at package import, 3.7 CPU-seconds of every rank - and importable afterwards."""
+    at package import, 3.7 CPU-seconds of every rank - and importable afterwards; and imports the Muon
+    optimizer's module (ZeRO's first step would) without the Inductor its @torch.compile imported."""
     import subprocess
     import sys
 
     code = (
-        "import sys; from parabench.adapters.deepspeed import import_deepspeed; import_deepspeed()\n"
+        "import sys, torch; compile_ = torch.compile\n"
+        "from parabench.adapters.deepspeed import MUON, import_deepspeed; import_deepspeed()\n"
         "import deepspeed.autotuning.autotuner as tuner; print('mlflow' in sys.modules, tuner.has_mlflow)\n"
+        "print(MUON in sys.modules, 'torch._inductor.compile_fx' in sys.modules, torch.compile is compile_)\n"
         "import mlflow; print(mlflow.__name__)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[-3:] == ["False", "False", "mlflow"], out.stdout  # after DeepSpeed's log lines
+    # after DeepSpeed's log lines: no mlflow; Muon's module imported without Inductor, torch.compile put back
+    assert out.stdout.split()[-6:] == ["False", "False", "True", "False", "True", "mlflow"], out.stdout
 
 
 def test_user_file_merges_auto_equal_values_and_free_knobs(tmp_path):

@@ -15,6 +15,7 @@ from run_matrix import STEPS, assert_parity
 
 from conftest import (
     FAST,
+    REPO,
     TWENTY,
     assert_refused_before_launch,
     assert_trains_like_the_canonical_model,
@@ -97,6 +98,25 @@ def test_unsupported_version_is_refused(monkeypatch):
     assert not avail.available and "0.9.0 is not supported" in avail.reason and "0.12.x, 0.16.x" in avail.reason
     monkeypatch.setattr(mg, "package_version", lambda dist: None if dist == "megatron-core" else "2.13.0")
     assert "pip install 'parabench[megatron]'" in mg.MegatronAdapter.availability().reason
+
+
+def test_a_cpu_engine_imports_megatron_core_without_its_compile_stack():
+    """On a CPU the engine imports megatron-core with jit_fuser the plain function (its fusions are off
+    there): building one imports no Inductor (3 CPU-s of every rank), leaves torch.compile itself
+    untouched, and gives the same losses as the default tests check (test_megatron_moe_engine_in_process)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, tempfile, torch; from pathlib import Path; sys.path.insert(0, 'tests'); import test_moe\n"
+        "compile_ = torch.compile; job = test_moe._one_rank_megatron_job()\n"
+        "with test_moe._megatron_engine_in_process(job, Path(tempfile.mkdtemp())) as engine: pass\n"
+        "import megatron.core.jit as jit; f = lambda x: x\n"
+        "print('torch._inductor.compile_fx' in sys.modules, torch.compile is compile_, jit.jit_fuser(f) is f)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-3:] == ["False", "True", "True"], out.stdout
 
 
 def test_distributed_optimizer_steps_without_transformer_engine():
