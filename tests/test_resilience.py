@@ -42,11 +42,12 @@ DEFAULT_TIER = [pytest.mark.matrix("ddp"), pytest.mark.e2e]
 FULL_TIER = [pytest.mark.matrix("fsdp"), pytest.mark.full]
 
 
-def kill_and_resume(args: list[str], tmp_path: Path) -> tuple[dict, Path]:
+def kill_and_resume(args: list[str], tmp_path: Path, resumed_with: tuple[str, ...] = ()) -> tuple[dict, Path]:
     """(resumed summary, checkpoint dir) of ``args`` (a 20-step, 2-rank job): a first run
     checkpoints every 5 steps and is killed before step 13 (fault.step=12, no restart: it fails);
-    a second resumes from the same checkpoint dir with run.resume=auto. Compare with the
-    uninterrupted run through :func:`assert_bitwise_after_resume`."""
+    a second resumes from the same checkpoint dir with run.resume=auto (and ``resumed_with``, its
+    results in tmp_path/resumed). Compare with the uninterrupted run through
+    :func:`assert_bitwise_after_resume`."""
     ckpt = tmp_path / "ckpt"
     killed = bench(
         ["run", *args, *CKPT, f"run.checkpoint.dir={ckpt}", "fault.kind=kill", "fault.step=12"], tmp_path / "killed"
@@ -55,7 +56,8 @@ def kill_and_resume(args: list[str], tmp_path: Path) -> tuple[dict, Path]:
     assert sorted(p.name for p in ckpt.iterdir()) == ["step_000005", "step_000010"]
     # keep=0: the resumed run's saves (15 and the last, 20) must not prune step 10, which the callers read
     resumed = run_ok(
-        [*args, *CKPT, f"run.checkpoint.dir={ckpt}", "run.checkpoint.keep=0", "run.resume=auto"], tmp_path / "resumed"
+        [*args, *CKPT, f"run.checkpoint.dir={ckpt}", "run.checkpoint.keep=0", "run.resume=auto", *resumed_with],
+        tmp_path / "resumed",
     )
     return resumed, ckpt
 
@@ -242,27 +244,56 @@ def hang_and_recover(args: list[str], results: Path, full: dict) -> dict:
     ranks, they resume from step 10 and finish with the losses of the uninterrupted run ``full``.
     MLflow holds the run FINISHED with restarts=1 and the recovery figures. Returns the summary."""
     summary = fault_and_recover("hang", args, results, full)
+    assert_hang_detected(summary, results)
+    return summary
+
+
+def assert_hang_detected(summary: dict, results: Path) -> None:
+    """The only run of ``results`` waited for the collective timeout, and rank 0's collective failed."""
     assert summary["time_to_detect_s"] >= HANG_TIMEOUT_S  # waited for the collective timeout
     (run_dir,) = (p.parent for p in results.glob("runs/*/*/*/summary.json"))
     detected = [json.loads(line) for line in (run_dir / "faults" / "detected.jsonl").read_text().splitlines()]
     assert any(d["rank"] == 0 and d["restart"] == 0 for d in detected), detected  # rank 0's collective failed
-    return summary
+
+
+def fault_args(kind: str) -> list[str]:
+    """``fault.kind=kind`` on rank 1 before step 13, launcher.max_restarts=1, the hang tests' timeout."""
+    fault = [f"fault.kind={kind}", "fault.rank=1", "fault.step=12"]
+    return [*fault, "launcher.max_restarts=1", f"launcher.collective_timeout_s={HANG_TIMEOUT_S}"]
 
 
 def fault_and_recover(kind: str, args: list[str], results: Path, full: dict) -> dict:
     """One command: ``args`` checkpointed every 5 steps, ``fault.kind=kind`` on rank 1 before step 13,
     launcher.max_restarts=1: restarted, resumed from step 10, FINISHED with ``full``'s losses and data
     checksum; MLflow holds restarts=1 and the recovery figures of the summary. Returns the summary."""
-    fault = [f"fault.kind={kind}", "fault.rank=1", "fault.step=12"]
-    summary = run_ok(
-        [*args, *CKPT, *fault, "launcher.max_restarts=1", f"launcher.collective_timeout_s={HANG_TIMEOUT_S}"], results
-    )
+    summary = run_ok([*args, *CKPT, *fault_args(kind)], results)
+    assert_recovered_and_recorded(summary, full, results)
+    return summary
+
+
+def assert_recovered_and_recorded(summary: dict, full: dict, results: Path) -> None:
+    """:func:`assert_recovered`, and MLflow's only run of ``results`` FINISHED with restarts=1 and the
+    summary's recovery figures."""
     assert_recovered(summary, full)
     (run,) = (row for _, row in mlflow_runs(results).iterrows())
     assert run["status"] == "FINISHED" and run["metrics.restarts"] == 1
     for metric in ("time_to_detect_s", "time_to_first_step_after_fault_s", "steps_recomputed", "goodput"):
         assert run[f"metrics.{metric}"] == pytest.approx(summary[metric]), metric
-    return summary
+
+
+def kill_then_hang(args: list[str], tmp_path: Path, full: dict) -> tuple[dict, Path]:
+    """Both faults of a backend layout in two commands (one run each fewer than kill_and_resume and
+    hang_and_recover apart): ``args`` (a 20-step, 2-rank job) checkpointed every 5 steps is killed
+    before step 13 with no restart; the command that resumes it with run.resume=auto has rank 1 hang
+    before step 13 with launcher.max_restarts=1, so rank 0's collective times out, torchrun restarts
+    both ranks and they resume from step 10 again. Its summary is checked as both tests check theirs:
+    all 20 losses bitwise the uninterrupted run ``full``'s, restarted once, the hang detected, MLflow's
+    run FINISHED with the recovery figures. Returns (that summary, the checkpoint dir)."""
+    resumed, ckpt = kill_and_resume(args, tmp_path, resumed_with=tuple(fault_args("hang")))
+    assert_bitwise_after_resume(full, resumed)
+    assert_recovered_and_recorded(resumed, full, tmp_path / "resumed")
+    assert_hang_detected(resumed, tmp_path / "resumed")
+    return resumed, ckpt
 
 
 @pytest.mark.parametrize("backend", [pytest.param("ddp", marks=DEFAULT_TIER), pytest.param("fsdp", marks=FULL_TIER)])

@@ -5,7 +5,8 @@ with run.resume=auto, gives the losses of steps 13-20 bitwise equal to the unint
 and pp=2); the tp=2 checkpoint resumed with tp=1 on one rank gives losses within 1e-6 relative of the
 uninterrupted tp=2 run; a rank hung before step 13 with launcher.max_restarts=1 is detected by the
 collective timeout, restarted and resumed (one command), FINISHED with the uninterrupted run's losses
-(tp=2 and pp=2). One uninterrupted run per layout serves both. The distributed optimizer (issue 30)
+(tp=2 and pp=2). Per layout both happen in two commands (the resuming command is the one that hangs),
+against the matrix's uninterrupted run. The distributed optimizer (issue 30)
 is killed and resumed the same way, bitwise; where megatron-core cannot save it, the job is refused
 before launch."""
 
@@ -13,9 +14,8 @@ import pytest
 from test_resilience import (
     TWENTY,
     assert_bitwise_after_resume,
-    fault_and_recover,
-    hang_and_recover,
     kill_and_resume,
+    kill_then_hang,
     run_ok,
 )
 
@@ -32,11 +32,17 @@ DISTOPT = "backend=megatron/dp_overlap"  # the matrix's megatron_distopt: dp=2, 
 @pytest.mark.matrix("megatron_tp", "megatron_pp")
 @pytest.mark.full
 @pytest.mark.parametrize("layout", ["backend.tp=2", "backend.pp=2"])
-def test_killed_and_resumed_bitwise(layout, tmp_path, uninterrupted):
+def test_killed_resumed_then_hung_restarted_bitwise(layout, tmp_path, uninterrupted):
+    """Killed before step 13 (no restart), then resumed with run.resume=auto by a command in which rank 1
+    hangs before step 13 with launcher.max_restarts=1 (test_resilience.kill_then_hang): the hung peer
+    is noticed in Megatron's own tensor- or pipeline-parallel group (the tp all-reduce, the pp
+    send/recv), which the adapter creates with launcher.collective_timeout_s
+    (distributed_timeout_minutes) instead of Megatron's 30-minute default; restarted, resumed from step
+    10 again, all 20 losses bitwise the uninterrupted run's. A kill with restart in one command is the
+    resilience experiment's megatron child (tp=2); torchrun's restart does not depend on the layout."""
     args = [*TWENTY, "backend=megatron", layout]
     full = uninterrupted(LAYOUT_VARIANT[layout])
-    resumed, ckpt = kill_and_resume(args, tmp_path)
-    assert_bitwise_after_resume(full, resumed)
+    _, ckpt = kill_then_hang(args, tmp_path, full)
     native = ckpt / "step_000010" / "native"
     assert (native / "metadata.json").is_file() and (native / "common.pt").is_file()  # dist_checkpointing's layout
     if layout == "backend.tp=2":  # resharded: the tp=2 checkpoint of step 10 continues with tp=1 on 1 rank
@@ -107,24 +113,6 @@ def test_distributed_optimizer_checkpoint_refused_where_it_cannot_be_saved(tmp_p
     megatron.MegatronAdapter.validate(job_of(*args[1:]))  # no checkpoint: runs
     monkeypatch.setattr(numpy, "product", numpy.prod, raising=False)
     megatron.MegatronAdapter.validate(job_of(*args[1:], "run.checkpoint.every=5"))  # numpy 1: saved
-
-
-@pytest.mark.matrix("megatron_tp", "megatron_pp")
-@pytest.mark.full
-@pytest.mark.parametrize("layout", ["backend.tp=2", "backend.pp=2"])
-def test_hang_is_detected_restarted_and_resumed(layout, results, uninterrupted):
-    """The hung peer is noticed in Megatron's own tensor- or pipeline-parallel group (the tp
-    all-reduce, the pp send/recv), which the adapter creates with launcher.collective_timeout_s
-    (distributed_timeout_minutes) instead of Megatron's 30-minute default."""
-    hang_and_recover([*TWENTY, "backend=megatron", layout], results, uninterrupted(LAYOUT_VARIANT[layout]))
-
-
-@pytest.mark.matrix("megatron_pp")
-@pytest.mark.full
-def test_pp2_killed_restarted_and_resumed(results, uninterrupted):
-    """fault.kind=kill + launcher.max_restarts=1 at pp=2, one command (tp=2's is the resilience
-    experiment's megatron child): restarted, resumed from step 10, FINISHED, restarts=1."""
-    fault_and_recover("kill", [*TWENTY, "backend=megatron", "backend.pp=2"], results, uninterrupted("megatron_pp"))
 
 
 def test_pipeline_size_and_optimizer_kind_are_refused_before_launch(tmp_path, capsys):
