@@ -644,16 +644,13 @@ def test_all_to_all_measured_is_the_mean_over_ranks():
 
 
 @pytest.mark.full
-def test_megatron_ep2_all_to_all_bytes_equal_the_formula(tmp_path):
-    """megatron ep=2, moe-tiny, 2 ranks, 3 steps: the all-to-all bytes per step, mean over both ranks,
-    equal the dispatcher formula to the byte (every row one rank sends another receives, so the mean
-    is fixed by T x k whatever the routing); the busiest rank moves at least that, and the same 12
-    calls per step (2 layers x dispatch, probabilities, combine, forward and backward)."""
-    s = run_ok(
-        ["+model=moe-tiny", "data.seq_len=64", "run.warmup_steps=1", "run.steps=3", "backend=megatron", "backend.ep=2"]
-        + ["launcher.nproc_per_node=2", "tracking.enabled=false"],
-        tmp_path,
-    )
+def test_megatron_ep2_all_to_all_bytes_equal_the_formula(moe_runs):
+    """megatron ep=2, moe-tiny, 2 ranks (the parity run, 20 steps): the all-to-all bytes per step, mean
+    over both ranks, equal the dispatcher formula to the byte (every row one rank sends another
+    receives, so the mean is fixed by T x k whatever the routing); the busiest rank moves at least
+    that, and the same 12 calls per step (2 layers x dispatch, probabilities, combine, forward and
+    backward)."""
+    s = moe_runs["ep2"]
     want = 2 * 4 * 2 * 64 * 2 * (128 * 4 + 4 / 2)  # layers x (4 token + 2 probability calls) x T x k x bytes
     assert s["comm_all_to_all_formula_bytes"] == want, s["comm_formula"]
     assert s["comm_all_to_all_rank_mean_bytes"] == want and s["comm_all_to_all_diff_bytes"] == 0, s
