@@ -13,8 +13,6 @@
 #                                           ~5 GB; KEEP_TORCH=X.Y.Z picks another): `pip install .` must
 #                                           leave that torch in place; then `bench run +model=llama` and
 #                                           2-rank ddp and fsdp runs.  ~5 min once downloaded
-#   benchmarks/compat_matrix.sh keep-torch-venv  only that job's venv with the newest torch (the download;
-#                                           CI fetches it while its tests run)
 #   benchmarks/compat_matrix.sh static      Python 3.12 and 3.10: byte-compile every source file and check
 #                                           that pip accepts the package metadata (requires-python).  <1 min
 #   benchmarks/compat_matrix.sh all         the three, in that order
@@ -108,21 +106,14 @@ newest_torch() {  # the newest torch release the package index offers
   echo "$v"
 }
 
-KEEP_TORCH_VENV="$ROOT/keeptorch"
-
-keep_torch_venv() {  # the keep-torch job's venv holding the newest torch (its download), nothing more
-  local torch
+keep_torch() {
+  local venv="$ROOT/keeptorch" before out torch
   # A machine-wide pip constraint (some images cap torch to the wheels on their disk) must not decide
   # which torch this job tests, nor make pip replace it while installing parabench.
   export PIP_CONFIG_FILE=/dev/null
   torch="${KEEP_TORCH:-$(newest_torch)}"
   echo "[compat] keep-torch: torch $torch"
-  venv_with_torch "$KEEP_TORCH_VENV" "$(interp 3.11)" "torch==$torch"
-}
-
-keep_torch() {
-  local venv="$KEEP_TORCH_VENV" before out
-  keep_torch_venv
+  venv_with_torch "$venv" "$(interp 3.11)" "torch==$torch"
   before="$(fingerprint "$venv")"
   pipq "$venv" "$REPO"  # plain `pip install .`: what a user on a GPU image types
   assert_torch_kept "$venv" "$before"
@@ -153,7 +144,6 @@ case "${1:-}" in
   oldest) oldest ;;
   known-good) known_good ;;
   keep-torch) keep_torch ;;
-  keep-torch-venv) keep_torch_venv ;;
   static) static ;;
   all) static; keep_torch; oldest; known_good ;;
   *) sed -n '2,21p' "$0"; exit 2 ;;
