@@ -193,12 +193,26 @@ def test_bad_checkpoint_and_fault_keys_are_refused_before_launch(overrides, key,
 # --------------------------------------------------------------------------------------------
 # End to end: real `bench run` processes on 2 gloo ranks.
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("backend", [pytest.param("ddp", marks=DEFAULT_TIER), pytest.param("fsdp", marks=FULL_TIER)])
-def test_killed_run_resumes_bitwise_and_reshards_to_one_rank(backend, tmp_path, uninterrupted):
-    args = [*TWENTY, f"backend={backend}"]
-    full = uninterrupted(backend)
+def _kill_and_resume_bitwise(args: list[str], tmp_path: Path, full: dict) -> tuple[dict, Path]:
     resumed, ckpt = kill_and_resume(args, tmp_path)
     assert_bitwise_after_resume(full, resumed)
+    return resumed, ckpt
+
+
+@pytest.mark.parametrize(
+    ("backend", "kill_and_resume_checked"),
+    [
+        pytest.param("ddp", _kill_and_resume_bitwise, marks=DEFAULT_TIER, id="ddp"),
+        pytest.param("fsdp", lambda *a: kill_then_hang(*a), marks=FULL_TIER, id="fsdp"),  # defined below
+    ],
+)
+def test_killed_run_resumes_bitwise_and_reshards_to_one_rank(backend, kill_and_resume_checked, tmp_path, uninterrupted):
+    """fsdp's resuming command is also its hang test (kill_then_hang: FSDP2 on a 1-D mesh over the world
+    runs on the default process group, whose timeout is launcher.collective_timeout_s); ddp's hang
+    test is a command of its own, in the default tier."""
+    args = [*TWENTY, f"backend={backend}"]
+    full = uninterrupted(backend)
+    resumed, ckpt = kill_and_resume_checked(args, tmp_path, full)
     assert resumed["ckpt_load_s"] > 0 and resumed["ckpt_bytes_total"] > 0
     assert_linked_to_the_killed_run(tmp_path, ckpt, resumed["losses"])
     # DCP reshards: the 2-rank checkpoint of step 10 continues on 1 rank (run.resume=<path>)
@@ -296,11 +310,11 @@ def kill_then_hang(args: list[str], tmp_path: Path, full: dict) -> tuple[dict, P
     return resumed, ckpt
 
 
-@pytest.mark.parametrize("backend", [pytest.param("ddp", marks=DEFAULT_TIER), pytest.param("fsdp", marks=FULL_TIER)])
-def test_hang_is_detected_by_the_collective_timeout_and_recovered(backend, results, uninterrupted):
-    """ddp and fsdp (FSDP2 on a 1-D mesh over the world runs on the default process group, whose
-    timeout is launcher.collective_timeout_s)."""
-    hang_and_recover([*TWENTY, f"backend={backend}"], results, uninterrupted(backend))
+@pytest.mark.matrix("ddp")
+@pytest.mark.e2e
+def test_hang_is_detected_by_the_collective_timeout_and_recovered(results, uninterrupted):
+    """ddp (fsdp's hang is in its kill-and-resume test above)."""
+    hang_and_recover([*TWENTY, "backend=ddp"], results, uninterrupted("ddp"))
 
 
 @pytest.mark.matrix("ddp")

@@ -18,29 +18,22 @@ pytest.importorskip("mindspore")
 
 @pytest.mark.matrix("mindspore")
 @pytest.mark.full
-def test_killed_and_resumed_bitwise(tmp_path, uninterrupted):
+def test_killed_resumed_bitwise_and_its_async_saves_resume_bitwise(tmp_path, uninterrupted):
+    """Killed before step 13 and resumed with run.resume=auto: bitwise. The resuming command saves with
+    run.checkpoint.async=true (MindSpore's writer thread, save_checkpoint(async_save="thread")): each
+    marker is written only after the thread has ended (steps 15 and 20, the last, complete), and its
+    step-15 checkpoint resumes bitwise as well."""
     args = [*TWENTY, "backend=mindspore"]
     full = uninterrupted("mindspore")
-    resumed, ckpt = kill_and_resume(args, tmp_path)
+    resumed, ckpt = kill_and_resume(args, tmp_path, resumed_with=("run.checkpoint.async=true",))
     assert_bitwise_after_resume(full, resumed)
     native = ckpt / "step_000010" / "native"
     assert sorted(p.name for p in native.iterdir()) == ["rank0.ckpt", "rank1.ckpt"]
-
-
-@pytest.mark.full
-def test_async_save_is_complete_and_resumes_bitwise(tmp_path):
-    """run.checkpoint.async=true: MindSpore's writer thread (save_checkpoint(async_save="thread"));
-    the marker is written only after it has ended, and the checkpoint resumes exactly."""
-    args = [*FAST, "run.steps=6", "launcher.nproc_per_node=2", "backend=mindspore", "run.checkpoint.every=5"]
-    args += ["run.checkpoint.async=true", f"run.checkpoint.dir={tmp_path / 'ck'}"]
-    saved = run_ok([*args, "tracking.enabled=false"], tmp_path / "saved")
-    assert (tmp_path / "ck" / "step_000005" / "COMPLETE").is_file()
-    assert (tmp_path / "ck" / "step_000006" / "COMPLETE").is_file()  # the last step, saved too
-    again = [a for a in args if not a.startswith("run.checkpoint.dir=")]  # its own dir: step 6 is the newest there
-    resume = f"run.resume={tmp_path / 'ck' / 'step_000005'}"
-    resumed = run_ok([*again, resume, "tracking.enabled=false"], tmp_path / "resumed")
-    assert resumed["resumed_step"] == 5
-    assert resumed["losses"] == saved["losses"]
+    assert (ckpt / "step_000015" / "COMPLETE").is_file()
+    assert (ckpt / "step_000020" / "COMPLETE").is_file()  # the last step, saved too
+    again = run_ok([*args, f"run.resume={ckpt / 'step_000015'}", "tracking.enabled=false"], tmp_path / "again")
+    assert again["resumed_step"] == 15
+    assert again["losses"] == full["losses"]
 
 
 @pytest.mark.full
