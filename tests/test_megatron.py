@@ -102,8 +102,9 @@ def test_unsupported_version_is_refused(monkeypatch):
 
 def test_a_cpu_engine_imports_megatron_core_without_its_compile_stack():
     """On a CPU the engine imports megatron-core with jit_fuser the plain function (its fusions are off
-    there): building one imports no Inductor (3 CPU-s of every rank), leaves torch.compile itself
-    untouched, and gives the same losses as the default tests check (test_megatron_moe_engine_in_process)."""
+    there): building one imports no Inductor (3 CPU-s of every rank) and leaves torch.compile itself
+    untouched. That the engine still trains like the canonical model is test_moe's in-process test and
+    the parity tests; this one checks only the import."""
     import subprocess
     import sys
 
