@@ -24,6 +24,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from parabench.collectives import Stack
 from parabench.commlog import CommLog
 from parabench.devices import DEVICES, Device, Presence
 from parabench.errors import SpecError
@@ -309,6 +310,14 @@ class Adapter(ABC):
     name: ClassVar[str]
     capabilities: ClassVar[Capabilities]
     Options: ClassVar[type[DataclassInstance]]
+    # The distributions it runs on (``bench env`` reads their supported ranges from parabench's
+    # installed metadata, i.e. pyproject.toml, and names the backends outside them).
+    distributions: ClassVar[tuple[str, ...]] = ("torch",)
+    # Version sets known to work together, each {"source": where that is stated, dist: version prefix}
+    # (``bench env`` says whether this environment matches one).
+    known_good: ClassVar[tuple[Mapping[str, str], ...]] = ()
+    # What ``bench comm backend=<name>`` measures, in this backend's own framework; None: refused.
+    comm_stack: ClassVar[Stack | None] = None
 
     @classmethod
     @abstractmethod

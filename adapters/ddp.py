@@ -22,6 +22,7 @@ from parabench.adapters.base import (
     StateFormula,
     WorkerContext,
 )
+from parabench.collectives import DTYPE_BYTES, Stack
 from parabench.errors import SpecError
 from parabench.spec import MODEL_FEATURES, JobSpec
 
@@ -48,6 +49,10 @@ class DDPAdapter(Adapter):
         convert=ConvertSupport(),
     )
     Options = DDPOptions
+    # bench comm backend=ddp: torch.distributed's collectives, which fsdp, deepspeed and megatron call too
+    comm_stack = Stack(
+        "torch.distributed/{lib}", frozenset(DTYPE_BYTES), {}, "parabench.adapters.torch_collectives:TorchOps"
+    )
 
     @classmethod
     def availability(cls) -> Availability:

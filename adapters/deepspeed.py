@@ -322,6 +322,7 @@ class DeepSpeedAdapter(Adapter):
         convert=ConvertSupport(),
     )
     Options = DeepSpeedOptions
+    distributions = ("torch", "deepspeed")
 
     @classmethod
     def availability(cls) -> Availability:

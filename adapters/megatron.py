@@ -440,6 +440,7 @@ class MegatronAdapter(Adapter):
         convert=ConvertSupport(),
     )
     Options = MegatronOptions
+    distributions = ("torch", "megatron-core")
 
     @classmethod
     def availability(cls) -> Availability:

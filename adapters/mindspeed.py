@@ -157,6 +157,8 @@ class MindSpeedAdapter(MegatronAdapter):
         devices=frozenset({"npu"}), precisions=frozenset({"fp32", "bf16"}), shards_model_states=True
     )
     Options = MindSpeedOptions
+    distributions = ("torch", "torch-npu", "megatron-core")
+    known_good = tuple(KNOWN_GOOD)
 
     @classmethod
     def availability(cls) -> Availability:

@@ -50,6 +50,7 @@ from parabench.adapters.base import (
     WorkerContext,
 )
 from parabench.canonical import MOMENTS, CanonicalState
+from parabench.collectives import Stack
 from parabench.devices import (
     DEVICES,
     NPUDevice,
@@ -83,6 +84,29 @@ def _major(version: str | None) -> int:
         return 0
 
 
+_MS_CPU = "MindSpore 2.10 on CPU (mccl)"
+# bench comm backend=mindspore: MindSpore's communication operators, and what they cannot do where
+COMM_STACK = Stack(
+    "mindspore.communication/{lib}",
+    frozenset({"fp32", "fp16"}),
+    {
+        # measured here (docs/sources.md#mindspore-on-cpu): ops.ReduceScatter and ops.AlltoAll
+        # fail kernel selection on CPU; comm_func.send/recv: kernel InnerCommIsend unregistered
+        ("cpu", "reduce_scatter"): f"{_MS_CPU} has no ReduceScatter kernel ('Unsupported op [ReduceScatter] on CPU')",
+        ("cpu", "all_to_all"): f"{_MS_CPU} has no AlltoAll kernel ('Unsupported op [AlltoAll] on CPU')",
+        ("cpu", "send_recv"): f"{_MS_CPU} has no send/recv kernel ('The kernel InnerCommIsend unregistered')",
+        # not built: no Ascend machine here to test the hccl ops on
+        **{
+            ("npu", o): "parabench drives MindSpore's hccl ops only for all_reduce/all_gather/broadcast "
+            "(the others are untested without an Ascend NPU)"
+            for o in ("reduce_scatter", "all_to_all", "send_recv")
+        },
+    },
+    "parabench.adapters.mindspore_collectives:MindSporeOps",
+    libraries={"cpu": "mccl", "npu": "hccl"},
+)
+
+
 class MindSporeAdapter(Adapter):
     name = "mindspore"
     capabilities = Capabilities(
@@ -94,6 +118,8 @@ class MindSporeAdapter(Adapter):
         convert=ConvertSupport(),
     )
     Options = MindSporeOptions
+    distributions = ("mindspore",)
+    comm_stack = COMM_STACK
 
     @classmethod
     def availability(cls) -> Availability:

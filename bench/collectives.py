@@ -217,49 +217,20 @@ def fit_alpha_beta(sizes: list[int], times: list[float]) -> Fit | None:
 
 
 # --------------------------------------------------------------------------------------------
-# The communication stacks bench comm drives (``backend=``), and what each cannot do.
+# A communication stack bench comm drives: declared by the backend's adapter (``Adapter.comm_stack``).
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Stack:
-    backend: str  # the backend= that selects it (its adapter starts and places the workers)
-    library: str  # what is measured, with {lib} = the device's collective library
+    """What ``bench comm backend=<name>`` measures, and what it cannot do where."""
+
+    library: str  # what is measured, with {lib} = the collective library of the device kind
     dtypes: frozenset[str]
     refused: Mapping[tuple[str, str], str]  # (device kind, op) -> why it cannot run there
+    ops: str  # "module:Class" of the worker-side operations (imported in the worker only)
+    # device kind -> the framework's own collective library; None: torch.distributed's for the device
+    libraries: Mapping[str, str] | None = None
 
-
-_MS_CPU = "MindSpore 2.10 on CPU (mccl)"
-STACKS: dict[str, Stack] = {
-    "ddp": Stack("ddp", "torch.distributed/{lib}", frozenset(DTYPE_BYTES), {}),
-    "mindspore": Stack(
-        "mindspore",
-        "mindspore.communication/{lib}",
-        frozenset({"fp32", "fp16"}),
-        {
-            # measured here (docs/sources.md#mindspore-on-cpu): ops.ReduceScatter and ops.AlltoAll
-            # fail kernel selection on CPU; comm_func.send/recv: kernel InnerCommIsend unregistered
-            (
-                "cpu",
-                "reduce_scatter",
-            ): f"{_MS_CPU} has no ReduceScatter kernel ('Unsupported op [ReduceScatter] on CPU')",
-            ("cpu", "all_to_all"): f"{_MS_CPU} has no AlltoAll kernel ('Unsupported op [AlltoAll] on CPU')",
-            ("cpu", "send_recv"): f"{_MS_CPU} has no send/recv kernel ('The kernel InnerCommIsend unregistered')",
-            # not built: no Ascend machine here to test the hccl ops on
-            **{
-                ("npu", o): "parabench drives MindSpore's hccl ops only for all_reduce/all_gather/broadcast "
-                "(the others are untested without an Ascend NPU)"
-                for o in ("reduce_scatter", "all_to_all", "send_recv")
-            },
-        },
-    ),
-}
-
-
-def stack_for(backend: str) -> Stack:
-    if backend not in STACKS:
-        raise SpecError(
-            "backend",
-            f"bench comm measures torch.distributed (backend=ddp: gloo, nccl or hccl by device) or MindSpore "
-            f"(backend=mindspore), not {backend!r}; fsdp, deepspeed and megatron call torch.distributed's "
-            "collectives, which backend=ddp measures",
-        )
-    return STACKS[backend]
+    def library_on(self, kind: str, torch_library: str) -> str:
+        """The measured library on ``kind`` (``torch_library``: torch.distributed's backend there)."""
+        lib = torch_library if self.libraries is None else self.libraries[kind]
+        return self.library.format(lib=lib)

@@ -6,21 +6,9 @@ import json
 import sys
 from typing import Any
 
-from parabench.adapters.mindspeed import KNOWN_GOOD
+from parabench.adapters.base import Adapter
 from parabench.adapters.registry import describe, get_adapter
 from parabench.devices import AUTOLOAD_TEXT, DEVICES, cpu_info, package_version, versions
-
-# The distributions each backend runs on. Their supported ranges are not written here: they are read
-# back from parabench's installed metadata, i.e. from pyproject.toml (one source of truth).
-BACKEND_DISTRIBUTIONS = {
-    "ddp": ["torch"],
-    "fsdp": ["torch"],
-    "deepspeed": ["torch", "deepspeed"],
-    "megatron": ["torch", "megatron-core"],
-    "mindspeed": ["torch", "torch-npu", "megatron-core"],
-    "mindspore": ["mindspore"],
-}
-
 
 # The newest release of each distribution whose range has no upper bound that parabench has run on
 # (benchmarks/compat_matrix.sh keep-torch: `pip install .` kept it, then 1- and 2-rank runs). A newer one
@@ -86,13 +74,19 @@ def range_status(found: dict[str, str | None], ranges: dict[str, str]) -> dict[s
     return out
 
 
-def backends_outside(status: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
-    """Backend -> '<dist> <version> (supported: <range>)' for each installed distribution outside its range."""
+def registered_adapters() -> dict[str, type[Adapter]]:
+    """Every registered backend's adapter class (declarative: imports no framework)."""
+    return {name: get_adapter(name) for name in describe()}
+
+
+def backends_outside(status: dict[str, dict[str, Any]], adapters: dict[str, type[Adapter]]) -> dict[str, list[str]]:
+    """Backend -> '<dist> <version> (supported: <range>)' for each installed distribution it runs on
+    (``Adapter.distributions``) that lies outside parabench's supported range."""
     out = {}
-    for backend, dists in BACKEND_DISTRIBUTIONS.items():
+    for backend, adapter in adapters.items():
         bad = [
             f"{d} {status[d]['installed']} (supported: {status[d]['range']})"
-            for d in dists
+            for d in adapter.distributions
             if d in status and status[d]["inside"] is False
         ]
         if bad:
@@ -100,10 +94,11 @@ def backends_outside(status: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
     return out
 
 
-def known_good_sets(found: dict[str, str | None]) -> list[dict[str, Any]]:
-    """Version sets known to work together (Ascend's MindSpeed pins), each with whether this environment matches."""
+def known_good_sets(found: dict[str, str | None], adapters: dict[str, type[Adapter]]) -> list[dict[str, Any]]:
+    """The version sets the backends declare known to work together (``Adapter.known_good``, e.g.
+    Ascend's MindSpeed pins), each with whether this environment matches."""
     sets = []
-    for good in KNOWN_GOOD:
+    for good in (g for adapter in adapters.values() for g in adapter.known_good):
         pins = {k: v for k, v in good.items() if k != "source"}
         differs = {k: found.get(k) for k, v in pins.items() if not (found.get(k) or "").split("+")[0].startswith(v)}
         sets.append({"source": good["source"], "versions": pins, "differs": differs})
@@ -116,8 +111,9 @@ def report() -> dict[str, Any]:
         p = cls.presence()
         devices[kind] = {"available": p.available, "detail": p.reason, "count": p.count}
     backends = {}
+    adapters = registered_adapters()
     for name, desc in describe().items():
-        adapter = get_adapter(name)
+        adapter = adapters[name]
         a = adapter.availability()
         usable = sorted(d for d in adapter.capabilities.devices if devices[d]["available"])
         backends[name] = {
@@ -145,9 +141,9 @@ def report() -> dict[str, Any]:
         "backends": backends,
         "versions": found,
         "supported": status,
-        "outside": backends_outside(status),
+        "outside": backends_outside(status, adapters),
         "untested": newer_than_tested(found),
-        "known_good": known_good_sets(found),
+        "known_good": known_good_sets(found, adapters),
         "notes": [
             f"{AUTOLOAD_TEXT} is set by parabench: with torch_npu installed but no CANN, "
             "`import torch` fails otherwise."

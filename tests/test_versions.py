@@ -76,18 +76,18 @@ def test_dev_constraints_lie_inside_the_supported_ranges():
 
 
 def test_a_backend_outside_its_range_is_named():
-    from parabench.envreport import backends_outside, range_status
+    from parabench.envreport import backends_outside, range_status, registered_adapters
 
     ranges = {"torch": ">=2.6", "megatron-core": ">=0.12,<0.17", "deepspeed": ">=0.16.9,<0.20"}
     found = {"torch": "2.5.1+cu121", "megatron-core": "0.12.1", "deepspeed": None}
     status = range_status(found, ranges)
     assert status["torch"]["inside"] is False and status["megatron-core"]["inside"] is True
     assert status["deepspeed"]["inside"] is None  # not installed: neither inside nor outside
-    outside = backends_outside(status)
+    outside = backends_outside(status, registered_adapters())
     assert set(outside) == {"ddp", "fsdp", "deepspeed", "megatron", "mindspeed"}  # all that run on torch
     assert outside["megatron"] == ["torch 2.5.1+cu121 (supported: >=2.6)"]
     found["torch"] = "2.7.1"
-    assert backends_outside(range_status(found, ranges)) == {}
+    assert backends_outside(range_status(found, ranges), registered_adapters()) == {}
 
 
 def test_bench_env_prints_ranges_outside_backends_and_the_mindspeed_set(capsys):

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from parabench import __version__, trackstore
-from parabench.collectives import OPS, CommJob, Fit, SizePoint, fit_alpha_beta, stack_for, sweep
-from parabench.comm.worker import comm_job
+from parabench.collectives import OPS, CommJob, Fit, SizePoint, fit_alpha_beta, sweep
+from parabench.comm.worker import comm_job, comm_stack
 from parabench.devices import DEVICES, versions
 from parabench.errors import SpecError, UserError, stopped_by
 from parabench.hydraconfig import compose, expand_sweep, to_plain
@@ -58,14 +58,14 @@ def prepare(plain: dict[str, Any]) -> Prepared:
     job = comm_job(plain)
     if job.launch.dry_run:
         raise SpecError("launcher.dry_run", "bench comm writes no launch bundle; run it on the machine to measure")
-    stack = stack_for(job.backend.name)
     adapter = job.backend.adapter
+    stack = comm_stack(adapter)
     kind = usable_device(adapter, job.device.type, job.launch)
     if kind not in adapter.capabilities.devices:
         raise SpecError("device", f"backend {adapter.name} does not run on {kind}")
     opts = job.options
     if opts.dtype not in stack.dtypes:
-        raise SpecError("comm.dtype", f"{stack.backend} runs {', '.join(sorted(stack.dtypes))} here, not {opts.dtype}")
+        raise SpecError("comm.dtype", f"{adapter.name} runs {', '.join(sorted(stack.dtypes))} here, not {opts.dtype}")
     refused = {o: stack.refused[(kind, o)] for o in opts.ops if (kind, o) in stack.refused}
     runnable = tuple(o for o in opts.ops if o not in refused)
     if not runnable:
@@ -75,8 +75,7 @@ def prepare(plain: dict[str, Any]) -> Prepared:
         raise SpecError("comm.corrupt", f"{opts.corrupt} does not run here: {refused[opts.corrupt]}")
     points = sweep(dataclasses.replace(opts, ops=runnable), job.launch.world_size)
     _check_memory(job, kind, max(p.size for p in points))
-    lib = DEVICES[kind].dist_backend if stack.backend == "ddp" else {"cpu": "mccl", "npu": "hccl"}[kind]
-    return Prepared(job, plain, kind, stack.library.format(lib=lib), points, refused)
+    return Prepared(job, plain, kind, stack.library_on(kind, DEVICES[kind].dist_backend), points, refused)
 
 
 def _check_memory(job: CommJob, kind: str, largest: int) -> None:

@@ -12,6 +12,7 @@ Writes ``ranks/rank<R>.json``; the front end (:mod:`parabench.comm.command`) tak
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -21,143 +22,41 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from parabench.adapters.base import WorkerContext
-from parabench.adapters.registry import get_adapter
-from parabench.collectives import OPS, CommJob, expected_sum, input_value, options, stack_for
+from parabench.adapters.base import Adapter, WorkerContext
+from parabench.adapters.registry import get_adapter, names
+from parabench.collectives import OPS, CommJob, Stack, options
 from parabench.devices import DEVICES
 from parabench.errors import SpecError
 from parabench.launchers import msrun_scheduler_started, rank_of, serve_msrun_scheduler
 from parabench.loop import write_json_atomic
 from parabench.spec import BackendSpec, DeviceSpec, LaunchSpec, TrackingSpec, build
 
-# One operation on prepared buffers: (run once, the result to check, the expected result)
-Prepared = tuple[Callable[[], None], Callable[[], Any], Callable[[], Any]]
+
+def comm_stack(adapter: type[Adapter]) -> Stack:
+    """The stack ``bench comm`` drives for this backend (its adapter's ``comm_stack``), or a refusal
+    naming the backends that declare one."""
+    if adapter.comm_stack is not None:
+        return adapter.comm_stack
+    drivers = {n: get_adapter(n).comm_stack for n in names()}
+    torch_driver = next((n for n, st in drivers.items() if st is not None and st.libraries is None), None)
+    raise SpecError(
+        "backend",
+        f"bench comm drives {', '.join(f'backend={n}' for n, st in drivers.items() if st is not None)}, "
+        f"not backend={adapter.name}"
+        + (
+            f": a backend that trains through torch.distributed calls the collectives backend={torch_driver} measures"
+            if torch_driver
+            else ""
+        ),
+    )
 
 
-class TorchOps:
-    """The operations in torch.distributed; buffers on the device, values from collectives.input_value."""
-
-    DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
-    def __init__(self, ctx: WorkerContext, dtype: str):
-        import torch
-        import torch.distributed as dist
-
-        self.torch, self.dist = torch, dist
-        self.dev = ctx.device
-        self.dtype = getattr(torch, self.DTYPES[dtype])
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-
-    def _values(self, rank, idx):
-        return input_value(rank, idx).to(self.dtype)
-
-    def prepare(self, op: str, count: int, inplace: bool, corrupt: bool, filled: bool) -> Prepared:
-        torch, dist, n, r = self.torch, self.dist, self.world, self.rank
-        dev = self.dev.torch_device
-        idx = torch.arange(count, device=dev)
-        piece = count // n if OPS[op].split else count
-        big = self._values(r, idx) if filled else torch.zeros(count, dtype=self.dtype, device=dev)
-        reduce_op = dist.ReduceOp.MAX if corrupt else dist.ReduceOp.SUM  # MAX: the injected wrong reduction
-        if op == "all_reduce":
-            return (lambda: dist.all_reduce(big, op=reduce_op)), (lambda: big), (lambda: expected_sum(n, idx))
-        if op == "broadcast":
-            buf = big if r == 0 else torch.zeros_like(big)
-            return (lambda: dist.broadcast(buf, src=0)), (lambda: buf), (lambda: self._values(0, idx))
-        if op == "all_gather":
-            mine = big[r * piece : (r + 1) * piece]
-            inp = mine if inplace else mine.clone()
-            return (
-                (lambda: dist.all_gather_into_tensor(big, inp)),
-                (lambda: big),
-                (lambda: self._values(idx // piece, idx)),  # rank k sent values(k, i) at global index i
-            )
-        if op == "reduce_scatter":
-            out = big[r * piece : (r + 1) * piece] if inplace else torch.empty(piece, dtype=self.dtype, device=dev)
-            mine = idx[r * piece : (r + 1) * piece]
-            return (
-                (lambda: dist.reduce_scatter_tensor(out, big, op=reduce_op)),
-                (lambda: out),
-                (lambda: expected_sum(n, mine)),
-            )
-        out = torch.zeros_like(big)
-        if op == "all_to_all":  # chunk j of rank i lands in chunk i of rank j
-            return (
-                (lambda: dist.all_to_all_single(out, big)),
-                (lambda: out),
-                (lambda: self._values(idx // piece, r * piece + idx % piece)),
-            )
-
-        def ring() -> None:  # send_recv: to the next rank, from the previous one (nccl-tests sendrecv)
-            ops = [dist.P2POp(dist.isend, big, (r + 1) % n), dist.P2POp(dist.irecv, out, (r - 1) % n)]
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-
-        return ring, (lambda: out), (lambda: self._values((r - 1) % n, idx))
-
-    def wrong(self, got, expected) -> int:
-        return int((got.float() != expected.float()).sum())
-
-    def corrupt_result(self, got) -> None:
-        got.view(-1)[0] += 1
-
-    def barrier(self) -> None:
-        self.dist.barrier()
-
-
-class MindSporeOps:
-    """all_reduce, all_gather and broadcast through MindSpore's communication operators (what its
-    CPU backend mccl implements; collectives.STACKS lists the refusals)."""
-
-    DTYPES = {"fp32": "float32", "fp16": "float16"}
-
-    def __init__(self, ctx: WorkerContext, dtype: str):
-        del ctx  # MindSpore's communication is initialised by the adapter's init_worker
-        import mindspore as ms
-        import numpy as np
-        from mindspore import communication, ops
-
-        self.ms, self.np, self.msops = ms, np, ops
-        self.dtype = getattr(np, self.DTYPES[dtype])
-        self.rank, self.world = communication.get_rank(), communication.get_group_size()
-        self._sum = ops.AllReduce(ops.ReduceOp.SUM)
-
-    def prepare(self, op: str, count: int, inplace: bool, corrupt: bool, filled: bool) -> Prepared:
-        np, ms, n, r = self.np, self.ms, self.world, self.rank
-        idx = np.arange(count)
-        piece = count // n if OPS[op].split else count
-        data = input_value(r, idx).astype(self.dtype) if filled else np.zeros(count, self.dtype)
-        result: dict[str, Any] = {}
-        if op == "all_reduce":
-            if corrupt and filled and r == 0:
-                # the injected wrong reduction: MindSpore's CPU AllReduce reduces with SUM only
-                # (allreduce_cpu_kernel.cc: "AllReduce only support reduce sum on CPU"), so rank 0
-                # adds a wrong contribution instead of TorchOps' MAX: every rank's sum is off by one
-                data = data + 1
-            tensor, prim, want = ms.Tensor(data), self._sum, (lambda: expected_sum(n, idx))
-        elif op == "all_gather":
-            tensor, prim = ms.Tensor(data[r * piece : (r + 1) * piece]), self.msops.AllGather()
-            want = lambda: input_value(idx // piece, idx)  # noqa: E731  (rank k sent values(k, i) at index i)
-        else:  # broadcast
-            tensor = ms.Tensor(data if r == 0 else np.zeros(count, self.dtype))
-            bcast = self.msops.Broadcast(0)
-            prim, want = (lambda t: bcast((t,))[0]), (lambda: input_value(0, idx))
-
-        def run() -> None:
-            result["out"] = prim(tensor).asnumpy()  # asnumpy waits for the operation
-
-        return run, (lambda: result["out"]), want
-
-    def wrong(self, got, expected) -> int:
-        return int((got.astype("float64") != expected.astype("float64")).sum())
-
-    def corrupt_result(self, got) -> None:
-        got.reshape(-1)[0] += 1
-
-    def barrier(self) -> None:
-        self._sum(self.ms.Tensor(self.np.zeros(1, self.np.float32))).asnumpy()
-
-
-OPS_CLASSES: dict[str, type[TorchOps] | type[MindSporeOps]] = {"ddp": TorchOps, "mindspore": MindSporeOps}
+def load_ops(stack: Stack) -> Callable[..., Any]:
+    """The worker-side operations class of ``stack`` (imported here: it may import its framework's
+    modules at construction only, but lives in the backend's files)."""
+    module, _, cls = stack.ops.partition(":")
+    ops: Callable[..., Any] = getattr(importlib.import_module(module), cls)
+    return ops
 
 
 def measure(ops, spec: dict[str, Any], sync: Callable[[], None]) -> list[dict[str, Any]]:
@@ -191,8 +90,8 @@ def comm_job(plain: Mapping[str, Any]) -> CommJob:
     """The CommJob of a composed ``bench comm`` config (plain dict; ``comm.json`` holds the same)."""
     backend_node = dict(plain.get("backend") or {})
     name = backend_node.pop("name", None) or "ddp"
-    stack_for(name)  # refuses a backend bench comm does not drive
     adapter = get_adapter(name)
+    comm_stack(adapter)  # refuses a backend bench comm does not drive
     extra = sorted(set(plain) - {"backend", "device", "launcher", "tracking", "comm", "run"})
     if extra:
         raise SpecError(extra[0], "unknown top-level key of bench comm")
@@ -222,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ctx = WorkerContext(job, rank, world, local_rank, DEVICES[spec["device"]](local_rank), run_dir)  # type: ignore[arg-type]
         comm = adapter.init_worker(ctx)
-        ops = OPS_CLASSES[job.backend.name](ctx, job.options.dtype)
+        ops = load_ops(adapter.comm_stack)(ctx, job.options.dtype)
         rows = measure(ops, spec, ctx.device.synchronize)
         (run_dir / "ranks").mkdir(exist_ok=True)
         write_json_atomic(run_dir / "ranks" / f"rank{rank}.json", {"rank": rank, "rows": rows})
