@@ -1,12 +1,16 @@
 """Backend name -> adapter class, imported lazily so that listing backends imports no framework.
 
-Register a backend by adding one line to ``_BUILTIN`` (and ``conf/backend/<name>.yaml``; a test
-checks the two agree).
+A backend of parabench: one line in ``_BUILTIN`` (and ``conf/backend/<name>.yaml``; a test checks
+the two agree). A backend of another installed package: an entry point of group
+``parabench.backends`` (``toy = "toy_backend:ToyAdapter"`` under ``[project.entry-points."parabench.backends"]``),
+its ``backend/<name>.yaml`` on Hydra's search path (a ``hydra_plugins`` SearchPathPlugin), and its
+adapter's declarations; tests/data/toy_backend is one (tests/test_cli.py).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from typing import TYPE_CHECKING
 
 from parabench.errors import SpecError
@@ -38,29 +42,47 @@ _BUILTIN: dict[str, tuple[str, str]] = {
         "Native MindSpore nn.Cell, data parallel over msrun (mccl on CPU, hccl on Ascend)",
     ),
 }
-_REGISTRY: dict[str, tuple[str, str]] = dict(_BUILTIN)
+ENTRY_POINTS = "parabench.backends"
 
 
-def register(name: str, target: str, description: str) -> None:
-    """Add a backend (e.g. from a plugin). Names are unique."""
-    if name in _REGISTRY:
-        raise ValueError(f"backend {name!r} is already registered ({_REGISTRY[name][0]})")
-    _REGISTRY[name] = (target, description)
+def _registered() -> dict[str, tuple[str, str]]:
+    """The built-in backends and those installed packages declare as entry points (target, description;
+    a plugin's description is its adapter's docstring, read when listed). A plugin may not take a
+    built-in's name."""
+    found = dict(_BUILTIN)
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINTS):
+        if ep.name in found:
+            raise SpecError(
+                "backend",
+                f"entry point {ep.name} = {ep.value} ({ENTRY_POINTS}) takes the name of backend {ep.name} "
+                f"({found[ep.name][0]}); rename the plugin's backend",
+            )
+        found[ep.name] = (ep.value, "")
+    return found
 
 
 def names() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted(_registered())
 
 
 def describe() -> dict[str, str]:
-    return {n: _REGISTRY[n][1] for n in names()}
+    found = _registered()
+    return {n: found[n][1] or _docstring_line(found[n][0]) for n in sorted(found)}
 
 
-def get_adapter(name: str) -> type[Adapter]:
-    try:
-        target, _ = _REGISTRY[name]
-    except KeyError:
-        raise SpecError("backend", f"unknown backend {name!r} (choices: {', '.join(names())})") from None
+def _docstring_line(target: str) -> str:
+    doc = (_load(target).__doc__ or "").strip()
+    return doc.splitlines()[0] if doc else target
+
+
+def _load(target: str) -> type[Adapter]:
     module, _, cls = target.partition(":")
     adapter: type[Adapter] = getattr(importlib.import_module(module), cls)
     return adapter
+
+
+def get_adapter(name: str) -> type[Adapter]:
+    found = _BUILTIN if name in _BUILTIN else _registered()
+    if name not in found:
+        raise SpecError("backend", f"unknown backend {name!r} (choices: {', '.join(names())})")
+    return _load(found[name][0])

@@ -131,7 +131,8 @@ def report() -> dict[str, Any]:
             "launcher": adapter.capabilities.launcher,
             "versions": dict(a.versions),
         }
-    found = versions()
+    found = versions()  # and every distribution a backend declares it runs on (a plugin's own)
+    found.update({d: package_version(d) for a in adapters.values() for d in a.distributions if d not in found})
     status = range_status(found, supported_ranges())
     return {
         "python": sys.version.split()[0],

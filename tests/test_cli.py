@@ -126,6 +126,39 @@ def test_backend_configs_and_registry_agree():
         build(adapter.Options, node, "backend")  # every shipped key is a typed option
 
 
+TOY = REPO / "tests" / "data" / "toy_backend"  # a backend of another package: entry point + Hydra search path
+COMM_LIBRARY = (
+    "from parabench.comm.command import prepare; from parabench.hydraconfig import compose, to_plain; "
+    "print(prepare(to_plain(compose(['backend=toy', 'launcher.nproc_per_node=2'], config_name='comm'))).library)"
+)
+
+
+def test_a_backend_of_another_package_is_found_by_bench_env_run_and_comm(tmp_path):
+    """A backend registered only through an entry point (group parabench.backends) and a Hydra
+    search-path plugin (tests/data/toy_backend): bench env lists it with what its adapter declares (its
+    distributions' versions, its known-good set), bench run composes and validates it (a dry run),
+    bench comm drives the collective stack it declares - and no file of parabench's names it."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TOY), os.environ.get("PYTHONPATH")]))}
+    run = lambda *args: subprocess.run(args, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)  # noqa: E731
+    out = run(sys.executable, "-m", "parabench", "env", "--json")
+    assert out.returncode == 0, out.stderr
+    rep = json.loads(out.stdout)
+    toy = rep["backends"]["toy"]
+    assert toy["available"] and toy["description"].startswith("Toy backend") and toy["devices"] == ["cpu"]
+    assert rep["versions"]["toy-backend"] == "0.1"
+    (good,) = [g for g in rep["known_good"] if g["source"] == "tests/data/toy_backend"]
+    assert good["differs"] == {}  # torch 2.x and toy-backend 0.1 are installed
+    dry = run(sys.executable, "-m", "parabench", "run", "+model=llama", "backend=toy", "launcher.dry_run=true")
+    assert dry.returncode == 0, dry.stderr
+    (spec,) = tmp_path.glob("results/runs/*/*/toy/spec.json")
+    assert json.loads(spec.read_text())["backend"]["name"] == "toy"
+    comm = run(sys.executable, "-c", COMM_LIBRARY)
+    assert comm.returncode == 0 and comm.stdout.strip() == "torch.distributed/gloo", comm.stderr
+    from parabench.adapters.registry import _BUILTIN, names
+
+    assert "toy" not in names() and "toy" not in _BUILTIN and not (REPO / "conf" / "backend" / "toy.yaml").exists()
+
+
 def test_every_shipped_model_composes_into_a_spec():
     from parabench.hydraconfig import available_options, compose, to_plain
     from parabench.jobs import from_config
