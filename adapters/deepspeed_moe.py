@@ -107,6 +107,12 @@ def check_moe(job: JobSpec, world_size: int) -> None:
             "model.num_experts_per_tok",
             "DeepSpeed's top1gating weighs the expert by its softmax probability, not Mixtral's renormalised 1",
         )
+    if not m.norm_topk_prob:
+        raise SpecError(
+            "model.norm_topk_prob",
+            "false is not in DeepSpeed's MoE: its top2gating and topkgating always renormalise the k weights "
+            "(deepspeed/moe/sharded_moe.py), as Mixtral does",
+        )
     for key, bad, why in _unchecked(job):
         if bad:
             raise SpecError(key, f"with a MoE model (model.num_local_experts={m.num_local_experts}): {why}")

@@ -265,7 +265,7 @@ def _check_moe(job: JobSpec) -> None:
         raise SpecError(
             "model.num_experts_per_tok",
             "megatron-core needs moe_router_pre_softmax at top-1, whose weight is the softmax probability, "
-            "not Mixtral's renormalised 1",
+            "not Mixtral's renormalised 1 (with model.norm_topk_prob=false they agree, but top-1 is not checked)",
         )
     version = package_version("megatron-core")
     if version is not None and not version.startswith("0.16."):
@@ -582,8 +582,11 @@ class _Counters:
 
 def moe_config(spec: ModelSpec, opts: MegatronOptions) -> dict:
     """The canonical MoE block as megatron-core's MoELayer (docs/moe.md#megatron): top-k over the
-    logits then softmax over the k (= Mixtral's softmax, top-k, renormalised), dropless (no
-    capacity factor), SequentialMLP experts (no grouped GEMM kernel on a CPU). Megatron's own
+    logits then softmax over the k (= Mixtral's softmax, top-k, renormalised), or with
+    ``norm_topk_prob: false`` moe_router_pre_softmax, the softmax over all experts then top-k, not
+    renormalised (megatron-core 0.16 moe/moe_utils.py ``topk_routing_with_score_function``: no
+    scaling factor, Qwen2-MoE's weights); dropless (no capacity factor), SequentialMLP experts (no
+    grouped GEMM kernel on a CPU). Megatron's own
     load-balancing loss is off: it is computed per layer and divided by top-k (moe_utils.
     switch_load_balancing_loss_func), not Mixtral's over all layers' tokens together, so the
     engine adds the canonical one to the loss (:meth:`MegatronEngine._aux_loss`)."""
@@ -594,7 +597,7 @@ def moe_config(spec: ModelSpec, opts: MegatronOptions) -> dict:
         "moe_router_topk": spec.num_experts_per_tok,
         "moe_ffn_hidden_size": spec.expert_intermediate_size,
         "moe_router_score_function": "softmax",
-        "moe_router_pre_softmax": False,
+        "moe_router_pre_softmax": not spec.norm_topk_prob,
         "moe_expert_capacity_factor": None,
         "moe_grouped_gemm": False,
         "moe_token_dispatcher_type": opts.moe_token_dispatcher,

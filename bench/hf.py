@@ -6,7 +6,7 @@ beside it (``model.safetensors``, or the shards listed by ``model.safetensors.in
 ``ModelSpec.weights``. Workers only see the resolved spec. Every tensor name, shape and dtype is
 checked against the spec before a process starts (one line, exit 2).
 
-Accepted: the Llama family and Mixtral (MoE, docs/moe.md), as far as the canonical model (bench/model.py) computes the same
+Accepted: the Llama family, Mixtral and Qwen2-MoE (MoE, docs/moe.md), as far as the canonical model (bench/model.py) computes the same
 function. Each config field that changes the math is either mapped or refused by name; fields that
 do not (token ids, ``torch_dtype``, ``use_cache``, ``pretraining_tp``, which only slices the same
 matmuls) are not read. Field names, defaults and the file format: docs/sources.md#hugging-face-checkpoints.
@@ -15,6 +15,7 @@ matmuls) are not read. Field names, defaults and the file format: docs/sources.m
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -26,7 +27,13 @@ from parabench.spec import ModelSpec
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM")
+ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+)
 # Widened to float32 exactly; anything else (F64, integer or 8-bit formats) is refused.
 DTYPES = ("F32", "F16", "BF16")
 REQUIRED = (
@@ -42,6 +49,24 @@ DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": 
 # MixtralConfig's own defaults where they differ (rope_theta 1e6, rms_norm_eps 1e-5), and its MoE fields.
 MIXTRAL_DEFAULTS = {**DEFAULTS, "rope_theta": 1e6, "rms_norm_eps": 1e-5}
 MIXTRAL_MOE = {"num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001}
+# Qwen2MoeConfig's MoE fields and defaults (transformers models/qwen2_moe/configuration_qwen2_moe.py),
+# under the canonical names: num_experts is ModelSpec.num_local_experts.
+QWEN2_MOE = {
+    "num_experts": 60,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 1408,
+    "shared_expert_intermediate_size": 5632,
+    "norm_topk_prob": False,
+    "router_aux_loss_coef": 0.001,
+}
+# Qwen2MoeForCausalLM's checkpoint names of a sparse layer's MLP (transformers modeling_qwen2_moe.py:
+# Qwen2MoeSparseMoeBlock's gate, experts.E.{gate,up,down}_proj, shared_expert, shared_expert_gate);
+# the canonical names are Mixtral's: block_sparse_moe.gate, experts.E.w1 (gate), w3 (up), w2 (down).
+QWEN2_MOE_NAME = re.compile(
+    r"(?P<layer>model\.layers\.\d+\.)mlp\.(?:(?P<router>gate\.weight)|experts\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj"
+    r"\.weight|(?P<shared>shared_expert\.(?:gate|up|down)_proj\.weight|shared_expert_gate\.weight))"
+)
+EXPERT_PROJ = {"gate": "w1", "up": "w3", "down": "w2"}
 HF_KEYS = ("name", "path", "load_weights")
 
 
@@ -146,9 +171,12 @@ def _math(cfg: Mapping[str, Any], arch: str, path: Path) -> dict[str, Any]:
     fields["rope_scaling"] = _rope_scaling(rope, path)
     if arch == "MixtralForCausalLM":
         fields.update(_mixtral_moe(cfg, path))
+    elif arch == "Qwen2MoeForCausalLM":
+        fields["qkv_bias"] = cfg.get("qkv_bias", True)  # Qwen2MoeAttention: biased unless qkv_bias=false
+        fields.update(_qwen2_moe(cfg, path))
     if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         fields["sliding_window"] = cfg.get("sliding_window")
-    elif arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
+    elif arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") and cfg.get("use_sliding_window"):
         fields["sliding_window"] = cfg.get("sliding_window")
     return fields
 
@@ -160,6 +188,43 @@ def _mixtral_moe(cfg: Mapping[str, Any], path: Path) -> dict[str, Any]:
     if jitter:  # multiplicative noise on the router input in training: not in the canonical model
         raise _refuse(f"router_jitter_noise={jitter!r} ({path}) is not in the canonical model (it needs 0)")
     return {key: cfg[key] if cfg.get(key) is not None else default for key, default in MIXTRAL_MOE.items()}
+
+
+def _qwen2_moe(cfg: Mapping[str, Any], path: Path) -> dict[str, Any]:
+    """Qwen2MoeConfig's MoE fields (its defaults where absent) as the canonical ones. Every layer must
+    be sparse: Qwen2MoeDecoderLayer puts the dense Qwen2MoeMLP (intermediate_size) on the layers of
+    mlp_only_layers and those whose (index + 1) is not a multiple of decoder_sparse_step, and the
+    canonical model has one kind of layer. Its checkpoint names are mapped by :func:`canonical_name`."""
+    step = cfg.get("decoder_sparse_step")
+    if step is not None and step != 1:
+        raise _refuse(
+            f"decoder_sparse_step={step!r} ({path}) makes some layers dense; the canonical model has a MoE "
+            "block in every layer (it needs decoder_sparse_step=1)"
+        )
+    if cfg.get("mlp_only_layers"):
+        raise _refuse(
+            f"mlp_only_layers={cfg['mlp_only_layers']!r} ({path}) makes those layers dense; the canonical model "
+            "has a MoE block in every layer (it needs mlp_only_layers=[])"
+        )
+    moe = {key: cfg[key] if cfg.get(key) is not None else default for key, default in QWEN2_MOE.items()}
+    if not moe["num_experts"]:  # no experts: every layer is the dense Qwen2MoeMLP, the canonical dense MLP
+        return {}
+    moe["num_local_experts"] = moe.pop("num_experts")
+    return moe
+
+
+def canonical_name(stored: str) -> str:
+    """The canonical name of a checkpoint tensor: a Qwen2-MoE sparse block's names mapped onto the
+    canonical (Mixtral) ones, every other name as it is."""
+    m = QWEN2_MOE_NAME.fullmatch(stored)
+    if m is None:
+        return stored
+    block = m["layer"] + "block_sparse_moe."
+    if m["router"]:
+        return block + "gate.weight"
+    if m["expert"] is not None:
+        return f"{block}experts.{m['expert']}.{EXPERT_PROJ[m['proj']]}.weight"
+    return block + m["shared"]
 
 
 def _rope_scaling(rope: Any, path: Path) -> dict[str, Any] | None:
@@ -190,8 +255,20 @@ def find_weights(directory: Path) -> str | None:
     return None
 
 
-def weight_files(weights: str) -> dict[str, Path]:
-    """Tensor name -> the safetensors file that holds it."""
+def weight_files(weights: str) -> dict[str, tuple[Path, str]]:
+    """Canonical tensor name (:func:`canonical_name`) -> (the safetensors file that holds it, its name
+    there). Two tensors of the files with one canonical name are refused."""
+    files: dict[str, tuple[Path, str]] = {}
+    for stored, file in _stored_files(weights).items():
+        name = canonical_name(stored)
+        if name in files:
+            raise _refuse(f"{Path(weights).name} holds {name} twice: as {files[name][1]} and as {stored}")
+        files[name] = (file, stored)
+    return files
+
+
+def _stored_files(weights: str) -> dict[str, Path]:
+    """Tensor name, as stored -> the safetensors file that holds it."""
     path = Path(weights)
     if path.name.endswith(".index.json"):
         weight_map = _read_json(path).get("weight_map")
@@ -240,36 +317,37 @@ def ignored(name: str, spec: ModelSpec) -> bool:
 def check_weights(spec: ModelSpec) -> None:
     """Every canonical tensor is in the files with its shape and a float dtype; nothing unknown is there."""
     files = weight_files(spec.weights)
-    headers: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for path in sorted(set(files.values())):
-        headers.update(_header(path))
+    headers: dict[tuple[Path, str], tuple[str, tuple[int, ...]]] = {}
+    for path in sorted({file for file, _ in files.values()}):
+        headers.update({(path, stored): header for stored, header in _header(path).items()})
     shapes = spec.parameter_shapes()
     where = Path(spec.weights).name
     for name, shape in shapes.items():
-        if name not in files or name not in headers:
+        if name not in files or files[name] not in headers:
             raise _refuse(f"{where} lacks {name} (model {spec.name} needs {len(shapes)} tensors)")
-        dtype, got = headers[name]
+        dtype, got = headers[files[name]]
         if got != shape:
             raise _refuse(f"{name} in {where} has shape {list(got)}, but the config gives {list(shape)}")
         if dtype not in DTYPES:
             raise _refuse(f"{name} in {where} is {dtype}; supported: {', '.join(DTYPES)}")
-    unexpected = sorted(n for n in files if n not in shapes and not ignored(n, spec))
+    unexpected = sorted(files[n][1] for n in files if n not in shapes and not ignored(n, spec))
     if unexpected:
         raise _refuse(f"{where} holds {unexpected[0]}, which the canonical model of {spec.name} does not have")
 
 
 def load_weights(weights: str, names: Iterable[str]) -> dict[str, Any]:
-    """The named tensors as float32 NumPy arrays (bf16/fp16 widened exactly), in ``names`` order."""
+    """The named tensors (canonical names) as float32 NumPy arrays (bf16/fp16 widened exactly), in
+    ``names`` order."""
     files = weight_files(weights)
     wanted = list(names)
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name in wanted:
-        by_file[files[name]].append(name)
+        by_file[files[name][0]].append(name)
     out = {}
     for path, group in by_file.items():
         with _safe_open(path, "pt") as f:  # NumPy has no bfloat16: read through torch, widen to float32
             for name in group:
-                out[name] = f.get_tensor(name).float().numpy()
+                out[name] = f.get_tensor(files[name][1]).float().numpy()
     return {name: out[name] for name in wanted}
 
 
@@ -300,12 +378,20 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
 
 
 def _mixtral_config(spec: ModelSpec) -> dict[str, Any]:
-    """A MixtralForCausalLM config.json for a Mixtral-shaped MoE model (no shared expert, no q/k/v bias)."""
-    if spec.shared_expert_intermediate_size or spec.qkv_bias or spec.moe_intermediate_size or spec.rope_scaling:
+    """A MixtralForCausalLM config.json for a Mixtral-shaped MoE model (no shared expert, no q/k/v bias,
+    the top-k weights renormalised). A Qwen2-MoE-shaped model is refused: its checkpoint would need
+    Qwen2-MoE's tensor names, and the export copies the canonical files as they are."""
+    if (
+        spec.shared_expert_intermediate_size
+        or spec.qkv_bias
+        or spec.moe_intermediate_size
+        or spec.rope_scaling
+        or not spec.norm_topk_prob
+    ):
         raise SpecError(
             "model.num_local_experts",
-            f"model {spec.name} is not Mixtral-shaped (shared expert, q/k/v biases, moe_intermediate_size or "
-            "rope_scaling): no Hugging Face config is written for it yet (issue #31)",
+            f"model {spec.name} is not Mixtral-shaped (shared expert, q/k/v biases, moe_intermediate_size, "
+            "rope_scaling or norm_topk_prob=false): no Hugging Face config is written for it yet (issue #31)",
         )
     return {
         "architectures": ["MixtralForCausalLM"],

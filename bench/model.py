@@ -188,24 +188,30 @@ class Expert(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mixtral's routing of [tokens, experts] router logits: (the k weights, renormalised to sum to 1;
-    the k expert ids) per token, from the softmax over all experts in fp32 (transformers'
-    MixtralTopKRouter). Counting tokens per expert (parabench.expertload) routes with it too."""
+def route(router_logits: torch.Tensor, top_k: int, normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing of [tokens, experts] router logits: (the k weights; the k expert ids) per token,
+    from the softmax over all experts in fp32. ``normalize``: the k weights renormalised to sum to 1
+    (Mixtral, transformers' MixtralTopKRouter), else the softmax probabilities as they are
+    (``norm_topk_prob: false``, transformers' Qwen2MoeTopKRouter). Counting tokens per expert
+    (parabench.expertload) routes with it too."""
     probs = F.softmax(router_logits, dim=-1, dtype=torch.float)
     top_weights, top_experts = torch.topk(probs, top_k, dim=-1)
+    if not normalize:
+        return top_weights, top_experts
     return top_weights / top_weights.sum(dim=-1, keepdim=True), top_experts
 
 
 class SparseMoeBlock(nn.Module):
     """Mixtral's sparse MoE MLP (Jiang et al. 2024, arXiv 2401.04088 sec. 2; transformers'
     MixtralSparseMoeBlock): a bias-free router, softmax over the experts in fp32, top-k, the k weights
-    renormalised to sum to 1; dropless (every token reaches its k experts). Optionally Qwen2-MoE's
-    shared expert, added with a sigmoid gate (transformers' Qwen2MoeSparseMoeBlock)."""
+    renormalised to sum to 1 (or, ``norm_topk_prob: false``, not: Qwen2-MoE); dropless (every token
+    reaches its k experts). Optionally Qwen2-MoE's shared expert, added with a sigmoid gate
+    (transformers' Qwen2MoeSparseMoeBlock)."""
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
         h, self.top_k, self.num_experts = spec.hidden_size, spec.num_experts_per_tok, spec.num_local_experts
+        self.norm_topk_prob = spec.norm_topk_prob
         self.gate = nn.Linear(h, self.num_experts, bias=False)
         self.experts = nn.ModuleList(Expert(h, spec.expert_intermediate_size) for _ in range(self.num_experts))
         if spec.shared_expert_intermediate_size:
@@ -216,7 +222,7 @@ class SparseMoeBlock(nn.Module):
         """(output, router logits of shape [tokens, experts])."""
         flat = x.reshape(-1, x.shape[-1])
         router_logits = self.gate(flat)
-        top_weights, top_experts = route(router_logits, self.top_k)
+        top_weights, top_experts = route(router_logits, self.top_k, self.norm_topk_prob)
         out = torch.zeros_like(flat)
         # Every expert runs, also on zero tokens: its weights then get a zero gradient, so every
         # parameter takes part in each step (DDP needs no find_unused_parameters).

@@ -163,6 +163,9 @@ class ModelSpec:
     router_aux_loss_coef: float = 0.001  # load-balancing loss weight (MixtralConfig's default)
     moe_intermediate_size: int | None = None  # routed expert width (Qwen2-MoE); None = intermediate_size (Mixtral)
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert; 0 = none
+    # the top-k softmax weights renormalised to sum to 1 (Mixtral; Qwen2MoeConfig.norm_topk_prob) or
+    # left as the softmax over all experts gives them (false: Qwen1.5-MoE, Qwen2-MoE's default)
+    norm_topk_prob: bool = True
     source: str | None = None  # the Hugging Face config.json this spec was read from (+model=hf)
     weights: str | None = None  # safetensors file or its .index.json: the initial weights; None = generated
 
@@ -432,6 +435,11 @@ def validate_moe(model: ModelSpec) -> None:
     if model.num_local_experts < 0:
         raise SpecError("model.num_local_experts", f"must be >= 0 (0 = dense MLP), got {model.num_local_experts}")
     if not model.is_moe:
+        if not model.norm_topk_prob:
+            raise SpecError(
+                "model.norm_topk_prob",
+                "false weighs a MoE router's top-k experts; the model is dense (num_local_experts=0)",
+            )
         return
     if not 1 <= model.num_experts_per_tok <= model.num_local_experts:
         raise SpecError(

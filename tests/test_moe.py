@@ -115,7 +115,10 @@ def test_moe_block_equals_transformers_mixtral_sparse_moe_block():
     torch.testing.assert_close(out, reference(x), rtol=0, atol=1e-6)
 
 
-def test_shared_expert_equals_transformers_qwen2_moe_block():
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_shared_expert_equals_transformers_qwen2_moe_block(norm_topk_prob):
+    """norm_topk_prob true: Mixtral's renormalised top-k weights; false: the softmax probabilities as
+    they are (Qwen1.5-MoE, Qwen2MoeConfig's default)."""
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 
     spec = ModelSpec(
@@ -124,6 +127,7 @@ def test_shared_expert_equals_transformers_qwen2_moe_block():
             "name": "tiny-qwen-moe",
             "moe_intermediate_size": 48,
             "shared_expert_intermediate_size": 80,
+            "norm_topk_prob": norm_topk_prob,
         }
     )
     ours = build_llama(spec, seed=7).model.layers[1].block_sparse_moe
@@ -134,7 +138,7 @@ def test_shared_expert_equals_transformers_qwen2_moe_block():
         shared_expert_intermediate_size=80,
         num_experts=4,
         num_experts_per_tok=2,
-        norm_topk_prob=True,  # Mixtral's renormalised top-k weights (Qwen1.5-MoE itself does not renormalise)
+        norm_topk_prob=norm_topk_prob,
     )
     reference = Qwen2MoeSparseMoeBlock(config)
     with torch.no_grad():
@@ -219,6 +223,25 @@ def test_mixtral_8x7b_preset_has_the_published_parameter_counts():
     assert round((spec.num_active_matmul_params() + embedding) / 1e9, 1) == 12.9
 
 
+def test_qwen1_5_moe_a2_7b_preset_has_the_published_parameter_counts():
+    """Qwen's model card of Qwen/Qwen1.5-MoE-A2.7B: 14.3B parameters in all, 2.7B activated per token."""
+    spec = _preset("qwen1.5-moe-a2.7b")
+    routing = (spec.num_local_experts, spec.num_experts_per_tok, spec.norm_topk_prob)
+    assert routing == (60, 4, False) and spec.qkv_bias and spec.shared_expert_intermediate_size == 5632
+    assert round(spec.num_params() / 1e9, 1) == 14.3
+    embedding = spec.vocab_size * spec.hidden_size  # active too: a gather, not in the FLOPs
+    assert round((spec.num_active_matmul_params() + embedding) / 1e9, 1) == 2.7
+
+
+def test_norm_topk_prob_false_on_a_dense_model_is_refused_and_not_exported_as_mixtral():
+    with pytest.raises(SpecError) as err:
+        from_config(hydraconfig.to_plain(hydraconfig.compose(["+model=llama", "+model.norm_topk_prob=false"])))
+    assert err.value.key == "model.norm_topk_prob"
+    # a MixtralForCausalLM config would renormalise the top-k weights: no Mixtral config for it
+    with pytest.raises(SpecError, match="norm_topk_prob=false"):
+        hf_config(dataclasses.replace(TINY_MOE, norm_topk_prob=False))
+
+
 def test_flops_count_the_active_parameters_only():
     spec = _preset("moe-tiny")
     h, i, layers = spec.hidden_size, spec.intermediate_size, spec.num_hidden_layers
@@ -280,6 +303,80 @@ def test_mixtral_router_jitter_is_refused(tmp_path, capsys):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps({**MIXTRAL, "router_jitter_noise": 0.1}))
     assert_refused_before_launch(["+model=hf", f"model.path={tmp_path / 'm'}"], "router_jitter_noise", tmp_path, capsys)
+
+
+QWEN2_MOE = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 48,
+    "shared_expert_intermediate_size": 80,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 320,
+    "max_position_embeddings": 512,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "router_aux_loss_coef": 0.02,
+    "norm_topk_prob": False,  # Qwen2MoeConfig's default, as in Qwen1.5-MoE-A2.7B
+}
+
+
+def _qwen2_moe_name(canonical: str) -> str:
+    """The canonical name's Qwen2MoeForCausalLM checkpoint name (the test's own mapping)."""
+    for ours, theirs in (
+        (".block_sparse_moe.gate.", ".mlp.gate."),
+        (".w1.", ".gate_proj."),
+        (".w3.", ".up_proj."),
+        (".w2.", ".down_proj."),
+        (".block_sparse_moe.", ".mlp."),
+    ):
+        canonical = canonical.replace(ours, theirs)
+    return canonical
+
+
+def test_qwen2_moe_checkpoint_loads_through_model_hf_with_transformers_logits(tmp_path):
+    """A Qwen2MoeForCausalLM with random weights, written by transformers' save_pretrained: +model=hf
+    reads its config, maps its tensor names onto the canonical ones, starts from the file's tensors
+    (checksum) and computes transformers' logits, load-balancing loss and training loss."""
+    torch.manual_seed(0)
+    reference = transformers.Qwen2MoeForCausalLM(_hf_config(transformers.Qwen2MoeConfig, **QWEN2_MOE)).eval()
+    with torch.no_grad():  # random everywhere (transformers zeroes the biases and sets the norms to 1)
+        for p in reference.parameters():
+            p.normal_(0.0, 0.1)
+    reference.save_pretrained(tmp_path / "tiny-qwen2-moe")
+    spec = from_config(
+        hydraconfig.to_plain(hydraconfig.compose(["+model=hf", f"model.path={tmp_path / 'tiny-qwen2-moe'}"]))
+    ).model
+    assert (spec.num_local_experts, spec.moe_intermediate_size, spec.shared_expert_intermediate_size) == (4, 48, 80)
+    assert (spec.norm_topk_prob, spec.qkv_bias, spec.router_aux_loss_coef) == (False, True, 0.02)
+    stored = safetensors_torch.load_file(str(tmp_path / "tiny-qwen2-moe" / "model.safetensors"))
+    canonical = {n: stored[_qwen2_moe_name(n)] for n in spec.parameter_shapes()}
+    assert len(canonical) == len(stored)
+    model = build_llama(spec, seed=0)
+    assert weights_checksum(dict(model.named_parameters())) == weights_checksum(canonical)
+    ids = torch.randint(0, spec.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = reference(ids, labels=ids, output_router_logits=True)
+        logits, aux = model(ids, with_aux_loss=True)
+        targets = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+        loss = training_loss(model, spec, ids, targets)
+    torch.testing.assert_close(logits, out.logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(aux, out.aux_loss, rtol=0, atol=1e-6)
+    torch.testing.assert_close(loss, out.loss, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "field, value", [("decoder_sparse_step", 2), ("mlp_only_layers", [0]), ("norm_topk_prob", "no")]
+)
+def test_qwen2_moe_configs_with_dense_layers_are_refused(tmp_path, capsys, field, value):
+    """Qwen2-MoE's dense layers (every decoder_sparse_step-th layer sparse, mlp_only_layers dense) are
+    not in the canonical model, whose layers all have the MoE block."""
+    (tmp_path / "m").mkdir()
+    config = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", **QWEN2_MOE, field: value}
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    key = "model.norm_topk_prob" if field == "norm_topk_prob" else field
+    assert_refused_before_launch(["+model=hf", f"model.path={tmp_path / 'm'}"], key, tmp_path, capsys)
 
 
 @pytest.mark.parametrize("backend", ["mindspore", "mindspeed"])  # deepspeed: tests/test_moe_deepspeed.py
@@ -424,7 +521,8 @@ INVALID_MEGATRON_MOE = {
         "backend.ep",
     ),
     "expert tensor parallelism": (["backend.tp=2", "launcher.nproc_per_node=2"], "backend.tp"),
-    "shared expert": (["model.shared_expert_intermediate_size=64"], "model.shared_expert_intermediate_size"),
+    # "+": moe-tiny.yaml has no such key (without it Hydra's own "Could not override" named the key)
+    "shared expert": (["+model.shared_expert_intermediate_size=64"], "model.shared_expert_intermediate_size"),
     "top-1": (["model.num_experts_per_tok=1"], "model.num_experts_per_tok"),
     # the first forward under full recompute runs without grad: the load-balancing loss lost its gradient
     "full recompute": (["backend.recompute_granularity=full"], "backend.recompute_granularity"),
@@ -434,7 +532,7 @@ INVALID_MEGATRON_MOE = {
 @pytest.mark.parametrize("case", INVALID_MEGATRON_MOE)
 def test_megatron_moe_layouts_it_cannot_run_are_refused_before_launch(tmp_path, capsys, case):
     overrides, key = INVALID_MEGATRON_MOE[case]
-    base = [] if overrides[0].startswith("+model") else MEGATRON_MOE
+    base = [] if overrides[0].startswith("+model=") else MEGATRON_MOE
     assert_refused_before_launch([*base, *overrides], key, tmp_path, capsys)
 
 
@@ -467,11 +565,20 @@ def test_megatron_moe_engine_in_process_matches_the_canonical_model(tmp_path):
         assert_trains_like_the_canonical_model(engine, job)
 
 
-def _one_rank_megatron_job():
+def test_megatron_moe_engine_with_norm_topk_prob_false_matches_the_canonical_model(tmp_path):
+    """Qwen2-MoE's routing (the top-k softmax probabilities, not renormalised) through megatron-core's
+    moe_router_pre_softmax: the same 3 steps as the canonical model's."""
+    job = _one_rank_megatron_job("+model.norm_topk_prob=false")
+    assert not job.model.norm_topk_prob
+    with _megatron_engine_in_process(job, tmp_path) as engine:
+        assert_trains_like_the_canonical_model(engine, job)
+
+
+def _one_rank_megatron_job(*overrides: str):
     from parabench.spec import resolve_device
 
     return resolve_device(
-        _megatron_job("data.seq_len=32", "data.global_batch_size=4", "launcher.nproc_per_node=1"), "cpu"
+        _megatron_job("data.seq_len=32", "data.global_batch_size=4", "launcher.nproc_per_node=1", *overrides), "cpu"
     )
 
 

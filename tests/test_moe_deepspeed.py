@@ -141,7 +141,9 @@ INVALID = {
     "activation checkpointing": (["backend.activation_checkpointing=true"], "backend.activation_checkpointing"),
     "checkpoints": (["run.checkpoint.every=5"], "run.checkpoint.every"),
     "top-1": (["model.num_experts_per_tok=1"], "model.num_experts_per_tok"),
-    "shared expert": (["model.shared_expert_intermediate_size=64"], "model.shared_expert_intermediate_size"),
+    # "+": moe-tiny.yaml has no such key (without it Hydra's own "Could not override" named the key)
+    "shared expert": (["+model.shared_expert_intermediate_size=64"], "model.shared_expert_intermediate_size"),
+    "top-k weights not renormalised": (["+model.norm_topk_prob=false"], "model.norm_topk_prob"),
 }
 
 
