@@ -24,7 +24,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 from parabench.adapters.base import Availability, Capabilities, Engine, WorkerContext
-from parabench.adapters.megatron import MegatronAdapter, MegatronEngine, MegatronOptions, recompute_settings
+from parabench.adapters.megatron import (
+    MegatronAdapter,
+    MegatronEngine,
+    MegatronOptions,
+    moe_config,
+    recompute_settings,
+)
 from parabench.devices import AUTOLOAD_TEXT, NPUDevice, cann_library, cann_version, package_version
 from parabench.errors import SpecError
 from parabench.spec import JobSpec
@@ -111,6 +117,7 @@ def mindspeed_argv(job: JobSpec) -> list[str]:
     recompute = recompute_settings(o)
     if recompute["recompute_granularity"] is not None:
         args += [f"--{key.replace('_', '-')}={value}" for key, value in recompute.items()]
+    args += moe_argv(job)
     for flag, on in (
         ("--sequence-parallel", o.sequence_parallel),
         ("--use-distributed-optimizer", o.distributed_optimizer),
@@ -127,6 +134,28 @@ def mindspeed_argv(job: JobSpec) -> list[str]:
         if on:
             args.append(flag)
     return args
+
+
+# Megatron-LM's flag for each TransformerConfig field whose flag is not the field's own name with
+# '-' for '_' (megatron/training/arguments.py, core_transformer_config_from_args: num_moe_experts =
+# args.num_experts; every other field is read from the argument of its own name).
+MOE_FLAG_NAMES = {"num_moe_experts": "num-experts"}
+
+
+def moe_argv(job: JobSpec) -> list[str]:
+    """Megatron-LM's MoE flags for the MoE layer the megatron engine builds (``moe_config``: the same
+    TransformerConfig fields, so MindSpeed's parser and the engine agree): a value flag for each set
+    field, a store_true flag for each true one; false and None are Megatron-LM's defaults, left out.
+    Megatron-LM core_v0.12.1 megatron/training/arguments.py ``_add_moe_args`` defines every one of
+    them (MindSpeed 26.0.0_core_r0.12.1 extends that parser: mindspeed/arguments.py)."""
+    flags = []
+    for field, value in moe_config(job.model, job.backend.options).items():
+        flag = "--" + MOE_FLAG_NAMES.get(field, field.replace("_", "-"))
+        if value is True:
+            flags.append(flag)
+        elif value is not False and value is not None:
+            flags.append(f"{flag}={value}")
+    return flags
 
 
 def version_set() -> dict[str, str | None]:

@@ -215,3 +215,61 @@ def test_mindspeed_recompute_flags_are_megatron_lms():
         "--recompute-method=block",
         "--recompute-num-layers=1",
     ]
+
+
+# Megatron-LM core_v0.12.1 megatron/training/arguments.py, ``_add_moe_args``: the MoE flags of the
+# parser MindSpeed 26.0.0_core_r0.12.1 (KNOWN_GOOD) extends (mindspeed/arguments.py ``process_args``
+# adds MindSpeed's own to it), with their type, choices or store_true and their default.
+MEGATRON_LM_MOE_FLAGS = {
+    "--expert-model-parallel-size": {"type": int, "default": 1},
+    "--num-experts": {"type": int, "default": None},
+    "--moe-ffn-hidden-size": {"type": int, "default": None},
+    "--moe-grouped-gemm": {"action": "store_true"},
+    "--moe-router-load-balancing-type": {
+        "choices": ["aux_loss", "seq_aux_loss", "sinkhorn", "none"],
+        "default": "aux_loss",
+    },
+    "--moe-router-score-function": {"choices": ["softmax", "sigmoid"], "default": "softmax"},
+    "--moe-router-topk": {"type": int, "default": 2},
+    "--moe-router-pre-softmax": {"action": "store_true"},
+    "--moe-aux-loss-coeff": {"type": float, "default": 0.0},
+    "--moe-token-dispatcher-type": {
+        "choices": ["allgather", "alltoall", "flex", "alltoall_seq"],
+        "default": "allgather",
+    },
+    "--moe-expert-capacity-factor": {"type": float, "default": None},
+}
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["backend.ep=2", "launcher.nproc_per_node=2"],
+        ["backend.moe_token_dispatcher=allgather", "+model.norm_topk_prob=false"],
+    ],
+)
+def test_mindspeed_moe_flags_parse_to_the_megatron_engines_moe_config(overrides):
+    """The MoE flags mindspeed_argv writes for a MoE model parse with Megatron-LM's MoE arguments (the
+    parser MindSpeed extends) into exactly the TransformerConfig fields the megatron engine builds
+    its MoELayer from (moe_config; Megatron-LM core_transformer_config_from_args reads each field from
+    the argument of its name, num_moe_experts from --num-experts). The job is megatron's: mindspeed
+    refuses a MoE model before launch (Capabilities.moe)."""
+    import argparse
+
+    from parabench.adapters.megatron import moe_config
+    from parabench.adapters.mindspeed import moe_argv
+    from parabench.hydraconfig import compose, to_plain
+    from parabench.jobs import from_config
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    for flag, kwargs in MEGATRON_LM_MOE_FLAGS.items():
+        parser.add_argument(flag, **kwargs)
+    job = from_config(to_plain(compose(["+model=moe-tiny", "backend=megatron", *overrides])))
+    argv = moe_argv(job)
+    parsed = vars(parser.parse_args(argv))
+    fields = moe_config(job.model, job.backend.options)
+    expected = {("num_experts" if k == "num_moe_experts" else k): v for k, v in fields.items()}
+    assert {k: parsed[k] for k in expected} == expected
+    assert ("--moe-router-pre-softmax" in argv) == (not job.model.norm_topk_prob)
+    dense = from_config(to_plain(compose(["+model=llama", "backend=mindspeed"])))
+    assert moe_argv(dense) == []
