@@ -256,11 +256,6 @@ def _check_moe(job: JobSpec) -> None:
     for key, bad, why in _moe_unchecked(o):
         if bad:
             raise SpecError(key, f"with a MoE model (model.num_local_experts={m.num_local_experts}): {why}")
-    if m.shared_expert_intermediate_size:
-        raise SpecError(
-            "model.shared_expert_intermediate_size",
-            "the shared expert and its sigmoid gate are not mapped onto megatron-core's SharedExpertMLP yet",
-        )
     if m.num_experts_per_tok == 1:
         raise SpecError(
             "model.num_experts_per_tok",
@@ -607,6 +602,9 @@ def moe_config(spec: ModelSpec, opts: MegatronOptions) -> dict:
         "expert_model_parallel_size": opts.ep,
         "moe_router_load_balancing_type": "none",
         "moe_aux_loss_coeff": 0.0,
+        # Qwen2-MoE's shared expert: SharedExpertMLP (moe/shared_experts.py) with its sigmoid gate
+        "moe_shared_expert_intermediate_size": spec.shared_expert_intermediate_size or None,
+        "moe_shared_expert_gate": bool(spec.shared_expert_intermediate_size),
     }
 
 

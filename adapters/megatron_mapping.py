@@ -29,7 +29,11 @@ experts, the local spec with ``num_experts``) has, instead of ``mlp.linear_fc1/f
   = w2 of global expert ``ep_rank * E/ep + j``: with expert parallel size ep, expert-parallel rank
   ``ep_rank`` holds the E/ep consecutive experts starting there (megatron-core
   ``transformer/moe/moe_layer.py``: ``local_expert_indices`` = ``ep_rank * num_local_experts + j``;
-  docs/sources.md#megatron-moe).
+  docs/sources.md#megatron-moe);
+* with Qwen2-MoE's shared expert, ``...mlp.shared_experts.linear_fc1.weight`` = [gate_proj; up_proj],
+  ``...linear_fc2.weight`` = down_proj and ``...shared_experts.gate_weight`` = ``shared_expert_gate``
+  ([1, hidden]; megatron-core ``transformer/moe/shared_experts.py`` ``SharedExpertMLP``, a dense MLP
+  every expert rank holds whole, scaled by sigmoid(x gate_weight^T)).
 
 With the Transformer-Engine spec the two norms are fused into the following linear layers and are
 named ``self_attention.linear_qkv.layer_norm_weight`` and ``mlp.linear_fc1.layer_norm_weight``
@@ -112,7 +116,11 @@ def _mlp_names(spec: ModelSpec, layout: Layout, ep_rank: int) -> tuple[str, ...]
         return _DENSE_MLP
     moe = "block_sparse_moe."
     experts = layout.local_experts(spec, ep_rank)
-    return (moe + "gate.weight", *(f"{moe}experts.{e}.w{k}.weight" for e in experts for k in (1, 2, 3)))
+    names = (moe + "gate.weight", *(f"{moe}experts.{e}.w{k}.weight" for e in experts for k in (1, 2, 3)))
+    if spec.shared_expert_intermediate_size:
+        names += tuple(f"{moe}shared_expert.{n}_proj.weight" for n in ("gate", "up", "down"))
+        names += (moe + "shared_expert_gate.weight",)
+    return names
 
 
 def canonical_names(spec: ModelSpec, layout: Layout, stage: int, chunk: int = 0, ep_rank: int = 0) -> list[str]:
@@ -190,6 +198,9 @@ def _mlp_to_megatron(
             (f"{moe}experts.{e}.", f"experts.local_experts.{j}.", "w1", "w3", "w2")
             for j, e in enumerate(layout.local_experts(spec, ep_rank))
         ]
+        if spec.shared_expert_intermediate_size:
+            pairs.append((moe + "shared_expert.", "shared_experts.", "gate_proj", "up_proj", "down_proj"))
+            out["mlp.shared_experts.gate_weight"] = canonical[moe + "shared_expert_gate.weight"].copy()
     for src, dst, gate, up, down in pairs:
         fc1 = [_rows(canonical[f"{src}{gate}.weight"], rank, t), _rows(canonical[f"{src}{up}.weight"], rank, t)]
         out[f"mlp.{dst}linear_fc1.weight"] = np.concatenate(fc1)
@@ -210,6 +221,10 @@ def _mlp_from_megatron(
             (f"block_sparse_moe.experts.{e}.", f"experts.local_experts.{j}.", "w1", "w3", "w2")
             for j, e in enumerate(layout.local_experts(spec, ep_rank))
         ]
+        if spec.shared_expert_intermediate_size:
+            pairs.append(("block_sparse_moe.shared_expert.", "shared_experts.", "gate_proj", "up_proj", "down_proj"))
+            gate_weight = tp_shards[0][m + "mlp.shared_experts.gate_weight"]
+            out["block_sparse_moe.shared_expert_gate.weight"] = np.array(gate_weight)
     for dst, src, gate, up, down in pairs:
         halves = [np.split(s[f"{m}mlp.{src}linear_fc1.weight"], 2, axis=0) for s in tp_shards]
         out[f"{dst}{gate}.weight"] = np.concatenate([h[0] for h in halves])

@@ -510,6 +510,31 @@ def test_megatron_expert_mapping_is_lossless_over_expert_ranks(tp):
     )
 
 
+def test_megatron_shared_expert_mapping_is_lossless_and_held_whole_by_every_expert_rank():
+    """Qwen2-MoE's shared expert: SharedExpertMLP's fc1 = [gate_proj; up_proj], fc2 = down_proj and
+    gate_weight = shared_expert_gate, the same on every expert-parallel rank; back bit for bit."""
+    from parabench.adapters.megatron_mapping import Layout, from_megatron, to_megatron
+    from parabench.model import canonical_weights
+
+    spec = dataclasses.replace(TINY_MOE, moe_intermediate_size=48, shared_expert_intermediate_size=80)
+    canonical = canonical_weights(spec, seed=5)
+    back: dict[str, np.ndarray] = {}
+    shared = "model.layers.1.block_sparse_moe.shared_expert"
+    for ep_rank in (0, 1):
+        shard = to_megatron(canonical, spec, Layout(ep=2), 0, 0, 0, ep_rank)
+        fc1 = np.concatenate([canonical[shared + ".gate_proj.weight"], canonical[shared + ".up_proj.weight"]])
+        assert np.array_equal(shard["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"], fc1)
+        assert np.array_equal(
+            shard["decoder.layers.1.mlp.shared_experts.linear_fc2.weight"], canonical[shared + ".down_proj.weight"]
+        )
+        assert np.array_equal(
+            shard["decoder.layers.1.mlp.shared_experts.gate_weight"], canonical[shared + "_gate.weight"]
+        )
+        back.update(from_megatron([shard], spec, Layout(ep=2), 0, 0, ep_rank))
+    assert set(back) == set(canonical)
+    assert all(np.array_equal(back[n], canonical[n]) for n in canonical)
+
+
 INVALID_MEGATRON_MOE = {
     "ep does not divide the experts": (
         ["backend.ep=3", "launcher.nproc_per_node=3", "data.global_batch_size=6"],
@@ -521,8 +546,6 @@ INVALID_MEGATRON_MOE = {
         "backend.ep",
     ),
     "expert tensor parallelism": (["backend.tp=2", "launcher.nproc_per_node=2"], "backend.tp"),
-    # "+": moe-tiny.yaml has no such key (without it Hydra's own "Could not override" named the key)
-    "shared expert": (["+model.shared_expert_intermediate_size=64"], "model.shared_expert_intermediate_size"),
     "top-1": (["model.num_experts_per_tok=1"], "model.num_experts_per_tok"),
     # the first forward under full recompute runs without grad: the load-balancing loss lost its gradient
     "full recompute": (["backend.recompute_granularity=full"], "backend.recompute_granularity"),
@@ -565,11 +588,15 @@ def test_megatron_moe_engine_in_process_matches_the_canonical_model(tmp_path):
         assert_trains_like_the_canonical_model(engine, job)
 
 
-def test_megatron_moe_engine_with_norm_topk_prob_false_matches_the_canonical_model(tmp_path):
-    """Qwen2-MoE's routing (the top-k softmax probabilities, not renormalised) through megatron-core's
-    moe_router_pre_softmax: the same 3 steps as the canonical model's."""
-    job = _one_rank_megatron_job("+model.norm_topk_prob=false")
-    assert not job.model.norm_topk_prob
+def test_megatron_moe_engine_with_qwen2_moe_block_matches_the_canonical_model(tmp_path):
+    """Qwen2-MoE's block on megatron-core: its routing (the top-k softmax probabilities, not
+    renormalised: moe_router_pre_softmax), narrower experts (moe_ffn_hidden_size) and the
+    sigmoid-gated shared expert (SharedExpertMLP, moe_shared_expert_gate): the same 3 steps as the
+    canonical model's."""
+    job = _one_rank_megatron_job(
+        "+model.norm_topk_prob=false", "+model.moe_intermediate_size=96", "+model.shared_expert_intermediate_size=160"
+    )
+    assert not job.model.norm_topk_prob and job.model.shared_expert_intermediate_size == 160
     with _megatron_engine_in_process(job, tmp_path) as engine:
         assert_trains_like_the_canonical_model(engine, job)
 
