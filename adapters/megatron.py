@@ -420,6 +420,8 @@ class MegatronAdapter(Adapter):
         shards_model_states=True,
         # megatron-core's MoELayer: router, top-k, SequentialMLP experts, expert parallelism (backend.ep)
         moe=True,
+        # Qwen2's q/k/v biases: add_qkv_bias, the fused linear_qkv's bias (adapters/megatron_mapping.py)
+        model_features=frozenset({"qkv_bias"}),
         # dist_checkpointing stores every tensor as a ShardedTensor (global shape + this rank's
         # offsets), so a job with another TP size or data-parallel size loads the same files
         # (docs/resilience.md#megatron).
@@ -782,7 +784,7 @@ class MegatronEngine(Engine):
             gated_linear_unit=True,
             activation_func=F.silu,
             add_bias_linear=False,
-            add_qkv_bias=False,
+            add_qkv_bias=spec.qkv_bias,
             hidden_dropout=0.0,
             attention_dropout=0.0,
             tensor_model_parallel_size=o.tp,

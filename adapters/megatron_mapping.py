@@ -13,6 +13,8 @@ Megatron's layout for one (pipeline stage, virtual chunk, tensor rank), with the
   [q heads of group 0, k0, v0, q heads of group 1, k1, v1, ...] (query head j belongs to group
   j // (heads / groups), as in HF's ``repeat_interleave``), then split evenly on dim 0 over the
   t tensor ranks (ColumnParallelLinear);
+* ``...self_attention.linear_qkv.bias`` (``qkv_bias``, Qwen2; megatron-core ``add_qkv_bias``): the
+  q/k/v biases fused and split as the weight's rows;
 * ``...self_attention.linear_proj.weight``: o_proj split on dim 1 (RowParallelLinear);
 * ``...mlp.linear_fc1.weight``: [gate rows of rank r; up rows of rank r] - each rank's output is
   chunked into (gate, up) by the gated-linear-unit forward, so the two halves are split separately;
@@ -131,6 +133,7 @@ def canonical_names(spec: ModelSpec, layout: Layout, stage: int, chunk: int = 0,
         names.append("model.embed_tokens.weight")
     for g in layout.chunk_layers(spec, stage, chunk):
         p = f"model.layers.{g}."
+        biases = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias") if spec.qkv_bias else ()
         names += [
             p + n
             for n in (
@@ -138,6 +141,7 @@ def canonical_names(spec: ModelSpec, layout: Layout, stage: int, chunk: int = 0,
                 "self_attn.q_proj.weight",
                 "self_attn.k_proj.weight",
                 "self_attn.v_proj.weight",
+                *biases,
                 "self_attn.o_proj.weight",
                 "post_attention_layernorm.weight",
                 *_mlp_names(spec, layout, ep_rank),
@@ -260,6 +264,9 @@ def to_megatron(
         )
         out[m + ln1] = canonical[c + "input_layernorm.weight"].copy()
         out[m + "self_attention.linear_qkv.weight"] = _rows(qkv, rank, t)
+        if spec.qkv_bias:  # the biases in the weight's row order: one column through fuse_qkv
+            biases = [canonical[f"{c}self_attn.{x}_proj.bias"][:, None] for x in "qkv"]
+            out[m + "self_attention.linear_qkv.bias"] = _rows(fuse_qkv(*biases, spec), rank, t)[:, 0].copy()
         out[m + "self_attention.linear_proj.weight"] = _cols(canonical[c + "self_attn.o_proj.weight"], rank, t)
         out[m + ln2] = canonical[c + "post_attention_layernorm.weight"].copy()
         out.update({m + n: v for n, v in _mlp_to_megatron(canonical, spec, layout, c, rank, ep_rank).items()})
@@ -299,6 +306,10 @@ def from_megatron(
             k,
             v,
         )
+        if spec.qkv_bias:
+            qb, kb, vb = split_qkv(cat(m + "self_attention.linear_qkv.bias", 0)[:, None], spec)
+            out[c + "self_attn.q_proj.bias"], out[c + "self_attn.k_proj.bias"] = qb[:, 0].copy(), kb[:, 0].copy()
+            out[c + "self_attn.v_proj.bias"] = vb[:, 0].copy()
         out[c + "self_attn.o_proj.weight"] = cat(m + "self_attention.linear_proj.weight", 1)
         out[c + "post_attention_layernorm.weight"] = np.array(tp_shards[0][m + ln2])
         out.update({c + n: v for n, v in _mlp_from_megatron(tp_shards, spec, layout, m, ep_rank).items()})

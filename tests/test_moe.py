@@ -535,6 +535,26 @@ def test_megatron_shared_expert_mapping_is_lossless_and_held_whole_by_every_expe
     assert all(np.array_equal(back[n], canonical[n]) for n in canonical)
 
 
+def test_megatron_qkv_bias_mapping_is_lossless_over_tensor_ranks():
+    """The q/k/v biases fused in linear_qkv's row order (per query group: q heads, k, v) and split over
+    tp as its rows are; back bit for bit."""
+    from parabench.adapters.megatron_mapping import Layout, from_megatron, fuse_qkv, to_megatron
+    from parabench.model import canonical_weights
+
+    spec = dataclasses.replace(TINY_MOE, qkv_bias=True)
+    canonical = canonical_weights(spec, seed=5)
+    for name in [n for n in canonical if n.endswith(".bias")]:  # zeros at init: distinct values instead
+        canonical[name] = np.arange(1, canonical[name].size + 1, dtype=np.float32)
+    layout = Layout(tp=2)
+    shards = [to_megatron(canonical, spec, layout, 0, 0, r) for r in range(2)]
+    a = "model.layers.0.self_attn."
+    rows = fuse_qkv(*(canonical[f"{a}{x}_proj.bias"][:, None] for x in "qkv"), spec)[:, 0]
+    assert np.array_equal(np.concatenate([s["decoder.layers.0.self_attention.linear_qkv.bias"] for s in shards]), rows)
+    assert rows.size == (spec.num_attention_heads + 2 * spec.num_key_value_heads) * spec.head_dim
+    back = from_megatron(shards, spec, layout, 0, 0)
+    assert set(back) == set(canonical) and all(np.array_equal(back[n], canonical[n]) for n in canonical)
+
+
 INVALID_MEGATRON_MOE = {
     "ep does not divide the experts": (
         ["backend.ep=3", "launcher.nproc_per_node=3", "data.global_batch_size=6"],
@@ -589,12 +609,15 @@ def test_megatron_moe_engine_in_process_matches_the_canonical_model(tmp_path):
 
 
 def test_megatron_moe_engine_with_qwen2_moe_block_matches_the_canonical_model(tmp_path):
-    """Qwen2-MoE's block on megatron-core: its routing (the top-k softmax probabilities, not
-    renormalised: moe_router_pre_softmax), narrower experts (moe_ffn_hidden_size) and the
-    sigmoid-gated shared expert (SharedExpertMLP, moe_shared_expert_gate): the same 3 steps as the
-    canonical model's."""
+    """Qwen2-MoE's layer on megatron-core: its routing (the top-k softmax probabilities, not
+    renormalised: moe_router_pre_softmax), narrower experts (moe_ffn_hidden_size), the sigmoid-gated
+    shared expert (SharedExpertMLP, moe_shared_expert_gate) and the q/k/v biases (add_qkv_bias): the
+    same 3 steps as the canonical model's."""
     job = _one_rank_megatron_job(
-        "+model.norm_topk_prob=false", "+model.moe_intermediate_size=96", "+model.shared_expert_intermediate_size=160"
+        "+model.norm_topk_prob=false",
+        "+model.moe_intermediate_size=96",
+        "+model.shared_expert_intermediate_size=160",
+        "+model.qkv_bias=true",
     )
     assert not job.model.norm_topk_prob and job.model.shared_expert_intermediate_size == 160
     with _megatron_engine_in_process(job, tmp_path) as engine:
