@@ -184,6 +184,7 @@ def load_rows(only: set[str] | None) -> tuple[list[Row], list[dict[str, Any]]]:
         feats = Features(
             tp_overlap=bool(lay.get("mc2") or raw["source"] == "megatron-readme"),
             recompute="selective_op" if lay.get("activation_checkpointing") == "selective" else None,
+            ops=lay.get("ops", "fused"),
         )
         rows.append(Row(raw, clusters.load(raw["cluster"]), published_tokens(raw), feats))
     return rows, skipped
@@ -195,22 +196,29 @@ def errors(rows: list[Row], jobs: dict[str, list], cal: Calibration) -> dict[str
 
 def fit_curve(rows: list[Row], jobs: dict[str, list], kind: str) -> list[float]:
     """(e_max, x0, beta) minimising the mean |error| of ``rows`` at their published layouts: a grid,
-    then a finer grid around its best point (the special-function ratio is the device's published
-    one, ``gemms.CURVES``, not fitted)."""
+    then a finer grid around each of its three best points (the special-function ratio is the
+    device's published one, ``gemms.CURVES``, not fitted)."""
 
     def score(p: tuple[float, float, float]) -> float:
         cal = Calibration("fit", curves={kind: list(p)})
         return statistics.mean(abs(v) for v in errors(rows, jobs, cal).values())
 
     coarse = itertools.product(
-        [0.4 + 0.1 * i for i in range(7)], [50 * 2**i for i in range(7)], [0.0, 2e-11, 5e-11, 1e-10, 2e-10]
+        [0.4 + 0.1 * i for i in range(7)],
+        [50 * 2**i for i in range(7)],
+        [0.0, 2e-13, 5e-13, 1e-12, 2e-12],  # beta: s per byte (1/beta: 5 to 0.5 TB/s)
     )
-    e0, x0, b0 = min(coarse, key=score)
-    fine = itertools.product(
-        [e0 + 0.02 * i for i in range(-3, 4)],
-        [x0 * 2 ** (i / 4) for i in range(-2, 3)],
-        [b0 * f for f in (0.7, 1, 1.4)],
-    )
+    # the finer grid around each of the three best coarse points (one basin's best can lose to another's)
+    starts = sorted(coarse, key=score)[:3]
+    fine = [
+        p
+        for e0, x0, b0 in starts
+        for p in itertools.product(
+            [e0 + 0.02 * i for i in range(-3, 4)],
+            [x0 * 2 ** (i / 4) for i in range(-2, 3)],
+            [b0 * f for f in (0.7, 1, 1.4)],
+        )
+    ]
     return list(min(fine, key=score))
 
 

@@ -874,10 +874,10 @@ def test_the_output_layer_is_not_split_over_the_stages_of_the_gemm_model():
     pp2 = _estimate("megatron", 2, "data.global_batch_size=8", "data.micro_batch_size=2", pp=2)
     dp2 = _estimate("megatron", 2, "data.global_batch_size=8", "data.micro_batch_size=2")
     # the lm_head of one micro-batch: a (2 x 256) x 32,000 x 256 GEMM, forward + 2 backward, and the
-    # logits' memory-bound work (beta per element), on the H100 curve (989 TFLOP/s)
+    # logits' memory-bound work (beta per byte, 52 bytes per logit), on the H100 curve (989 TFLOP/s)
     c, (m, n, k) = CURVES["cuda"], (512, 32_000, 256)
     x = m * n * k / (m * k + k * n + m * n)
-    head = 3 * 2 * m * n * k / (989e12 * c.e_max * x / (x + c.x0)) + c.beta * m * n
+    head = 3 * 2 * m * n * k / (989e12 * c.e_max * x / (x + c.x0)) + c.beta * 52 * m * n
     # pp2: 4 micro-batches through half the layers and the whole head; dp2: 2 through everything
     assert pp2.compute_s - pp2.stage_compute_s == pytest.approx(4 * head)
     assert pp2.compute_s - dp2.compute_s == pytest.approx(2 * head)

@@ -72,13 +72,18 @@ def test_cluster_peak_comes_from_the_cluster_file(tmp_path, monkeypatch):
     assert "no peak" in str(err.value) and "\n" not in str(err.value)
 
 
-def test_tp_overlap_hides_tensor_parallel_collectives_behind_the_gemms():
+def test_tp_overlap_hides_tensor_parallel_collectives_behind_their_gemms():
     from test_plan import _job
 
     from parabench.plan.cluster import load
-    from parabench.plan.estimate import Calibration, Features, estimate
+    from parabench.plan.estimate import Calibration, Features, _fused_tp_gemms_s, estimate, fused_tp_hidden
+    from parabench.plan.profiles import PROFILES
 
-    job = _job("megatron", 2, "run.precision=bf16", "data.global_batch_size=4", device="cuda", tp=2,
+    # GEMMs large enough against NVLink that each hides most of its collective (h 2048: a tiny model's
+    # GEMMs hide less than megatron-core's asynchronous column backward pools behind two of them)
+    wide = ("model.hidden_size=2048", "model.intermediate_size=5632", "model.num_attention_heads=16",
+            "model.num_key_value_heads=16", "data.seq_len=1024")  # fmt: skip
+    job = _job("megatron", 2, "run.precision=bf16", "data.global_batch_size=4", *wide, device="cuda", tp=2,
                sequence_parallel=True)  # fmt: skip
     plain = estimate(job, load("h100-sxm"), 989.0, Calibration())
     over = estimate(job, load("h100-sxm"), 989.0, Calibration(), features=Features(tp_overlap=True))
@@ -89,17 +94,46 @@ def test_tp_overlap_hides_tensor_parallel_collectives_behind_the_gemms():
         plain.overlap.hidden["tp"] < over.overlap.hidden["tp"] <= plain.overlap.total["tp"]
     )  # at most the GEMMs' time
     assert over.step_s == pytest.approx(plain.step_s - (over.overlap.hidden["tp"] - plain.overlap.hidden["tp"]))
+    # each collective behind the GEMM it is fused with (mc2, TE userbuffers), not behind all of them
+    gemm_s = _fused_tp_gemms_s(job, PROFILES["megatron"].layout(job), load("h100-sxm"), 989.0, Calibration())
+    assert set(gemm_s) == {"qkv", "o", "gate+up", "down"}
+    fused = fused_tp_hidden(over.overlap.total["tp"], gemm_s)
+    assert over.overlap.hidden["tp"] == pytest.approx(max(fused, plain.overlap.hidden["tp"]))
+    # a GEMM large enough hides all of its collectives
+    assert fused_tp_hidden(1.0, {k: 1.0 for k in gemm_s}) == pytest.approx(1.0)
 
 
-def test_memory_bound_elements_are_tokens_times_layers_h_plus_vocab_over_tp():
-    from parabench.plan.gemms import Curve, elementwise_elements, step_compute_s
+def test_memory_bound_bytes_are_counted_per_op_of_the_layers_and_the_logits():
+    from parabench.plan.gemms import Curve, elementwise_bytes, layer_bytes, logit_bytes, step_compute_s
 
-    # Llama 3 8B, 2 x 8192 tokens, tp 8: 16,384 x (32 x 4,096 + 128,256) / 8
-    assert elementwise_elements(LLAMA3_8B, 8192, 2, tp=8) == 16384 * 32416 == 531_103_744
-    # beta seconds per element, per micro-batch, over the pp stages: nothing else when there is no GEMM
-    assert step_compute_s([], 4, 2, 1e15, Curve(0.5, 100.0, 1e-10), 0.0, 531_103_744) == pytest.approx(
-        1e-10 * 531_103_744 * 4 / 2
-    )
+    # fused kernels (TE / MindSpeed): per token and layer 2 bytes x (22 h + 4 (q + kv) + 8 i)
+    fused = 2 * (22 * 4096 + 4 * (4096 + 1024) + 8 * 14336)
+    assert layer_bytes(LLAMA3_8B) == fused == 450_560
+    # torchtitan eager: fp32 RMSNorms (132 bytes per element, twice), residual adds (30), RoPE in complex
+    # fp32 on q and k (60), the attention output's copy and repeat_kv (12 q + 12 q + 12 kv), SwiGLU (38 i)
+    eager = 294 * 4096 + 84 * 4096 + 72 * 1024 + 38 * 14336
+    assert layer_bytes(LLAMA3_8B, "eager") == eager == 2_166_784
+    # megatron-core's fp32 vocab-parallel cross-entropy: 52 bytes per logit, V / tp logits per token
+    assert logit_bytes(LLAMA3_8B, 8192, 2, tp=8) == 16384 * 52 * 128256 / 8
+    # Llama 3 8B, 2 x 8192 tokens, tp 8: the logits are 32% of the fused bytes, not 80% (V / (L h + V))
+    total = elementwise_bytes(LLAMA3_8B, 8192, 2, tp=8)
+    assert total == 16384 * (32 * fused / 8 + 52 * 128256 / 8)
+    assert logit_bytes(LLAMA3_8B, 8192, 2, tp=8) / total == pytest.approx(0.316, abs=1e-3)
+    # beta seconds per byte, per micro-batch, over the pp stages: nothing else when there is no GEMM
+    assert step_compute_s([], 4, 2, 1e15, Curve(0.5, 100.0, 1e-12), 0.0, total) == pytest.approx(1e-12 * total * 4 / 2)
+
+
+def test_fused_tp_collectives_hide_only_behind_their_own_gemm():
+    from parabench.plan.estimate import fused_tp_hidden
+
+    # sequence parallelism: 10 collectives per layer of 1 s each, 3 in qkv's and gate+up's GEMMs
+    # (forward all-gather, re-gather behind dgrad, reduce-scatter behind wgrad), 2 in o's and down's
+    # (forward reduce-scatter, all-gather behind dgrad); each hidden up to its GEMM (one forward pass)
+    gemm = {"qkv": 0.5, "o": 2.0, "gate+up": 3.0, "down": 0.25, "attention scores": 100.0}
+    assert fused_tp_hidden(10.0, gemm) == pytest.approx(3 * 0.5 + 2 * 1.0 + 3 * 1.0 + 2 * 0.25)
+    # without it 4 all-reduces: o's and down's forward, qkv's and gate+up's input gradients
+    assert fused_tp_hidden(4.0, gemm, sequence_parallel=False) == pytest.approx(0.5 + 1.0 + 1.0 + 0.25)
+    assert fused_tp_hidden(8.0, {}) == 0.0  # nothing to hide behind
 
 
 def test_published_rows_name_their_source_and_megatron_tokens_follow_narayanan(monkeypatch):
@@ -193,3 +227,26 @@ def test_gpu_softmax_time_adds_to_the_attention_gemms():
     assert step_compute_s(attention, 1, 1, 1e15, h100, 0.0) == pytest.approx(gemm + 256 * exps)
     # at head dimension 128: 2 exponentials x 256 against 14 x 128 FLOPs per score, 2 / 7 more time
     assert step_compute_s(attention, 1, 1, 1e15, h100, 0.0) == pytest.approx(gemm * (1 + 2 * 256 / (14 * 128)))
+
+
+def test_torchtitan_op_selective_checkpointing_keeps_the_saved_mm_outputs_only():
+    import dataclasses
+
+    from test_plan import _job
+
+    from parabench.plan.estimate import activation_bytes, op_sac_layer_bytes
+
+    base = _job("fsdp", 2, "run.precision=bf16", "data.global_batch_size=4", "data.micro_batch_size=2")
+    job = dataclasses.replace(base, model=LLAMA3_8B, data=dataclasses.replace(base.data, seq_len=8192))
+    # per token and layer: the block's input (h), q (4096), v (1024), the attention output (4096),
+    # w1 (14336) and w2's output (h), 2 bytes each (torchtitan 9dec370 ``_custom_policy``)
+    tokens = 2 * 8192
+    assert op_sac_layer_bytes(job) == 2 * tokens * (2 * 4096 + 2 * 4096 + 1024 + 14336) == 1_040_187_392
+    # 32 layers of it + one layer's activations during its recompute + the fp32 logits and their
+    # gradient: 48.8 GiB, where Korthikanti's selective recompute (34 s b h per layer) charged 80 GiB
+    # (torchtitan measured 82.4 GiB in all with 15 GiB of states on 8 GPUs)
+    op = activation_bytes(job, "selective_op", fused_attention=True, vocab_parallel=False)
+    korthikanti = activation_bytes(job, "selective", fused_attention=True, vocab_parallel=False)
+    logits = 2 * tokens * 128256 * 4
+    assert op == pytest.approx(32 * op_sac_layer_bytes(job) + 34 * tokens * 4096 + logits)
+    assert korthikanti == pytest.approx(32 * 34 * tokens * 4096 + logits)

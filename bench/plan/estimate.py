@@ -49,9 +49,9 @@ from parabench.plan.gemms import (
     CURVES,
     FITTED,
     Curve,
-    elementwise_elements,
+    elementwise_bytes,
     forward_gemms,
-    logit_elements,
+    logit_bytes,
     recompute_share,
     stage_compute_s,
 )
@@ -141,10 +141,13 @@ class Features:
     """What a stack does that no harness option sets (a published run's, docs/plan.md#overlap):
     ``tp_overlap``: tensor-parallel collectives overlapped with the GEMMs (Megatron's tp_comm_overlap
     with Transformer Engine on CUDA, MindSpeed's mc2 on the NPU); ``recompute``: replaces the
-    layout's (``selective_op``: torchtitan's op-level selective activation checkpointing)."""
+    layout's (``selective_op``: torchtitan's op-level selective activation checkpointing); ``ops``: the
+    memory-bound ops run fused or eager (``gemms.LAYER_BYTES``)."""
 
     tp_overlap: bool = False
     recompute: str | None = None
+    # the memory-bound ops' kernels (``gemms.LAYER_BYTES``): fused | eager (torchtitan without torch.compile)
+    ops: str = "fused"
 
 
 @dataclass(frozen=True)
@@ -223,7 +226,8 @@ def activation_bytes(
     activations; fp32 doubles them) on the pipeline stage that holds the most: the first stage's
     micro-batches in flight, or the last stage's with the fp32 logits and their gradient (split over
     tp when lm_head is: ``vocab_parallel``; ``stages_in_flight``).
-    ``recompute``: none | selective | full (docs/sources.md#activation-memory); ``recomputed``: the
+    ``recompute``: none | selective | full (docs/sources.md#activation-memory) | selective_op
+    (``op_sac_layer_bytes``); ``recomputed``: the
     share of the layers full recompute covers (the others keep all their activations)."""
     m, d, o = job.model, job.data, job.backend.options
     s, b, h, a = d.seq_len, d.micro_batch_size, m.hidden_size, m.num_attention_heads
@@ -240,12 +244,30 @@ def activation_bytes(
     layers = m.num_hidden_layers / p
     if recompute == "full":  # layer inputs kept; one layer's activations live during its recompute
         stored = 2 * s * b * h * layers * recomputed + per_layer * (layers * (1 - recomputed) + 1)
+    elif recompute == "selective_op":  # the saved op outputs; one layer's activations during its recompute
+        stored = op_sac_layer_bytes(job) * layers + per_layer
     else:
         stored = per_layer * layers
     first, last = stages_in_flight(p, v, job.grad_accum)
     logits = 2 * s * b * m.vocab_size / (t if vocab_parallel else 1) * 4
     # a device is one pipeline stage: the first holds the most micro-batches, the last the logits
     return max(stored * width * first, stored * width * last + logits)
+
+
+def op_sac_layer_bytes(job: JobSpec) -> float:
+    """Activations one decoder layer keeps for the backward of a micro-batch under torchtitan's op-level
+    selective activation checkpointing (2-byte activations): the block's input (``checkpoint_wrapper``
+    keeps it) and what the policy saves - the output of every mm but every second one, and the
+    attention's (pytorch/torchtitan 9dec370 torchtitan/parallelisms/parallelize_llama.py ``_save_list``,
+    ``_custom_policy``: ``mm_count % 2 == 0`` recomputed). A Llama block calls its mms in the order
+    q, k, v, o, w1, w3, w2 (torchtitan/models/llama/model.py), so q (q), v (kv), w1 (i) and w2 (h) are
+    saved, with the attention output (q); everything else is recomputed. tp splits all but the
+    block's input and w2's output (FSDP2 + TP without sequence parallelism)."""
+    m, d, o = job.model, job.data, job.backend.options
+    t = getattr(o, "tp", 1)
+    tokens = d.seq_len // getattr(o, "cp", 1) * d.micro_batch_size
+    q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    return 2 * tokens * (2 * m.hidden_size + (2 * q + kv + m.intermediate_size) / t)
 
 
 def stages_in_flight(p: int, v: int, micro_batches: int) -> tuple[float, float]:
@@ -309,7 +331,7 @@ def estimate(
     recomputed = 1.0 if features.recompute else prof.recomputed_layers(job)
     kind, layout = cluster.device_kind, prof.layout(job)
     acts = activation_bytes(
-        job, "selective" if recompute == "selective_op" else recompute, prof.fused_attention(job),
+        job, recompute, prof.fused_attention(job),
         layout.vocab_parallel, recomputed,
     )  # fmt: skip
     buffers = prof.buffers(job)
@@ -319,13 +341,15 @@ def estimate(
     device = states.total - host + acts + buffers + overhead
     fpt = flops_per_token(job.model, job.data.seq_len)
     threads = (threads or threads_of(cluster)) if kind == "cpu" else None
-    compute, stage, compute_model = _compute_s(job, layout, cluster, peak_tflops, cal, threads, recompute, recomputed)
+    compute, stage, compute_model = _compute_s(
+        job, layout, cluster, peak_tflops, cal, threads, recompute, recomputed, features.ops
+    )
     framework = cal.per_micro_batch(job.backend.name, kind, threads, layout_key(layout)) * model_passes(job)
     comm, spans, times, gather = _step_comm_s(job, prof, layout, cluster, cal, states)
     column = _tp_backward_async(job, prof, layout, cluster, cal, spans["tp"], stage)
-    overlap = _overlap(
-        job, prof, times, gather, compute, features, 6 * job.model.num_active_matmul_params() / fpt, column
-    )
+    fused = _fused_tp_gemms_s(job, layout, cluster, peak_tflops, cal) if features.tp_overlap else None
+    gemm_share = 6 * job.model.num_active_matmul_params() / fpt
+    overlap = _overlap(job, prof, times, gather, compute, features, gemm_share, column, fused)
     dp_hidden = overlap.hidden["dp grad reduce"] + overlap.hidden["dp param gather"]
     exposed = sum(times.values()) - sum(overlap.hidden.values())
     transfer, host_step, offload = _offload_time(
@@ -399,7 +423,7 @@ def _expert_comm(job: JobSpec, layout: Layout, batch: Batch, widths: Widths, sta
 
 def _compute_s(
     job: JobSpec, layout: Layout, cluster: Cluster, peak_tflops: float | None, cal: Calibration,
-    threads: int | None, recompute: str, recomputed: float = 1.0,
+    threads: int | None, recompute: str, recomputed: float = 1.0, ops: str = "fused",
 ) -> tuple[float, float, str]:  # fmt: skip
     """(seconds of compute per step of the last pipeline stage, of any other stage, the model used).
     A device kind with a GEMM efficiency curve (``gemms.CURVES``) and no efficiency of its own from
@@ -415,11 +439,11 @@ def _compute_s(
     if kind in CURVES and not cal.calibrated(name, kind):
         shape = (job.model, job.data.seq_len, job.data.micro_batch_size, layout.tp, layout.cp, layout.vocab_parallel)
         share = recompute_share(job.model, recompute) * recomputed
-        logits = logit_elements(*shape)
+        logits = logit_bytes(*shape)
         last, other = stage_compute_s(
             forward_gemms(*shape, ep=layout.ep), job.grad_accum, layout.pp, peak_tflops * 1e12, cal.curve(kind), share,
-            elementwise_elements(*shape) - logits, attention_recompute=float(recompute == "selective"),
-            output_elements=logits,
+            elementwise_bytes(*shape, ops=ops) - logits, attention_recompute=float(recompute == "selective"),
+            output_bytes=logits,
         )  # fmt: skip
         return last, other, "gemm-shapes"
     fpt = flops_per_token(job.model, job.data.seq_len)
@@ -468,13 +492,14 @@ def _tp_backward_async(job: JobSpec, prof, layout: Layout, cluster: Cluster, cal
 
 def _overlap(
     job: JobSpec, prof, times: dict[str, float], gather: float, compute: float, features: Features, gemm_share: float,
-    column: tuple[float, float, float] = (0.0, 0.0, 0.0),
+    column: tuple[float, float, float] = (0.0, 0.0, 0.0), fused: dict[str, float] | None = None,
 ) -> Overlap:  # fmt: skip
     """What each mechanism hides (docs/sources.md#plan-overlap): the dp gradient reduction behind the
     backward (2/3 of the compute) as far as the backend overlaps it; with ``overlap_param_gather``
     the distributed optimizer's parameter all-gather behind the forward (1/3); the context-parallel
     ring behind the attention (the 12 L H Q T share of the FLOPs: PaLM); tensor-parallel
-    collectives behind the GEMMs where the stack overlaps them (``Features.tp_overlap``), else the
+    collectives where the stack overlaps them (``Features.tp_overlap``) each behind the one GEMM it
+    is fused with (``fused_tp_hidden``; the CPU's FLOPs model: behind all the GEMMs), else the
     column-parallel backward's asynchronous ones (``column``: re-gathers behind the input-gradient
     GEMMs, reductions behind the weight-gradient GEMMs, each at most those GEMMs' time); the share of
     the pipeline send/recv the schedule overlaps (the profile's ``pp_overlap``: the interleaved
@@ -485,7 +510,14 @@ def _overlap(
     data = times["dp"] + times["edp"]  # the experts' buffers reduce and gather as the dense ones do
     grad_part = data - (gather if prof.param_overlap(job) else 0.0)
     regather, reduce, gemm = column
-    tp = min(times["tp"], compute * gemm_share) if features.tp_overlap else min(regather, gemm) + min(reduce, gemm)
+    column_async = min(regather, gemm) + min(reduce, gemm)
+    if features.tp_overlap and fused:  # never less than the asynchronous column backward it replaces
+        sp = bool(getattr(job.backend.options, "sequence_parallel", False))
+        tp = max(fused_tp_hidden(times["tp"], fused, sp), column_async)
+    elif features.tp_overlap:
+        tp = min(times["tp"], compute * gemm_share)
+    else:
+        tp = column_async
     hidden = {
         "dp grad reduce": prof.overlap(job) * min(grad_part, compute * 2 / 3),
         "dp param gather": param,
@@ -497,6 +529,49 @@ def _overlap(
     total = {"dp grad reduce": grad_part, "dp param gather": data - grad_part, "tp": times["tp"],
              "cp ring": times["cp"], "pp send/recv": times["pp"], "ep all-to-all": times["ep"]}  # fmt: skip
     return Overlap(total, hidden)
+
+
+# the collectives of a layer each GEMM runs one of inside its own (forward, input-gradient or
+# weight-gradient) GEMM when tensor-parallel communication is fused: with sequence parallelism the
+# column-parallel qkv and gate+up all-gather their input (forward), re-gather it (behind the
+# input-gradient GEMM) and reduce-scatter their input gradient (behind the weight-gradient GEMM); the
+# row-parallel o and down reduce-scatter their output (forward) and all-gather its gradient (behind
+# the input-gradient GEMM): 10 per layer, as ``commvolume`` counts them. Without it, 4 all-reduces:
+# o's and down's in the forward, qkv's and gate+up's input gradients in the backward.
+FUSED_TP_GEMMS = {True: {"qkv": 3, "o": 2, "gate+up": 3, "down": 2}, False: {"qkv": 1, "o": 1, "gate+up": 1, "down": 1}}
+
+
+def fused_tp_hidden(tp_s: float, gemm_s: dict[str, float], sequence_parallel: bool = True) -> float:
+    """The tensor-parallel communication fused GEMM + collective kernels hide: each collective only
+    behind the one GEMM it runs in - MindSpeed's mc2 (``--use-mc2``: torch_npu's npu_all_gather_base_mm /
+    npu_mm_reduce_scatter_base, Ascend/MindSpeed mindspeed/core/tensor_parallel/ascend_turbo/
+    mc2_linears_seq_parallel.py; its own planner prices an mc2 kernel as the matmul's time plus an
+    exposed communication time, mindspeed/auto_settings/module/communication/mc2_comm_perf_predictor.py),
+    Transformer Engine's userbuffers (``--tp-comm-overlap``: an all-gather split into the chunks of the
+    GEMM that consumes it, a reduce-scatter into those of the GEMM that produces it, the backward's
+    "bulk" overlaps). The collectives move equal tensors (b s h): ``tp_s`` spread evenly over the
+    ``FUSED_TP_GEMMS`` slots, each hidden up to its GEMM's time (``gemm_s``: one forward pass of each
+    kind per step, s; a backward GEMM has its forward's FLOPs)."""
+    slots = FUSED_TP_GEMMS[sequence_parallel]
+    each = tp_s / sum(slots.values())
+    return sum(n * min(each, gemm_s.get(what, 0.0)) for what, n in slots.items())
+
+
+def _fused_tp_gemms_s(
+    job: JobSpec, layout: Layout, cluster: Cluster, peak_tflops: float | None, cal: Calibration
+) -> dict[str, float] | None:
+    """Seconds of one forward pass per step of each GEMM of the last stage (its 1 / pp of the layers, every
+    micro-batch) at its shape's efficiency (``gemms``); None without the GEMM model (the CPU)."""
+    kind = cluster.device_kind
+    if not peak_tflops or kind not in CURVES or cal.calibrated(job.backend.name, kind):
+        return None
+    shape = (job.model, job.data.seq_len, job.data.micro_batch_size, layout.tp, layout.cp, layout.vocab_parallel)
+    curve, per_stage = cal.curve(kind), job.grad_accum / layout.pp
+    return {
+        g.what: g.flops / (peak_tflops * 1e12 * curve.eff(g.m, g.n, g.k)) * per_stage
+        for g in forward_gemms(*shape, ep=layout.ep)
+        if g.what in FUSED_TP_GEMMS[True]
+    }
 
 
 def _offload_time(off: Offload, cluster: Cluster, ranks_per_node: int, backward_left: float) -> tuple[float, ...]:

@@ -11,7 +11,8 @@ Each GEMM runs at a share of the device's peak that grows with its arithmetic in
 x = mnk / (mk + kn + mn) (FLOPs per byte moved for 2-byte operands: the roofline model, Williams,
 Waterman and Patterson 2009): eff(x) = e_max x / (x + x0). Beside the GEMMs, the memory-bound work
 (norms, activation functions, rotary embedding, the logits' softmax and cross-entropy) costs beta
-seconds per activation element, tokens x (L h + V) / tp of them. e_max, x0 and beta are fitted once
+seconds per byte it moves, counted per op from the kernels the stack runs (``LAYER_BYTES``: fused, or
+eager PyTorch; ``LOGIT_BYTES``), tokens x (L x layer bytes + 52 V) / tp. e_max, x0 and beta are fitted once
 per device kind on published runs (benchmarks/plan_published.py --fit; the values and the rows they were fitted on
 are in ``CURVES`` and docs/plan.md). The fused attention kernel (FlashAttention, Dao 2023) runs its
 GEMMs at e_max, recomputes the scores in its backward (5 GEMMs there against 2 in the forward: 2.5 x
@@ -38,9 +39,10 @@ class Curve:
 
     e_max: float
     x0: float
-    # seconds per activation element of the memory-bound work beside the GEMMs (norms, activations,
-    # rotary embedding, the logits' softmax and cross-entropy): per token, L x h of the layers and V
-    # of the logits, split by tp (sequence parallelism) and pp
+    # seconds per byte of the memory-bound work beside the GEMMs (norms, activations, rotary
+    # embedding, the logits' softmax and cross-entropy; 1 / beta: the bandwidth it achieves): per
+    # token ``layer_bytes`` x L of the layers and ``LOGIT_BYTES`` x V of the logits, split by tp
+    # (sequence parallelism) and pp
     beta: float = 0.0
     # matmul peak FLOP/s per exponential/s of the special-function units (the attention's softmax),
     # published, not fitted (0: not modelled); FlashAttention-2 runs the softmax between its two
@@ -59,14 +61,14 @@ class Curve:
 H100_SFU_RATIO = 4096 / 16
 
 # e_max, x0, beta fitted by `benchmarks/plan_published.py --fit` (docs/plan.md#calibration-on-published-runs);
-# refitted 2026-12-06 with the output layer on the last pipeline stage and megatron-core's
-# column-parallel backward overlap in the model
+# refitted 2026-12-07 with the memory-bound work in bytes (beta: seconds per byte, ``LAYER_BYTES``,
+# ``LOGIT_BYTES``) and fused tensor-parallel collectives hidden per GEMM (estimate.fused_tp_hidden)
 CURVES: dict[str, Curve] = {
-    "cuda": Curve(0.50, 141.4, 2.8e-11, H100_SFU_RATIO,
+    "cuda": Curve(0.52, 118.9, 7e-13, H100_SFU_RATIO,
                   fitted_on="megatron-readme (9 rows) + torchtitan-h100-202412 (2 rows), H100"),
     # the 910B's exponential throughput is not published: no softmax term (docs/plan.md: a fitted one
     # helped the rows it was fitted on and worsened the held-out figure)
-    "npu": Curve(0.62, 400.0, 1e-10, fitted_on="mindspeed-llm-readme (28 expressible rows), Ascend 910B"),
+    "npu": Curve(0.56, 70.7, 2e-12, fitted_on="mindspeed-llm-readme (28 expressible rows), Ascend 910B"),
 }  # fmt: skip
 
 
@@ -179,22 +181,63 @@ def _eff(g: Gemm, curve: Curve) -> float:
     return curve.e_max if g.what.startswith("attention") else curve.eff(g.m, g.n, g.k)
 
 
-def elementwise_elements(
-    model: ModelSpec, seq_len: int, micro_batch: int, tp: int = 1, cp: int = 1, vocab_parallel: bool = True
-) -> float:
-    """Activation elements of the memory-bound work of one micro-batch on one device (all layers):
-    tokens x (L h + V) / tp (V whole without ``vocab_parallel``)."""
+# Bytes of memory-bound traffic per token and layer for each element of a width (h, q = heads x
+# head_dim, kv = KV heads x head_dim, i = the MLP width), forward + backward, read + written, 2-byte
+# activations (docs/plan.md#memory-bound-work). "fused": the kernels Megatron-core with Transformer
+# Engine and MindSpeed's --use-fused-rmsnorm / --use-fused-swiglu / --use-fused-rotary-pos-emb run,
+# each one pass over its input and output: two RMSNorms (x -> y forward, x, dy -> dx backward: 5 h
+# elements each), two residual adds (3 h forward, 3 h adding the branch gradients), RoPE on q and k
+# (2 (q + kv) each way), SwiGLU (2 i -> i forward; 2 i and di -> 2 i backward). "eager": torchtitan's
+# Llama without torch.compile (pytorch/torchtitan 9dec370, torchtitan/models/norms.py ``RMSNorm``,
+# torchtitan/models/llama/model.py ``apply_rotary_emb``, ``repeat_kv``, ``Attention``,
+# ``FeedForward``, ``TransformerBlock``), one kernel per op, and under op-level selective
+# checkpointing (``op_sac``) every non-matmul op's forward once more in the backward: an RMSNorm in
+# fp32 (.float, pow, mean, x rsqrt, type_as, x weight: 36 bytes forward, 60 backward, 36
+# recomputed) twice, the residual adds (30 h), RoPE through complex fp32 (.float, complex multiply,
+# type_as: 20 bytes each way and recomputed, on q and k), the attention output's transpose copy (12 q),
+# repeat_kv's copies of k and v to q heads (4 kv + 4 q bytes forward, backward, recomputed), SwiGLU's
+# silu and multiply (10 bytes forward, 18 backward, 10 recomputed)
+LAYER_BYTES = {
+    "fused": {"h": 44.0, "q": 8.0, "kv": 8.0, "i": 16.0},
+    "eager": {"h": 2 * 132.0 + 30.0, "q": 60.0 + 12.0 + 12.0, "kv": 60.0 + 12.0, "i": 38.0},
+}
+# per logit: megatron-core 0.16 tensor_parallel/cross_entropy.py ``VocabParallelCrossEntropy`` in
+# fp32: forward .float() (2 read + 4 written), max (4), in-place subtract (8), exp (8), sum (4), the
+# softmax's in-place divide (8); backward the in-place multiply (8) and the cast back to bf16 for
+# the lm_head's backward (6): 52 bytes (torch's eager cross_entropy on .float() logits, torchtitan's
+# loss, moves about as much: log_softmax and nll_loss forward and backward)
+LOGIT_BYTES = 52.0
+
+
+def layer_bytes(model: ModelSpec, ops: str = "fused") -> float:
+    """Memory-bound bytes of one token through one decoder layer, forward + backward (``LAYER_BYTES``
+    of the stack's ``ops``); a MoE layer's SwiGLU runs k routed rows (and the shared expert's)."""
+    q = model.num_attention_heads * model.head_dim
+    kv = model.num_key_value_heads * model.head_dim
+    i = model.intermediate_size
+    if model.is_moe:
+        i = model.num_experts_per_tok * model.expert_intermediate_size + (model.shared_expert_intermediate_size or 0)
+    b = LAYER_BYTES[ops]
+    return b["h"] * model.hidden_size + b["q"] * q + b["kv"] * kv + b["i"] * i
+
+
+def elementwise_bytes(
+    model: ModelSpec, seq_len: int, micro_batch: int, tp: int = 1, cp: int = 1, vocab_parallel: bool = True,
+    ops: str = "fused",
+) -> float:  # fmt: skip
+    """Bytes of the memory-bound work of one micro-batch on one device (all layers and the logits):
+    tokens x (L x ``layer_bytes`` + ``LOGIT_BYTES`` x V) / tp (V whole without ``vocab_parallel``)."""
     tokens = micro_batch * seq_len / cp
-    vocab = model.vocab_size / (tp if vocab_parallel else 1)
-    return tokens * (model.num_hidden_layers * model.hidden_size / tp + vocab)
+    layers = model.num_hidden_layers * layer_bytes(model, ops) / tp
+    return tokens * layers + logit_bytes(model, seq_len, micro_batch, tp, cp, vocab_parallel)
 
 
-def logit_elements(
+def logit_bytes(
     model: ModelSpec, seq_len: int, micro_batch: int, tp: int = 1, cp: int = 1, vocab_parallel: bool = True
 ) -> float:
-    """Of ``elementwise_elements``: the output layer's (the logits' softmax and cross-entropy),
-    tokens x V / tp (V whole without ``vocab_parallel``)."""
-    return micro_batch * seq_len / cp * model.vocab_size / (tp if vocab_parallel else 1)
+    """Of ``elementwise_bytes``: the output layer's (the logits' cross-entropy, ``LOGIT_BYTES`` per
+    logit), tokens x V / tp (V whole without ``vocab_parallel``)."""
+    return LOGIT_BYTES * micro_batch * seq_len / cp * model.vocab_size / (tp if vocab_parallel else 1)
 
 
 def _work(gemms: list[Gemm], peak_flops: float, curve: Curve, recompute: float, attention_recompute: float) -> float:
@@ -208,29 +251,29 @@ def _work(gemms: list[Gemm], peak_flops: float, curve: Curve, recompute: float, 
 
 def stage_compute_s(
     gemms: list[Gemm], micro_batches: float, pp: int, peak_flops: float, curve: Curve, recompute: float,
-    elements: float = 0.0, attention_recompute: float = 0.0, output_elements: float = 0.0,
+    memory_bytes: float = 0.0, attention_recompute: float = 0.0, output_bytes: float = 0.0,
 ) -> tuple[float, float]:  # fmt: skip
     """(seconds of work of the last pipeline stage per step, of any other stage's): forward + backward
     (3 x the forward GEMMs; the fused attention's backward 2.5 x its forward, FlashAttention-2 sec.
     4.1) + the recomputed share of the forward (and ``attention_recompute`` x the attention core's:
     Megatron's selective recompute), the softmax's exponentials (one per score in the forward, one in
     the backward's recomputation) at the special-function rate peak / ``sfu_ratio``, plus beta x the
-    memory-bound ``elements``, for every micro-batch. A stage runs 1 / pp of the decoder layers; the
-    output layer (the ``lm_head`` GEMM and the logits' ``output_elements``) runs whole on the last
+    memory-bound ``memory_bytes``, for every micro-batch. A stage runs 1 / pp of the decoder layers; the
+    output layer (the ``lm_head`` GEMM and the logits' ``output_bytes``) runs whole on the last
     stage, beside its layers: megatron-core builds it only where ``post_process`` (the last stage,
     ``GPTModel.__init__``) and by default does not count it in the layer split
     (``account_for_loss_in_pipeline_split`` off; docs/sources.md#plan-output-layer)."""
     head = [g for g in gemms if g.what == "lm_head"]
     body = [g for g in gemms if g.what != "lm_head"]
-    layers = (_work(body, peak_flops, curve, recompute, attention_recompute) + curve.beta * elements) / pp
-    output = _work(head, peak_flops, curve, recompute, attention_recompute) + curve.beta * output_elements
+    layers = (_work(body, peak_flops, curve, recompute, attention_recompute) + curve.beta * memory_bytes) / pp
+    output = _work(head, peak_flops, curve, recompute, attention_recompute) + curve.beta * output_bytes
     return (layers + output) * micro_batches, layers * micro_batches
 
 
 def step_compute_s(
     gemms: list[Gemm], micro_batches: float, pp: int, peak_flops: float, curve: Curve, recompute: float,
-    elements: float = 0.0, attention_recompute: float = 0.0, output_elements: float = 0.0,
+    memory_bytes: float = 0.0, attention_recompute: float = 0.0, output_bytes: float = 0.0,
 ) -> float:  # fmt: skip
     """Seconds of work of the busiest (last) pipeline stage per step (``stage_compute_s``)."""
-    args = (elements, attention_recompute, output_elements)
+    args = (memory_bytes, attention_recompute, output_bytes)
     return stage_compute_s(gemms, micro_batches, pp, peak_flops, curve, recompute, *args)[0]
