@@ -24,6 +24,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from parabench.adapters.profile import Profile
 from parabench.collectives import Stack
 from parabench.commlog import CommLog
 from parabench.devices import DEVICES, Device, Presence
@@ -318,6 +319,8 @@ class Adapter(ABC):
     known_good: ClassVar[tuple[Mapping[str, str], ...]] = ()
     # What ``bench comm backend=<name>`` measures, in this backend's own framework; None: refused.
     comm_stack: ClassVar[Stack | None] = None
+    # How bench plan and a run's communication report see it (adapters/profile.py); None: not planned.
+    plan_profile: ClassVar[Profile | None] = None
 
     @classmethod
     @abstractmethod

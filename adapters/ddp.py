@@ -10,8 +10,9 @@ held once, not twice.
 from __future__ import annotations
 
 import importlib.metadata
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from parabench.adapters.base import (
     DCP_SUPPORT,
@@ -22,6 +23,7 @@ from parabench.adapters.base import (
     StateFormula,
     WorkerContext,
 )
+from parabench.adapters.profile import Profile, activation_recompute, dp_layout, replicated_states
 from parabench.collectives import DTYPE_BYTES, Stack
 from parabench.errors import SpecError
 from parabench.spec import MODEL_FEATURES, JobSpec
@@ -38,6 +40,17 @@ class DDPOptions:
     activation_checkpointing: bool = False
 
 
+def _ddp_options(world: int, per_node: int, offload: bool) -> Iterator[dict[str, Any]]:
+    yield from ({"activation_checkpointing": ac} for ac in (False, True))
+
+
+def _ddp_buffers(job: JobSpec) -> float:
+    """Without ``gradient_as_bucket_view`` DDP's buckets are a second copy of every (fp32) gradient
+    (torch DistributedDataParallel docs, gradient_as_bucket_view); with it (the adapter's default)
+    the gradients are views into the buckets."""
+    return 0.0 if job.backend.options.gradient_as_bucket_view else 4.0 * job.model.num_params()
+
+
 class DDPAdapter(Adapter):
     name = "ddp"
     capabilities = Capabilities(
@@ -49,6 +62,15 @@ class DDPAdapter(Adapter):
         convert=ConvertSupport(),
     )
     Options = DDPOptions
+    plan_profile = Profile(
+        _ddp_options,
+        dp_layout(lambda j: "none"),
+        lambda j: True,
+        replicated_states,
+        _ddp_buffers,
+        lambda j: 1.0,
+        activation_recompute,
+    )
     # bench comm backend=ddp: torch.distributed's collectives, which fsdp, deepspeed and megatron call too
     comm_stack = Stack(
         "torch.distributed/{lib}", frozenset(DTYPE_BYTES), {}, "parabench.adapters.torch_collectives:TorchOps"

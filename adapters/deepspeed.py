@@ -59,6 +59,7 @@ from parabench.adapters.deepspeed_moe import (
     held_numel,
     swap_blocks,
 )
+from parabench.adapters.deepspeed_profile import PROFILE
 from parabench.canonical import MOMENTS, CanonicalState, Lazy
 from parabench.devices import ProbeFailed, resolve, run_probe
 from parabench.errors import SpecError
@@ -322,6 +323,7 @@ class DeepSpeedAdapter(Adapter):
         convert=ConvertSupport(),
     )
     Options = DeepSpeedOptions
+    plan_profile = PROFILE
     distributions = ("torch", "deepspeed")
 
     @classmethod

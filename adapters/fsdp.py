@@ -30,6 +30,7 @@ from parabench.adapters.base import (
     StateFormula,
     WorkerContext,
 )
+from parabench.adapters.fsdp_profile import PROFILE
 from parabench.commvolume import tp_shard_shapes
 from parabench.errors import SpecError
 from parabench.spec import MODEL_FEATURES, JobSpec, ModelSpec, ParallelDims
@@ -73,6 +74,7 @@ class FSDPAdapter(Adapter):
         moe=True,
     )
     Options = FSDPOptions
+    plan_profile = PROFILE
 
     @classmethod
     def parallel_dims(cls, options: FSDPOptions, world_size: int, model: ModelSpec) -> ParallelDims:

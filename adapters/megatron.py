@@ -83,6 +83,7 @@ from parabench.adapters.megatron_compat import (
     patch_fp8_fallback,
     saved_distopt_format,
 )
+from parabench.adapters.megatron_profile import PROFILE, rank_param_counts
 from parabench.canonical import MOMENTS, CanonicalState, Lazy, view
 from parabench.devices import package_version
 from parabench.errors import SpecError
@@ -141,43 +142,6 @@ def _layout(job: JobSpec, te_names: bool = False):
 
     o = job.backend.options
     return Layout(tp=o.tp, pp=o.pp, vpp=o.vpp, te_names=te_names, ep=o.ep)
-
-
-def _mlp_numel(model: ModelSpec, tp: int, ep: int) -> int:
-    """One layer's MLP parameters on one rank: the dense SwiGLU split over TP, or a MoE layer's
-    replicated router and its num_local_experts / ep experts (docs/sources.md#megatron-moe)."""
-    h = model.hidden_size
-    if not model.is_moe:
-        return 3 * model.intermediate_size * h // tp
-    experts = model.num_local_experts // ep
-    return model.num_local_experts * h + experts * 3 * model.expert_intermediate_size * h // tp
-
-
-def _shard_numel(model: ModelSpec, tp: int, first: bool, last: bool, layers: int, ep: int = 1) -> int:
-    """Parameters one tensor (and expert) rank of one model chunk holds (norms replicated over TP)."""
-    h, d = model.hidden_size, model.head_dim
-    qkv = (model.num_attention_heads + 2 * model.num_key_value_heads) * d
-    per_layer = 2 * h + qkv * h // tp + h * model.num_attention_heads * d // tp + _mlp_numel(model, tp, ep)
-    n = layers * per_layer
-    if first:
-        n += model.vocab_size * h // tp
-    if last:
-        n += h + (0 if model.tie_word_embeddings else model.vocab_size * h // tp)
-    return n
-
-
-def rank_param_counts(job: JobSpec) -> dict[tuple[int, int], int]:
-    """(pipeline stage, tensor rank) -> parameters held, summed over the stage's virtual chunks."""
-    o, m = job.backend.options, job.model
-    per_chunk = m.num_hidden_layers // (o.pp * o.vpp)
-    out = {}
-    for s in range(o.pp):
-        for r in range(o.tp):
-            out[(s, r)] = sum(
-                _shard_numel(m, o.tp, s == 0 and c == 0, s == o.pp - 1 and c == o.vpp - 1, per_chunk, o.ep)
-                for c in range(o.vpp)
-            )
-    return out
 
 
 def expert_numel(job: JobSpec) -> int:
@@ -438,6 +402,7 @@ class MegatronAdapter(Adapter):
     )
     Options = MegatronOptions
     distributions = ("torch", "megatron-core")
+    plan_profile = PROFILE
 
     @classmethod
     def availability(cls) -> Availability:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from parabench.adapters.base import Availability, Capabilities, Engine, WorkerContext
@@ -31,6 +31,8 @@ from parabench.adapters.megatron import (
     moe_config,
     recompute_settings,
 )
+from parabench.adapters.megatron_profile import PROFILE as MEGATRON_PROFILE
+from parabench.adapters.profile import no_experts
 from parabench.devices import AUTOLOAD_TEXT, NPUDevice, cann_library, cann_version, package_version
 from parabench.errors import SpecError
 from parabench.spec import JobSpec
@@ -188,6 +190,8 @@ class MindSpeedAdapter(MegatronAdapter):
     Options = MindSpeedOptions
     distributions = ("torch", "torch-npu", "megatron-core")
     known_good = tuple(KNOWN_GOOD)
+    # megatron's profile without expert parallelism (a MoE model is refused: Capabilities.moe)
+    plan_profile = replace(MEGATRON_PROFILE, experts=no_experts)
 
     @classmethod
     def availability(cls) -> Availability:

@@ -19,7 +19,6 @@ from typing import Any
 
 from parabench.commlog import SCALAR_ELEMENTS
 from parabench.commvolume import Batch, expert_data_parallel, moe_all_to_all, repeated_param_gathers, step_comm
-from parabench.plan.profiles import PROFILES
 from parabench.spec import JobSpec
 
 FIELDS = ("calls", "bytes", "bus_bytes", "seconds", "async_calls")
@@ -47,7 +46,7 @@ def measured(job: JobSpec, results: list[dict[str, Any]]) -> dict[str, dict[str,
 def formula(job: JobSpec, padded: bool = True) -> dict[str, dict[str, float]] | None:
     """Per kind, bytes and bus bytes per step of the layout's formula; None for a backend the
     planner has no profile of."""
-    profile = PROFILES.get(job.backend.name)
+    profile = job.backend.adapter.plan_profile
     if profile is None:
         return None
     batch = Batch(job.data.seq_len, job.data.micro_batch_size, job.grad_accum)
@@ -113,7 +112,7 @@ def _reported_all_to_all(results: list[dict[str, Any]]) -> float:
 
 def _all_to_all_summary(job: JobSpec, results: list[dict[str, Any]]) -> dict[str, Any]:
     """The all-to-all bytes per step, mean over ranks, measured and by formula (MoE expert parallelism)."""
-    profile = PROFILES.get(job.backend.name)
+    profile = job.backend.adapter.plan_profile
     batch = Batch(job.data.seq_len, job.data.micro_batch_size, job.grad_accum)
     terms = _expert_parallel(job, batch, profile.widths(job)) if profile is not None else []
     want = sum(c.size_bytes * c.calls for c in terms if c.kind == "all_to_all") or _reported_all_to_all(results)

@@ -313,7 +313,7 @@ def _data_parallel(
 def repeated_param_gathers(collectives: Iterable[Collective], times: int) -> list[Collective]:
     """``collectives`` with the data-parallel parameter all-gathers (dp and expert dp) made ``times``
     per step: a framework that gathers the distributed optimizer's parameters more than once
-    (megatron-core with MoE: one gather per optimizer of its chain, plan.profiles)."""
+    (megatron-core with MoE: one gather per optimizer of its chain, adapters/megatron_profile.py)."""
     return [
         replace(c, calls=c.calls * times) if c.kind == "all_gather" and c.group in ("dp", "edp") else c
         for c in collectives

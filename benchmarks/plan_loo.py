@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from parabench.plan.calibrate import Record, comm_links, describe, fit_records, predict, records
-from parabench.plan.profiles import PROFILES
+from parabench.plan.estimate import plan_profile
 
 MODEL = [
     "+model=llama", "model.vocab_size=4096", "model.hidden_size=256", "model.intermediate_size=688",
@@ -92,7 +92,7 @@ def model_states(results: Path) -> int:
     bad = 0
     for spec in sorted(results.glob("runs/plan_loo/*/*/spec.json")):
         job = job_from_json(spec.read_text())
-        st = PROFILES[job.backend.name].states(job)
+        st = plan_profile(job).states(job)
         held = []
         for rank_file in sorted((spec.parent / "ranks").glob("rank*.json")):
             ms = json.loads(rank_file.read_text())["model_state"]

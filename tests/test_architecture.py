@@ -116,9 +116,7 @@ COMMANDS: dict[str, tuple[str, ...]] = {
 # (importer, imported) across commands that exist today: known debt that the "commands as packages"
 # redesign of issue 27 removes (docs/architecture.md says so), each with what it takes and where it
 # belongs. No new entry: a command needing another's code moves that code down to a building block.
-COMMAND_IMPORTS_DEBT: dict[tuple[str, str], str] = {
-    ("parabench.commreport", "parabench.plan.profiles"): "PROFILES: backend facts that belong in the adapters",
-}
+COMMAND_IMPORTS_DEBT: dict[tuple[str, str], str] = {}
 
 # Third-party packages that are slow to import, need hardware, or are optional extras.
 HEAVY = {

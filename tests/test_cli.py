@@ -131,13 +131,20 @@ COMM_LIBRARY = (
     "from parabench.comm.command import prepare; from parabench.hydraconfig import compose, to_plain; "
     "print(prepare(to_plain(compose(['backend=toy', 'launcher.nproc_per_node=2'], config_name='comm'))).library)"
 )
+COMM_FORMULAS = (
+    "import json; from parabench.commreport import formula; from parabench.hydraconfig import compose, to_plain; "
+    "from parabench.jobs import prepare; jobs = [prepare(to_plain(compose(['+model=llama', f'backend={b}', "
+    "'launcher.nproc_per_node=2']))) for b in ('toy', 'ddp')]; print(json.dumps([formula(j) for j in jobs]))"
+)
 
 
 def test_a_backend_of_another_package_is_found_by_bench_env_run_and_comm(tmp_path):
     """A backend registered only through an entry point (group parabench.backends) and a Hydra
     search-path plugin (tests/data/toy_backend): bench env lists it with what its adapter declares (its
     distributions' versions, its known-good set), bench run composes and validates it (a dry run),
-    bench comm drives the collective stack it declares - and no file of parabench's names it."""
+    bench comm drives the collective stack it declares, bench plan searches and ranks its layouts and
+    a run's communication formula prices it, both through the plan profile it declares (ddp's) - and
+    no file of parabench's names it."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TOY), os.environ.get("PYTHONPATH")]))}
     run = lambda *args: subprocess.run(args, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)  # noqa: E731
     out = run(sys.executable, "-m", "parabench", "env", "--json")
@@ -154,6 +161,26 @@ def test_a_backend_of_another_package_is_found_by_bench_env_run_and_comm(tmp_pat
     assert json.loads(spec.read_text())["backend"]["name"] == "toy"
     comm = run(sys.executable, "-c", COMM_LIBRARY)
     assert comm.returncode == 0 and comm.stdout.strip() == "torch.distributed/gloo", comm.stderr
+    plan = run(
+        sys.executable,
+        "-m",
+        "parabench",
+        "plan",
+        "+model=llama",
+        "cluster=cpu",
+        "plan.devices=2",
+        "plan.backends=[toy]",
+        "data.global_batch_size=4",
+        "--format",
+        "json",
+    )
+    assert plan.returncode == 0, plan.stderr
+    best = json.loads(plan.stdout)["ranked"][0]
+    assert best["layout"] == "toy dp2 mbs1" and best["comm_bytes_per_step"] > 0, best
+    formulas = run(sys.executable, "-c", COMM_FORMULAS)
+    assert formulas.returncode == 0, formulas.stderr
+    toy_formula, ddp_formula = json.loads(formulas.stdout)
+    assert toy_formula == ddp_formula and toy_formula["all_reduce"]["bytes"] > 0  # ddp's profile, ddp's bytes
     from parabench.adapters.registry import _BUILTIN, names
 
     assert "toy" not in names() and "toy" not in _BUILTIN and not (REPO / "conf" / "backend" / "toy.yaml").exists()

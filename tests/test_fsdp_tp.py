@@ -63,12 +63,12 @@ def test_parallel_dims_and_model_state_formula_by_hand():
 
 
 def test_planner_states_are_the_adapters_formula_plus_fsdp2_padding():
-    from parabench.plan.profiles import PROFILES
+    from parabench.adapters.fsdp_profile import PROFILE
 
     pads = {}
     for world, tp in ((2, 2), (4, 2), (6, 2), (4, 4)):
         job = _job(world, "data.global_batch_size=12", tp=tp)
-        states = PROFILES["fsdp"].states(job)
+        states = PROFILE.states(job)
         formula = get_adapter("fsdp").expected_model_state(job).bytes
         pads[world, tp] = states.total - formula
         # FSDP2 pads each parameter's dim 0 to a multiple of dp: less than one row of it per rank
@@ -156,12 +156,12 @@ def test_the_planners_tp_collectives_are_the_ones_dtensor_issues(recompute):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from parabench.adapters.fsdp_engine import apply_tensor_parallel
+    from parabench.adapters.fsdp_profile import PROFILE
     from parabench.commvolume import Batch, step_comm
     from parabench.model import build_llama, set_activation_checkpointing
-    from parabench.plan.profiles import PROFILES
 
     job = _job(2, "model.vocab_size=256", tp=2, activation_checkpointing=recompute)
-    prof = PROFILES["fsdp"]
+    prof = PROFILE
     planned = step_comm(job.model, prof.layout(job), Batch(16, 2, 1), prof.widths(job))
     tp_calls = {c.kind: c.calls for c in planned.collectives if c.group == "tp"}
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)

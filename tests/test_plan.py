@@ -10,11 +10,14 @@ import math
 
 import pytest
 
+from parabench.adapters.profile import zero_partition_grad_numel
 from parabench.adapters.registry import get_adapter
 from parabench.hydraconfig import compose, to_plain
 from parabench.jobs import prepare
 from parabench.plan.estimate import gpt_parameters
-from parabench.plan.profiles import PROFILES, zero_partition_grad_numel
+from parabench.plan.search import plannable
+
+PROFILES = plannable()  # backend name -> the plan profile its adapter declares
 
 GB = 1e9
 
@@ -804,7 +807,7 @@ def test_interleaving_exposes_its_warm_up_and_cool_down_send_recv(vpp, gbs):
     # interleaved schedule overlaps a chunk-step's send/recv with the next one's compute (overlap_p2p_comm)
     # only in its steady phase: rank 0's (p - 1) x 2 + (v - 1) x p warm-up forwards and as many cool-down
     # backwards block (overlap_p2p_comm_warmup_flush off), at most all m x v of them
-    from parabench.plan.profiles import interleaved_warmup
+    from parabench.adapters.megatron_profile import interleaved_warmup
 
     e = _estimate("megatron", 2, *PIPE, f"data.global_batch_size={gbs}", pp=2, vpp=vpp)
     m = gbs // 1

@@ -76,8 +76,14 @@ def test_tp_overlap_hides_tensor_parallel_collectives_behind_their_gemms():
     from test_plan import _job
 
     from parabench.plan.cluster import load
-    from parabench.plan.estimate import Calibration, Features, _fused_tp_gemms_s, estimate, fused_tp_hidden
-    from parabench.plan.profiles import PROFILES
+    from parabench.plan.estimate import (
+        Calibration,
+        Features,
+        _fused_tp_gemms_s,
+        estimate,
+        fused_tp_hidden,
+        plan_profile,
+    )
 
     # GEMMs large enough against NVLink that each hides most of its collective (h 2048: a tiny model's
     # GEMMs hide less than megatron-core's asynchronous column backward pools behind two of them)
@@ -95,7 +101,7 @@ def test_tp_overlap_hides_tensor_parallel_collectives_behind_their_gemms():
     )  # at most the GEMMs' time
     assert over.step_s == pytest.approx(plain.step_s - (over.overlap.hidden["tp"] - plain.overlap.hidden["tp"]))
     # each collective behind the GEMM it is fused with (mc2, TE userbuffers), not behind all of them
-    gemm_s = _fused_tp_gemms_s(job, PROFILES["megatron"].layout(job), load("h100-sxm"), 989.0, Calibration())
+    gemm_s = _fused_tp_gemms_s(job, plan_profile(job).layout(job), load("h100-sxm"), 989.0, Calibration())
     assert set(gemm_s) == {"qkv", "o", "gate+up", "down"}
     fused = fused_tp_hidden(over.overlap.total["tp"], gemm_s)
     assert over.overlap.hidden["tp"] == pytest.approx(max(fused, plain.overlap.hidden["tp"]))

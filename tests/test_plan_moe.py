@@ -19,8 +19,9 @@ from parabench.jobs import prepare
 from parabench.plan.cluster import load
 from parabench.plan.estimate import Calibration, activation_bytes, estimate
 from parabench.plan.gemms import forward_gemms
-from parabench.plan.profiles import PROFILES
-from parabench.plan.search import Searched, _admit, backend_defaults, search
+from parabench.plan.search import Searched, _admit, backend_defaults, plannable, search
+
+PROFILES = plannable()  # backend name -> the plan profile its adapter declares
 
 H, FFN, L, E, K, V = 128, 256, 2, 4, 2, 2048
 EXPERT = 3 * H * FFN  # w1, w3 (gate, up) and w2 (down) of one expert

@@ -33,8 +33,7 @@ from parabench.commvolume import bus_factor, ring_steps
 from parabench.errors import UserError
 from parabench.jobs import job_from_json
 from parabench.plan import cluster as clusters
-from parabench.plan.estimate import Calibration, efficiency_keys, estimate, layout_key, model_passes
-from parabench.plan.profiles import PROFILES
+from parabench.plan.estimate import Calibration, efficiency_keys, estimate, layout_key, model_passes, plan_profile
 from parabench.spec import JobSpec
 
 STORE = Path("results") / "plan"  # fitted calibrations, <name>.json
@@ -135,7 +134,7 @@ def _row(r: Record, links: dict[str, list[float]]) -> _Row:
     name = r.job.backend.name
     unit = Calibration(efficiency={f"{name}/{r.kind}": 1.0}, overhead={f"{name}/{r.kind}": 0.0}, links=links)
     e = estimate(r.job, cluster_for(r.kind), r.peak_tflops, unit, r.threads)
-    layout = layout_key(PROFILES[name].layout(r.job))
+    layout = layout_key(plan_profile(r.job).layout(r.job))
     work = (r.step_s - e.exposed_comm_s - e.offload_s) / (1 + e.bubble_s / e.compute_s)
     return _Row(
         name, layout, f"/t{r.threads}" if r.threads else "", e.compute_s, model_passes(r.job), work, e.device_bytes

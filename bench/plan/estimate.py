@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from parabench.adapters.profile import Offload, Profile, States
 from parabench.commvolume import (
     Batch,
     Collective,
@@ -43,6 +44,7 @@ from parabench.commvolume import (
     step_comm,
     tp_backward_async,
 )
+from parabench.errors import SpecError
 from parabench.flops import flops_per_token
 from parabench.plan.cluster import Cluster
 from parabench.plan.gemms import (
@@ -55,7 +57,6 @@ from parabench.plan.gemms import (
     recompute_share,
     stage_compute_s,
 )
-from parabench.plan.profiles import PROFILES, Offload, States
 from parabench.spec import JobSpec
 
 GIB = 1024**3
@@ -64,6 +65,14 @@ GIB = 1024**3
 DEFAULT_EFFICIENCY = {"cpu": 0.5, "cuda": 0.45, "npu": 0.4}
 DEFAULT_OVERHEAD = {"cpu": 0.6 * GIB, "cuda": 2.0 * GIB, "npu": 3.0 * GIB}  # runtime + framework, uncalibrated
 DEFAULT_UNCERTAINTY = 0.5  # relative width of an uncalibrated step-time prediction (docs/plan.md)
+
+
+def plan_profile(job: JobSpec) -> Profile:
+    """The job's backend as the planner sees it, declared by its adapter (``Adapter.plan_profile``)."""
+    profile = job.backend.adapter.plan_profile
+    if profile is None:
+        raise SpecError("backend", f"backend {job.backend.name} declares no plan profile (Adapter.plan_profile)")
+    return profile
 
 
 @dataclass(frozen=True)
@@ -324,7 +333,7 @@ def estimate(
 ) -> Estimate:
     """``threads``: a recorded CPU run's threads per rank (default: the cluster's); ``features``:
     what the stack does beyond the harness's options (published runs; default none)."""
-    prof = PROFILES[job.backend.name]
+    prof = plan_profile(job)
     features = features or Features()
     states = prof.states(job)
     recompute = features.recompute or prof.recompute(job)

@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from parabench import rundir
+from parabench.adapters.profile import Profile
+from parabench.adapters.registry import get_adapter, names
 from parabench.errors import SpecError, UserError
 from parabench.hf import spec_fields
 from parabench.hydraconfig import compose, to_plain
 from parabench.jobs import prepare
 from parabench.plan.cluster import Cluster
-from parabench.plan.estimate import Calibration, Estimate, Features, estimate
-from parabench.plan.profiles import PROFILES
+from parabench.plan.estimate import Calibration, Estimate, Features, estimate, plan_profile
 
 GIB = 1024**3
 
@@ -35,12 +36,17 @@ class Searched:
     plains: dict[int, dict[str, Any]] = field(default_factory=dict)
 
 
+def plannable() -> dict[str, Profile]:
+    """Every registered backend whose adapter declares a plan profile, by name."""
+    return {name: profile for name in names() if (profile := get_adapter(name).plan_profile) is not None}
+
+
 def backend_defaults(backends: list[str], user: list[str]) -> dict[str, dict[str, Any]]:
     """Each backend's composed config group (its name and option defaults)."""
     out = {}
     for name in backends:
-        if name not in PROFILES:
-            raise SpecError("plan.backends", f"unknown backend {name!r} (plannable: {', '.join(sorted(PROFILES))})")
+        if name not in plannable():
+            raise SpecError("plan.backends", f"unknown backend {name!r} (plannable: {', '.join(plannable())})")
         out[name] = to_plain(compose([*user, f"backend={name}"]))
     return out
 
@@ -76,7 +82,7 @@ def _routed_experts(node: dict[str, Any]) -> int:
 def _with_experts(name: str, world: int, cluster: Cluster, experts: int):
     """The profile's layouts, each with every expert-parallel size it tries for a model of ``experts``
     routed experts (none: the layout alone)."""
-    prof = PROFILES[name]
+    prof = plannable()[name]
     for options in prof.layouts(world, cluster.devices_per_node, cluster.host_link is not None):
         for extra in prof.experts(options, world, experts):
             yield {**options, **extra}
@@ -103,7 +109,7 @@ def search(
         est = _admit(out, cfg, overrides, cluster, peak, cal, features)
         if est is None or est.fits or (features and features.recompute):
             continue
-        for extra in PROFILES[est.job.backend.name].recompute_options:
+        for extra in plan_profile(est.job).recompute_options:
             variant = copy.deepcopy(cfg)
             variant["backend"].update(extra)
             more = [f"backend.{k}={_yaml(v)}" for k, v in extra.items()]
