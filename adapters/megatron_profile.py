@@ -16,19 +16,24 @@ from parabench.spec import JobSpec, ModelSpec
 # ---------------------------------------------------------------------------- megatron, mindspeed
 def _mlp_numel(model: ModelSpec, tp: int, ep: int) -> int:
     """One layer's MLP parameters on one rank: the dense SwiGLU split over TP, or a MoE layer's
-    replicated router and its num_local_experts / ep experts (docs/sources.md#megatron-moe)."""
+    replicated router and its num_local_experts / ep experts (docs/sources.md#megatron-moe), plus a
+    shared expert: megatron-core's SharedExpertMLP, fc1/fc2 split over TP like the dense MLP and its
+    (1, hidden) sigmoid gate whole on every rank (moe/shared_experts.py ``gate_weight``)."""
     h = model.hidden_size
     if not model.is_moe:
         return 3 * model.intermediate_size * h // tp
     experts = model.num_local_experts // ep
-    return model.num_local_experts * h + experts * 3 * model.expert_intermediate_size * h // tp
+    shared = model.shared_expert_intermediate_size
+    shared_numel = 3 * shared * h // tp + h if shared else 0
+    return model.num_local_experts * h + experts * 3 * model.expert_intermediate_size * h // tp + shared_numel
 
 
 def _shard_numel(model: ModelSpec, tp: int, first: bool, last: bool, layers: int, ep: int = 1) -> int:
     """Parameters one tensor (and expert) rank of one model chunk holds (norms replicated over TP)."""
     h, d = model.hidden_size, model.head_dim
     qkv = (model.num_attention_heads + 2 * model.num_key_value_heads) * d
-    per_layer = 2 * h + qkv * h // tp + h * model.num_attention_heads * d // tp + _mlp_numel(model, tp, ep)
+    bias = qkv // tp if model.qkv_bias else 0  # add_qkv_bias: linear_qkv's bias, split with its rows
+    per_layer = 2 * h + qkv * h // tp + bias + h * model.num_attention_heads * d // tp + _mlp_numel(model, tp, ep)
     n = layers * per_layer
     if first:
         n += model.vocab_size * h // tp

@@ -620,8 +620,15 @@ def test_megatron_moe_engine_with_qwen2_moe_block_matches_the_canonical_model(tm
         "+model.qkv_bias=true",
     )
     assert not job.model.norm_topk_prob and job.model.shared_expert_intermediate_size == 160
+    from parabench.adapters.megatron import MegatronAdapter, rank_param_counts
+
+    # one rank holds every parameter, the biases and the shared expert's too, and the model-state
+    # formula counts them: measured = formula (fp32: weights, gradients and both moments, 16 B each)
+    assert rank_param_counts(job) == {(0, 0): job.model.num_params()}
     with _megatron_engine_in_process(job, tmp_path) as engine:
         assert_trains_like_the_canonical_model(engine, job)
+        measured = engine.model_state_bytes()
+        assert measured.params + measured.grads + measured.optimizer == MegatronAdapter.expected_model_state(job).bytes
 
 
 def _one_rank_megatron_job(*overrides: str):
