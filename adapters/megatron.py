@@ -178,7 +178,18 @@ def _distopt_bytes(job: JobSpec, psi: int) -> tuple[float, str]:
 # (option, is it set, why it is refused); docs/moe.md#megatron.
 def _moe_unchecked(o: MegatronOptions) -> list[tuple[str, bool, str]]:
     return [
-        ("backend.tp", o.tp > 1, "expert tensor parallelism is not mapped yet: use tp=1"),
+        (
+            "backend.sequence_parallel",
+            o.tp > 1 and not o.sequence_parallel,
+            "megatron-core's MoE layer trains with tp > 1 only under sequence parallelism: set "
+            "backend.sequence_parallel=true",
+        ),
+        (
+            "backend.tp",
+            o.tp > 1 and o.pp > 1,
+            "tp > 1 with pp > 1 is not checked with MoE (the load-balancing loss is exchanged between the "
+            "tensor ranks' sequence slices and between the stages, not both): use tp=1 or pp=1",
+        ),
         (
             "backend.vpp",
             o.vpp > 1,
@@ -220,6 +231,13 @@ def _check_moe(job: JobSpec) -> None:
     for key, bad, why in _moe_unchecked(o):
         if bad:
             raise SpecError(key, f"with a MoE model (model.num_local_experts={m.num_local_experts}): {why}")
+    if o.tp > 1 and o.ep > 1 and job.device.type != "cuda":
+        # measured: moe-tiny ep=2 x tp=2 on 4 CPU ranks, "ProcessGroupGloo::allgather: invalid tensor size"
+        raise SpecError(
+            "backend.ep",
+            f"ep > 1 with tp > 1: megatron-core's token dispatcher all-gathers uneven token counts over the "
+            f"tensor ranks, which gloo cannot; nccl can (device={job.device.type}: use ep=1 or tp=1 here)",
+        )
     if m.num_experts_per_tok == 1:
         raise SpecError(
             "model.num_experts_per_tok",
@@ -845,6 +863,8 @@ class MegatronEngine(Engine):
         spec = self.ctx.job.model
         logits = [x.reshape(-1, spec.num_local_experts) for x in self._router_logits]
         self._router_logits.clear()
+        if self.opts.tp > 1:  # sequence parallel: this rank's routers saw its slice of the tokens
+            return self._tp_aux_loss(logits)
         if self.opts.pp == 1:
             return spec.router_aux_loss_coef * load_balancing_loss(
                 logits, spec.num_local_experts, spec.num_experts_per_tok
@@ -863,12 +883,30 @@ class MegatronEngine(Engine):
         total = probs + sum(part[1] for part in others)  # the earlier stages' without gradient
         return self._aux_scale(logits) * torch.sum(assigned * total)
 
-    def _aux_scale(self, logits: list) -> float:
+    def _aux_scale(self, logits: list, slices: int = 1) -> float:
         """coef x E / N^2, N = the micro-batch's (token, layer) rows over all layers: the load-balancing
-        loss is coef x E x sum_e (assignments to e / N) (probabilities of e / N)."""
+        loss is coef x E x sum_e (assignments to e / N) (probabilities of e / N). ``slices``: the
+        tensor-parallel ranks whose sequence slices together make the micro-batch's tokens."""
         spec = self.ctx.job.model
-        rows = logits[0].shape[0] * spec.num_hidden_layers
+        rows = logits[0].shape[0] * slices * spec.num_hidden_layers
         return spec.router_aux_loss_coef * spec.num_local_experts / rows**2
+
+    def _tp_aux_loss(self, logits: list):
+        """The load-balancing loss of the micro-batch's tokens when tensor-parallel ranks route the
+        slices sequence parallelism gives them (megatron-core refuses tp > 1 with MoE without it): the
+        assignments and probabilities summed over the tensor-parallel group, the whole loss on every
+        rank, its gradient through this rank's probabilities only - megatron-core sums the router's
+        gradient over the group (a ``sequence_parallel`` parameter), which adds the other slices'."""
+        import torch
+        import torch.distributed as dist
+
+        spec = self.ctx.job.model
+        assigned, probs = _router_sums(logits, spec.num_local_experts, spec.num_experts_per_tok)
+        group = self.ps.get_tensor_model_parallel_group()
+        sums = torch.stack([assigned, probs.detach()])
+        dist.all_reduce(sums, group=group)
+        total_probs = probs + (sums[1] - probs.detach())  # the value of the sum, the gradient of this slice
+        return self._aux_scale(logits, self.opts.tp) * torch.sum(sums[0] * total_probs)
 
     def _pp_ranks(self):
         import torch.distributed as dist

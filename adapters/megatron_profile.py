@@ -129,10 +129,14 @@ def _mg_options(world: int, per_node: int, offload: bool) -> Iterator[dict[str, 
 def _mg_experts(options: dict[str, Any], world: int, experts: int) -> Iterator[dict[str, Any]]:
     """Expert-parallel sizes with a MoE model: the divisors of dp that divide the routed experts
     (megatron-core carves the ep groups out of the data-parallel ranks). The adapter's validate refuses
-    what it cannot run (with MoE: tp, pp, cp > 1, the distributed optimizer, full recompute), counted
-    like any other refusal."""
+    what it cannot run (with MoE: vpp, cp > 1, tp > 1 without sequence parallelism or with pp > 1,
+    full recompute), counted like any other refusal. Not searched: tp > 1 with a MoE model (expert
+    tensor parallelism runs, but its token dispatcher's collectives over the tensor ranks are not in
+    the communication formula yet, so such a layout would be priced too cheap)."""
     if not experts:
         yield {}
+        return
+    if options["tp"] > 1:
         return
     dp = world // (options["tp"] * options["cp"] * options["pp"])
     yield from ({"ep": e} for e in divisors(dp) if experts % e == 0)

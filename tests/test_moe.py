@@ -565,7 +565,20 @@ INVALID_MEGATRON_MOE = {
         ["+model=llama", "backend=megatron", "backend.ep=2", "launcher.nproc_per_node=2"],
         "backend.ep",
     ),
-    "expert tensor parallelism": (["backend.tp=2", "launcher.nproc_per_node=2"], "backend.tp"),
+    # megatron-core's MoE layer raises in training with tp > 1 and no sequence parallelism
+    "expert tensor parallelism without sp": (
+        ["backend.tp=2", "launcher.nproc_per_node=2"],
+        "backend.sequence_parallel",
+    ),
+    # gloo cannot all-gather the alltoall dispatcher's uneven token counts over the tensor ranks
+    "expert and tensor parallelism on a CPU": (
+        ["backend.tp=2", "backend.sequence_parallel=true", "backend.ep=2", "launcher.nproc_per_node=4"],
+        "backend.ep",
+    ),
+    "expert tensor parallelism with pipeline stages": (
+        ["backend.tp=2", "backend.sequence_parallel=true", "backend.pp=2", "launcher.nproc_per_node=4"],
+        "backend.tp",
+    ),
     "top-1": (["model.num_experts_per_tok=1"], "model.num_experts_per_tok"),
     # the first forward under full recompute runs without grad: the load-balancing loss lost its gradient
     "full recompute": (["backend.recompute_granularity=full"], "backend.recompute_granularity"),

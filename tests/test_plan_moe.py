@@ -171,7 +171,8 @@ def _search(cluster_name: str, world: int, mbs: list[int], *overrides: str, mode
     ("world", "options", "key"),
     [
         (6, {"ep": 3}, "backend.ep"),  # 3 does not divide the 4 experts
-        (4, {"ep": 2, "tp": 2}, "backend.tp"),
+        (4, {"ep": 2, "tp": 2}, "backend.sequence_parallel"),  # megatron-core's MoE layer: tp needs sp
+        (4, {"tp": 2, "pp": 2, "sequence_parallel": True}, "backend.tp"),
     ],
 )
 def test_layouts_the_megatron_adapter_refuses_are_refused(world, options, key):
@@ -179,6 +180,20 @@ def test_layouts_the_megatron_adapter_refuses_are_refused(world, options, key):
     cfg = _plain(world, "data.global_batch_size=12" if world == 6 else "data.global_batch_size=8", **options)
     est = _admit(out, cfg, [], load("h100-sxm"), 67.0, Calibration(), None)
     assert est is None and out.invalid == {key: 1}, out.refusals
+
+
+def test_expert_tensor_parallel_is_accepted_but_not_searched_and_gloo_refuses_it_with_expert_parallelism():
+    """tp > 1 with sequence parallelism and a MoE model: the adapter accepts it (expert tensor
+    parallelism, megatron-core's default expert_tensor_parallel_size = tp), with ep > 1 only where
+    nccl gathers the dispatcher's uneven token counts (CUDA), not on a CPU's gloo; the search does not
+    try it (its dispatcher's collectives over the tensor ranks are not priced yet)."""
+    out = Searched()
+    assert _admit(out, _plain(4, ep=2, tp=2, sequence_parallel=True), [], load("h100-sxm"), 67.0, Calibration(), None)
+    cpu = _plain(4, device="cpu", ep=2, tp=2, sequence_parallel=True)
+    assert _admit(out, cpu, [], load("h100-sxm"), 67.0, Calibration(), None) is None
+    assert set(out.invalid) == {"backend.ep"} and "gloo" in out.refusals["backend.ep"], out.refusals
+    found = _search("h100-sxm", 4, [2], "data.global_batch_size=8")
+    assert found.ranked and all(e.job.backend.options.tp == 1 for e in [*found.ranked, *found.unfit])
 
 
 def test_mindspeed_stays_refused_with_moe_and_is_not_given_an_ep():
