@@ -139,6 +139,17 @@ def test_pipeline_stages_with_experts_are_accepted_and_interleaving_refused(tmp_
     assert "with a MoE model" in line, line
 
 
+def _routes_and_trains_like_ddp(mg: dict, ref: dict) -> list[int]:
+    """The megatron parity bounds against ddp, every loss within 1e-5 relative (the bound that catches
+    a load-balancing loss exchanged wrongly between ranks), tokens per expert equal to ddp's; each
+    rank's params + grads + AdamW moments."""
+    assert_parity(ref, mg, first=1e-5, after_ten=1e-3)
+    for step, (got, want) in enumerate(zip(mg["losses"], ref["losses"], strict=True)):
+        assert abs(got - want) <= 1e-5 * abs(want), (step, got, want)
+    assert mg["moe_tokens_per_expert"] == ref["moe_tokens_per_expert"]
+    return [r["params"] + r["grads"] + r["optimizer"] for r in mg["model_state_per_rank"]]
+
+
 @pytest.mark.full
 def test_pipeline_stages_with_experts_match_ddp(runs):
     """pp=2 on 2 ranks (ep=1, dp=1), each stage one layer and its 4 experts: the canonical start, the
@@ -148,11 +159,7 @@ def test_pipeline_stages_with_experts_match_ddp(runs):
     10, inside the 1e-3 bound). Tokens per expert summed over the stages equal ddp's; each rank's
     model states at most the formula's (the largest stage's), the last stage's equal to it."""
     mg, ref = runs["pp2"], runs["ddp"]
-    assert_parity(ref, mg, first=1e-5, after_ten=1e-3)
-    for step, (got, want) in enumerate(zip(mg["losses"], ref["losses"], strict=True)):
-        assert abs(got - want) <= 1e-5 * abs(want), (step, got, want)
-    assert mg["moe_tokens_per_expert"] == ref["moe_tokens_per_expert"]
-    held = [r["params"] + r["grads"] + r["optimizer"] for r in mg["model_state_per_rank"]]
+    held = _routes_and_trains_like_ddp(mg, ref)
     assert max(held) == mg["model_state_expected_bytes"] and len(held) == 2, held
 
 
@@ -164,11 +171,7 @@ def test_expert_tensor_parallelism_matches_ddp(runs):
     catches the load-balancing loss over the slices (measured 1.3e-7 at most; computed per slice, step
     1 was 1.1e-4 off) - tokens per expert equal to ddp's, and each rank's model states = the formula."""
     mg, ref = runs["tp2"], runs["ddp"]
-    assert_parity(ref, mg, first=1e-5, after_ten=1e-3)
-    for step, (got, want) in enumerate(zip(mg["losses"], ref["losses"], strict=True)):
-        assert abs(got - want) <= 1e-5 * abs(want), (step, got, want)
-    assert mg["moe_tokens_per_expert"] == ref["moe_tokens_per_expert"]
-    held = [r["params"] + r["grads"] + r["optimizer"] for r in mg["model_state_per_rank"]]
+    held = _routes_and_trains_like_ddp(mg, ref)
     assert held == [mg["model_state_expected_bytes"]] * 2, held
 
 
