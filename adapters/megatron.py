@@ -83,7 +83,7 @@ from parabench.adapters.megatron_compat import (
     patch_fp8_fallback,
     saved_distopt_format,
 )
-from parabench.adapters.megatron_profile import PROFILE, rank_param_counts
+from parabench.adapters.megatron_profile import PROFILE, expert_numel, rank_param_counts
 from parabench.canonical import MOMENTS, CanonicalState, Lazy, view
 from parabench.devices import package_version
 from parabench.errors import SpecError
@@ -144,15 +144,6 @@ def _layout(job: JobSpec, te_names: bool = False):
     return Layout(tp=o.tp, pp=o.pp, vpp=o.vpp, te_names=te_names, ep=o.ep)
 
 
-def expert_numel(job: JobSpec) -> int:
-    """Expert parameters one rank holds: the E / ep experts of each of its stage's layers (0: dense)."""
-    o, m = job.backend.options, job.model
-    if not m.is_moe:
-        return 0
-    layers = m.num_hidden_layers // o.pp
-    return layers * (m.num_local_experts // o.ep) * 3 * m.hidden_size * m.expert_intermediate_size // o.tp
-
-
 def _distopt_bytes(job: JobSpec, psi: int) -> tuple[float, str]:
     """Model-state bytes of a rank holding ``psi`` parameters under the distributed optimizer, and the
     formula: every parameter's weight and fp32 gradient held (4 + 4 in fp32, 2 + 4 in bf16), the fp32
@@ -165,7 +156,7 @@ def _distopt_bytes(job: JobSpec, psi: int) -> tuple[float, str]:
     experts = expert_numel(job)
     if not experts:
         return (held + sharded / dp) * psi, f"({word} + {sharded}/{dp}) * Psi_rank, Psi_rank = {psi}"
-    edp = dp // o.ep  # tp = 1 with MoE (refused otherwise): the expert-data-parallel size
+    edp = dp // o.ep  # the expert-data-parallel size: (dp x tp) / (ep x expert tp = tp)
     dense = psi - experts
     text = (
         f"({word} + {sharded}/{dp}) * Psi_dense + ({word} + {sharded}/{edp}) * Psi_experts, "

@@ -68,7 +68,7 @@ def _mg_states(job: JobSpec) -> States:
     psi = max(rank_param_counts(job).values())
     b = param_bytes(job)
     main = 4 if job.run.precision != "fp32" else 0  # fp32 training steps the params themselves
-    experts = mg_expert_numel(job)
+    experts = expert_numel(job)
     if o.distributed_optimizer:
         edp = dp // getattr(o, "ep", 1)
         dense = _dist_opt_padded(psi - experts, dp)
@@ -90,7 +90,7 @@ def _dist_opt_padded(n: int, ranks: int) -> int:
     return round_up(n, math.lcm(ranks, 128)) if ranks > 1 else n
 
 
-def mg_expert_numel(job: JobSpec) -> int:
+def expert_numel(job: JobSpec) -> int:
     """Expert parameters one megatron rank holds: the E / ep experts of each of its stage's layers,
     SwiGLU (fc1 = [gate; up], fc2 = down) of width ``moe_intermediate_size``, split over the expert
     tensor-parallel size (megatron-core's default: tp); the router is replicated with the dense ones."""
@@ -98,7 +98,7 @@ def mg_expert_numel(job: JobSpec) -> int:
     if not m.is_moe:
         return 0
     per_expert = 3 * m.hidden_size * m.expert_intermediate_size // o.tp
-    return m.num_hidden_layers // o.pp * (m.num_local_experts // getattr(o, "ep", 1)) * per_expert
+    return m.num_hidden_layers // o.pp * (m.num_local_experts // o.ep) * per_expert
 
 
 VPP_SEARCHED = (1, 2, 4)  # virtual pipeline stages per pipeline rank the search tries
@@ -173,7 +173,7 @@ def _mg_param_gathers(job: JobSpec) -> int:
     2 ranks, 4 all-gathers per step (2 buffers x 2 optimizers), bus bytes twice the single gather's;
     at ep = 1 one all-gather (the experts sit in the dense buffers, one optimizer)."""
     o = job.backend.options
-    experts_apart = mg_expert_numel(job) > 0 and getattr(o, "ep", 1) > 1  # at ep = 1 they share the dense buffers
+    experts_apart = expert_numel(job) > 0 and o.ep > 1  # at ep = 1 they share the dense buffers
     return 2 if o.distributed_optimizer and experts_apart and not o.overlap_param_gather else 1
 
 
