@@ -23,7 +23,7 @@ from parabench.adapters.base import (
     StateFormula,
     WorkerContext,
 )
-from parabench.adapters.profile import Profile, activation_recompute, dp_layout, replicated_states
+from parabench.adapters.profile import replicated_profile
 from parabench.collectives import DTYPE_BYTES, Stack
 from parabench.errors import SpecError
 from parabench.spec import MODEL_FEATURES, JobSpec
@@ -62,15 +62,7 @@ class DDPAdapter(Adapter):
         convert=ConvertSupport(),
     )
     Options = DDPOptions
-    plan_profile = Profile(
-        _ddp_options,
-        dp_layout(lambda j: "none"),
-        lambda j: True,
-        replicated_states,
-        _ddp_buffers,
-        lambda j: 1.0,
-        activation_recompute,
-    )
+    plan_profile = replicated_profile(_ddp_options, _ddp_buffers)
     # bench comm backend=ddp: torch.distributed's collectives, which fsdp, deepspeed and megatron call too
     comm_stack = Stack(
         "torch.distributed/{lib}", frozenset(DTYPE_BYTES), {}, "parabench.adapters.torch_collectives:TorchOps"

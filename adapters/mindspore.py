@@ -49,7 +49,7 @@ from parabench.adapters.base import (
     StateFormula,
     WorkerContext,
 )
-from parabench.adapters.profile import Profile, activation_recompute, dp_layout, no_options, replicated_states
+from parabench.adapters.profile import no_options, replicated_profile
 from parabench.canonical import MOMENTS, CanonicalState
 from parabench.collectives import Stack
 from parabench.devices import (
@@ -120,15 +120,7 @@ class MindSporeAdapter(Adapter):
     )
     Options = MindSporeOptions
     distributions = ("mindspore",)
-    plan_profile = Profile(
-        no_options,
-        dp_layout(lambda j: "none"),
-        lambda j: True,
-        replicated_states,
-        lambda j: 0.0,
-        lambda j: 1.0,
-        activation_recompute,
-    )
+    plan_profile = replicated_profile(no_options, lambda j: 0.0)
     comm_stack = COMM_STACK
 
     @classmethod

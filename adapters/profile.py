@@ -80,6 +80,11 @@ class Offload:
         return self.d2h_bytes + self.h2d_bytes
 
 
+def no_experts(options: dict[str, Any], world: int, experts: int) -> Iterator[dict[str, Any]]:
+    """No expert-parallel options (a backend without expert parallelism)."""
+    yield {}
+
+
 # Overlap assumptions (docs/sources.md#plan-overlap): DDP overlaps its bucketed all-reduce with
 # the backward; FSDP2 prefetches the next all-gather and reduce-scatters while the backward runs (on a device with streams);
 # DeepSpeed overlaps only with overlap_comm (its default: on for ZeRO-3, off for 1 and 2);
@@ -120,7 +125,7 @@ class Profile:
     recompute_options: tuple[dict[str, Any], ...] = ()
     # (a layout's options, world size, the model's routed experts) -> the expert-parallel options the
     # search tries with that layout ({}: none; only a backend with expert parallelism has any)
-    experts: Callable[[dict[str, Any], int, int], Iterator[dict[str, Any]]] = lambda options, world, experts: iter([{}])
+    experts: Callable[[dict[str, Any], int, int], Iterator[dict[str, Any]]] = no_experts
     # times a step all-gathers the distributed optimizer's parameters (megatron: once per optimizer of its chain)
     param_gathers: Callable[[JobSpec], int] = lambda job: 1
 
@@ -186,8 +191,9 @@ def divisors(n: int) -> list[int]:
 def dp_layout(sharding: Callable[[JobSpec], Any]) -> Callable[[JobSpec], Layout]:
     def layout(job: JobSpec) -> Layout:
         o = job.backend.options
-        recompute = "full" if getattr(o, "activation_checkpointing", False) else "none"
-        return Layout(dp=job.parallel.dp, sharding=sharding(job), recompute=recompute, ep=getattr(o, "ep", 1))
+        return Layout(
+            dp=job.parallel.dp, sharding=sharding(job), recompute=activation_recompute(job), ep=getattr(o, "ep", 1)
+        )
 
     return layout
 
@@ -196,6 +202,17 @@ def activation_recompute(job: JobSpec) -> str:
     return "full" if getattr(job.backend.options, "activation_checkpointing", False) else "none"
 
 
-def no_experts(options: dict[str, Any], world: int, experts: int) -> Iterator[dict[str, Any]]:
-    """No expert-parallel options (a backend without expert parallelism)."""
-    yield {}
+def replicated_profile(
+    options: Callable[[int, int, bool], Iterator[dict[str, Any]]], buffers: Callable[[JobSpec], float]
+) -> Profile:
+    """A data-parallel backend that holds every model state on every rank (ddp, mindspore): fp32
+    states (``replicated_states``), the gradient all-reduce overlapped with the backward."""
+    return Profile(
+        options,
+        dp_layout(lambda j: "none"),
+        lambda j: True,
+        replicated_states,
+        buffers,
+        lambda j: 1.0,
+        activation_recompute,
+    )
