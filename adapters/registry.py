@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from parabench.errors import SpecError
 
@@ -75,9 +75,15 @@ def _docstring_line(target: str) -> str:
     return doc.splitlines()[0] if doc else target
 
 
+def import_target(target: str) -> Any:
+    """The object a ``"module:name"`` target names (an adapter class, a backend's worker-side class),
+    its module imported now."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def _load(target: str) -> type[Adapter]:
-    module, _, cls = target.partition(":")
-    adapter: type[Adapter] = getattr(importlib.import_module(module), cls)
+    adapter: type[Adapter] = import_target(target)
     return adapter
 
 

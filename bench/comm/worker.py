@@ -12,7 +12,6 @@ Writes ``ranks/rank<R>.json``; the front end (:mod:`parabench.comm.command`) tak
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from parabench.adapters.base import Adapter, WorkerContext
-from parabench.adapters.registry import get_adapter, names
+from parabench.adapters.registry import get_adapter, import_target, names
 from parabench.collectives import OPS, CommJob, Stack, options
 from parabench.devices import DEVICES
 from parabench.errors import SpecError
@@ -49,14 +48,6 @@ def comm_stack(adapter: type[Adapter]) -> Stack:
             else ""
         ),
     )
-
-
-def load_ops(stack: Stack) -> Callable[..., Any]:
-    """The worker-side operations class of ``stack`` (imported here: it may import its framework's
-    modules at construction only, but lives in the backend's files)."""
-    module, _, cls = stack.ops.partition(":")
-    ops: Callable[..., Any] = getattr(importlib.import_module(module), cls)
-    return ops
 
 
 def measure(ops, spec: dict[str, Any], sync: Callable[[], None]) -> list[dict[str, Any]]:
@@ -121,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ctx = WorkerContext(job, rank, world, local_rank, DEVICES[spec["device"]](local_rank), run_dir)  # type: ignore[arg-type]
         comm = adapter.init_worker(ctx)
-        ops = load_ops(adapter.comm_stack)(ctx, job.options.dtype)
+        ops = import_target(comm_stack(adapter).ops)(ctx, job.options.dtype)
         rows = measure(ops, spec, ctx.device.synchronize)
         (run_dir / "ranks").mkdir(exist_ok=True)
         write_json_atomic(run_dir / "ranks" / f"rank{rank}.json", {"rank": rank, "rows": rows})
