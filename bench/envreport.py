@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from parabench.adapters.base import Adapter
-from parabench.adapters.registry import describe, get_adapter
+from parabench.adapters.registry import describe, get_adapter, names
 from parabench.devices import AUTOLOAD_TEXT, DEVICES, cpu_info, package_version, versions
 
 # The newest release of each distribution whose range has no upper bound that parabench has run on
@@ -76,7 +76,7 @@ def range_status(found: dict[str, str | None], ranges: dict[str, str]) -> dict[s
 
 def registered_adapters() -> dict[str, type[Adapter]]:
     """Every registered backend's adapter class (declarative: imports no framework)."""
-    return {name: get_adapter(name) for name in describe()}
+    return {name: get_adapter(name) for name in names()}
 
 
 def backends_outside(status: dict[str, dict[str, Any]], adapters: dict[str, type[Adapter]]) -> dict[str, list[str]]:

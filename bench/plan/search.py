@@ -43,10 +43,10 @@ def plannable() -> dict[str, Profile]:
 
 def backend_defaults(backends: list[str], user: list[str]) -> dict[str, dict[str, Any]]:
     """Each backend's composed config group (its name and option defaults)."""
-    out = {}
+    out, profiles = {}, plannable()
     for name in backends:
-        if name not in plannable():
-            raise SpecError("plan.backends", f"unknown backend {name!r} (plannable: {', '.join(plannable())})")
+        if name not in profiles:
+            raise SpecError("plan.backends", f"unknown backend {name!r} (plannable: {', '.join(profiles)})")
         out[name] = to_plain(compose([*user, f"backend={name}"]))
     return out
 
@@ -82,7 +82,9 @@ def _routed_experts(node: dict[str, Any]) -> int:
 def _with_experts(name: str, world: int, cluster: Cluster, experts: int):
     """The profile's layouts, each with every expert-parallel size it tries for a model of ``experts``
     routed experts (none: the layout alone)."""
-    prof = plannable()[name]
+    prof = get_adapter(name).plan_profile
+    if prof is None:  # backend_defaults admits plannable backends only
+        raise SpecError("plan.backends", f"backend {name!r} declares no plan profile")
     for options in prof.layouts(world, cluster.devices_per_node, cluster.host_link is not None):
         for extra in prof.experts(options, world, experts):
             yield {**options, **extra}
