@@ -22,6 +22,15 @@ pytest_plugins = ["pytester"]  # tests/test_tiers.py runs small test projects
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The suite runs two test workers on a machine of two cores, each starting ranks, so a rank's second
+# OpenMP thread (a 1-rank run's, a worker's in-process torch) often waits for a core the other
+# worker holds. libgomp's default waiting spins (OMP_WAIT_POLICY, the OpenMP specification's section
+# on environment variables; GCC's libgomp manual, "OMP_WAIT_POLICY"): a 1-rank 20-step run beside one
+# busy process took 35 CPU-s spinning, 14 with PASSIVE (2026-12-07). Set for this process before
+# anything loads libgomp, and inherited by every process the tests start; bench itself leaves it to
+# the user.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # Small, fast geometry for end-to-end tests: the llama model with a 2,048-token vocabulary (VOCAB) and
 # shorter sequences. The 32k vocabulary's embedding and output layers are 85% of llama's parameters,
 # of every checkpoint and gradient all-reduce, and ~80% of a step on this CPU (0.43 s -> 0.08 s a step
