@@ -49,6 +49,7 @@ from parabench.adapters.base import (
     StateFormula,
     WorkerContext,
 )
+from parabench.adapters.mindspore_graphs import GraphCache, graphs_cached
 from parabench.adapters.profile import no_options, replicated_profile
 from parabench.canonical import MOMENTS, CanonicalState
 from parabench.collectives import Stack
@@ -76,6 +77,9 @@ class MindSporeOptions:
     mode: Literal["graph", "pynative"] = "graph"  # graph: compiled (default); pynative: eager, needs numpy<2
     parallel_mode: Literal["data_parallel", "semi_auto_parallel", "auto_parallel"] = "data_parallel"
     jit_level: Literal["O0", "O1"] = "O0"  # graph mode: O0 = no graph-kernel fusion, O1 = fusion where supported
+    # graph mode: load the graphs a run of the same shape compiled (adapters/mindspore_graphs.py); auto:
+    # for models whose weights take up to 256 MiB (the cache holds a copy of them)
+    compile_cache: Literal["auto", "always", "never"] = "auto"
 
 
 def _major(version: str | None) -> int:
@@ -284,9 +288,22 @@ class MindSporeEngine(Engine):
         self.micro_step = cells.MicroStep(self.net, self.params, self.grads)
         self.apply_step = cells.ApplyStep(self.params, self.grads, self.optimizer, job.optim.grad_clip, self.world)
         self.steps_done = 0
+        opts = job.backend.options
+        self.graphs = GraphCache.of(job, ctx.run_dir, ctx.rank) if graphs_cached(job) else None
+        if self.graphs is not None:
+            self.graphs.enable()  # the cells compile at their first call, in the first step
 
     def data_parallel(self) -> tuple[int, int]:
         return self.rank, self.world
+
+    def artifacts(self) -> dict[str, Any]:
+        if self.graphs is None:
+            return {}
+        return {"mindspore_graphs": {"folder": str(self.graphs.path), "reused": self.graphs.reused}}
+
+    def close(self) -> None:
+        if self.graphs is not None:
+            self.graphs.publish()
 
     def prepare_batch(self, micro_batches: Sequence[tuple[Any, Any]]) -> Any:
         ms, np = self.ms, self.np

@@ -2,6 +2,7 @@
 through the real CLI (msrun workers on mccl, MLflow store in a temp dir)."""
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -208,3 +209,68 @@ def test_model_states_and_metrics_are_recorded(sweeps):
     ):
         assert run[f"metrics.{metric}"] > 0, metric
     assert "measured" in run["tags.peak_source"]  # the CPU's own GEMM peak, never an NPU figure
+
+
+# --------------------------------------------------------------------------------------------
+# Unit: compiled graphs are kept per job shape (adapters/mindspore_graphs.py).
+# --------------------------------------------------------------------------------------------
+def _ms_job(*overrides: str):
+    from parabench.hydraconfig import compose, to_plain
+    from parabench.jobs import from_config
+
+    return from_config(to_plain(compose(["+model=llama", "backend=mindspore", *overrides])))
+
+
+def test_graphs_are_shared_by_jobs_of_one_shape_only():
+    from parabench.adapters.mindspore_graphs import shape_key
+
+    key = shape_key(_ms_job())
+    # what the compiled graphs are built from: each change is another folder
+    for other in (
+        "model.hidden_size=128",
+        "data.micro_batch_size=1",
+        "optim.lr=1e-3",
+        "launcher.nproc_per_node=2",
+        "backend.jit_level=O1",
+        "data.seq_len=128",
+    ):
+        assert shape_key(_ms_job(other)) != key, other
+    # values fed to the same graphs: one folder
+    for same in ("run.seed=7", "run.steps=3", "run.checkpoint.every=5", "fault.kind=kill", "tracking.enabled=false"):
+        assert shape_key(_ms_job(same)) == key, same
+
+
+def test_compile_cache_auto_keeps_the_graphs_of_cpu_sized_models_only():
+    from parabench.adapters.mindspore_graphs import graphs_cached
+
+    assert graphs_cached(_ms_job())  # 19.3M parameters: 77 MB of fp32 weights
+    assert not graphs_cached(_ms_job("model.hidden_size=1024", "model.intermediate_size=2816"))  # 113M: 451 MB
+    assert graphs_cached(
+        _ms_job("model.hidden_size=1024", "model.intermediate_size=2816", "backend.compile_cache=always")
+    )
+    assert not graphs_cached(_ms_job("backend.compile_cache=never"))
+
+
+def test_a_rank_publishes_its_graphs_once_and_never_over_another_runs(tmp_path, monkeypatch):
+    from parabench.adapters import mindspore_graphs
+    from parabench.adapters.mindspore_graphs import GraphCache
+
+    monkeypatch.setattr(mindspore_graphs, "cache_root", lambda: tmp_path / "cache")
+    job = _ms_job()
+    first = GraphCache.of(job, tmp_path / "run1", rank=1)
+    assert not first.reused and first.path == tmp_path / "run1" / "mindspore_graphs"
+    second = GraphCache.of(job, tmp_path / "run2", rank=1)  # started while the first still compiles
+    for run, text in ((first, "first"), (second, "second")):
+        (run.local / "rank_1" / "graph_cache").mkdir(parents=True)
+        (run.local / "rank_1" / "graph_cache" / "g.mindir").write_text(text)
+    first.publish()
+    second.publish()  # too late: the first run's graphs stay, and no staging folder is left behind
+    assert sorted(p.name for p in first.shared.iterdir()) == ["rank_1"]
+    assert (first.shared / "rank_1" / "graph_cache" / "g.mindir").read_text() == "first"
+    third = GraphCache.of(job, tmp_path / "run3", rank=1)
+    assert third.reused and third.path == first.shared
+    assert not GraphCache.of(job, tmp_path / "run3", rank=0).reused  # each rank has its own graphs
+    for name in ("MS_COMPILER_CACHE_ENABLE", "MS_COMPILER_CACHE_PATH"):
+        monkeypatch.delenv(name, raising=False)  # restored after the test: enable() sets them for the process
+    third.enable()
+    assert (os.environ["MS_COMPILER_CACHE_ENABLE"], os.environ["MS_COMPILER_CACHE_PATH"]) == ("1", str(first.shared))

@@ -34,6 +34,10 @@ def test_killed_resumed_bitwise_and_its_async_saves_resume_bitwise(tmp_path, uni
     again = run_ok([*args, f"run.resume={ckpt / 'step_000015'}", "tracking.enabled=false"], tmp_path / "again")
     assert again["resumed_step"] == 15
     assert again["losses"] == full["losses"]
+    # backend.compile_cache: the matrix run of this shape published its compiled graphs; the resumed
+    # runs loaded them, and resumed bitwise all the same
+    (artifacts,) = (tmp_path / "again").glob("runs/*/*/*/backend_artifacts.json")
+    assert json.loads(artifacts.read_text())["mindspore_graphs"]["reused"] is True
 
 
 @pytest.mark.full
