@@ -288,7 +288,6 @@ class MindSporeEngine(Engine):
         self.micro_step = cells.MicroStep(self.net, self.params, self.grads)
         self.apply_step = cells.ApplyStep(self.params, self.grads, self.optimizer, job.optim.grad_clip, self.world)
         self.steps_done = 0
-        opts = job.backend.options
         self.graphs = GraphCache.of(job, ctx.run_dir, ctx.rank) if graphs_cached(job) else None
         if self.graphs is not None:
             self.graphs.enable()  # the cells compile at their first call, in the first step
