@@ -298,7 +298,8 @@ class MindSporeEngine(Engine):
     def artifacts(self) -> dict[str, Any]:
         if self.graphs is None:
             return {}
-        return {"mindspore_graphs": {"folder": str(self.graphs.path), "reused": self.graphs.reused}}
+        # where the graphs are once the run has closed: loaded from there, or published there
+        return {"mindspore_graphs": {"folder": str(self.graphs.shared), "reused": self.graphs.reused}}
 
     def close(self) -> None:
         if self.graphs is not None:

@@ -15,8 +15,8 @@ geometry, the optimizer's settings, precision, the backend options, the world si
 MindSpore's version and the source of parabench's cells), under
 ``~/.cache/parabench/mindspore_graphs/``. A rank that finds its graphs there loads them; otherwise it
 compiles into its run directory and publishes that folder when it closes cleanly (a copy, then a
-rename: a run that published first wins, and no run ever reads a half-written folder). A killed or
-failed run publishes nothing.
+rename: a run that published first wins, and no run ever reads a half-written folder), then removes
+the run directory's copy. A killed or failed run publishes nothing.
 
 The cached optimizer graph holds a copy of the weights (16 MB of its 16.7 MB for a 3.9M-parameter
 model), so ``backend.compile_cache=auto`` (the default) caches only models whose fp32 weights take
@@ -25,6 +25,7 @@ up to 256 MiB, the models a CPU run trains; ``always`` and ``never`` decide for 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -110,3 +111,6 @@ class GraphCache:
             staged.rename(self.shared / f"rank_{self.rank}")
         except OSError:  # another run of this shape published it meanwhile: keep theirs
             shutil.rmtree(staged, ignore_errors=True)
+        shutil.rmtree(compiled)  # a model-sized copy: the run directory keeps no second one
+        with contextlib.suppress(OSError):  # the last rank to publish removes the emptied folder
+            self.local.rmdir()

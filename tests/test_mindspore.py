@@ -267,6 +267,7 @@ def test_a_rank_publishes_its_graphs_once_and_never_over_another_runs(tmp_path, 
     second.publish()  # too late: the first run's graphs stay, and no staging folder is left behind
     assert sorted(p.name for p in first.shared.iterdir()) == ["rank_1"]
     assert (first.shared / "rank_1" / "graph_cache" / "g.mindir").read_text() == "first"
+    assert not first.local.exists() and not second.local.exists()  # no second copies left in the run directories
     third = GraphCache.of(job, tmp_path / "run3", rank=1)
     assert third.reused and third.path == first.shared
     assert not GraphCache.of(job, tmp_path / "run3", rank=0).reused  # each rank has its own graphs
