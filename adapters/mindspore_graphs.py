@@ -14,9 +14,9 @@ shape, named by a hash of everything the compiled graphs are built from (the mod
 geometry, the optimizer's settings, precision, the backend options, the world size, the device kind,
 MindSpore's version and the source of parabench's cells), under
 ``~/.cache/parabench/mindspore_graphs/``. A rank that finds its graphs there loads them; otherwise it
-compiles into its run directory and publishes that folder when it closes cleanly (a copy, then a
-rename: a run that published first wins, and no run ever reads a half-written folder), then removes
-the run directory's copy. A killed or failed run publishes nothing.
+compiles into its run directory and publishes that folder when it closes cleanly (moved under a
+hidden name, then renamed: a run that published first wins, and no run ever reads a half-written
+folder), so the run directory keeps no copy. A killed or failed run publishes nothing.
 
 The cached optimizer graph holds a copy of the weights (16 MB of its 16.7 MB for a 3.9M-parameter
 model), so ``backend.compile_cache=auto`` (the default) caches only models whose fp32 weights take
@@ -105,12 +105,14 @@ class GraphCache:
         if self.reused or not compiled.is_dir():
             return
         self.shared.mkdir(parents=True, exist_ok=True)
-        staged = Path(tempfile.mkdtemp(prefix=f".rank_{self.rank}-", dir=self.shared))
-        shutil.copytree(compiled, staged, dirs_exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".rank_{self.rank}-", dir=self.shared))
+        # moved, not copied (a rename within one file system): the run directory keeps no second
+        # model-sized copy; under a hidden name until whole, then renamed into place
+        staged = Path(shutil.move(compiled, staging / "graphs"))
         try:
             staged.rename(self.shared / f"rank_{self.rank}")
         except OSError:  # another run of this shape published it meanwhile: keep theirs
-            shutil.rmtree(staged, ignore_errors=True)
-        shutil.rmtree(compiled)  # a model-sized copy: the run directory keeps no second one
+            pass
+        shutil.rmtree(staging, ignore_errors=True)
         with contextlib.suppress(OSError):  # the last rank to publish removes the emptied folder
             self.local.rmdir()

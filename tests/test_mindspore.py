@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 from run_matrix import assert_parity, pair
+from test_resilience import job_of
 
 from conftest import assert_refused_before_launch, mlflow_runs
 
@@ -215,10 +216,7 @@ def test_model_states_and_metrics_are_recorded(sweeps):
 # Unit: compiled graphs are kept per job shape (adapters/mindspore_graphs.py).
 # --------------------------------------------------------------------------------------------
 def _ms_job(*overrides: str):
-    from parabench.hydraconfig import compose, to_plain
-    from parabench.jobs import from_config
-
-    return from_config(to_plain(compose(["+model=llama", "backend=mindspore", *overrides])))
+    return job_of("backend=mindspore", *overrides)
 
 
 def test_graphs_are_shared_by_jobs_of_one_shape_only():
