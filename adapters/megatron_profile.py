@@ -70,7 +70,7 @@ def _mg_states(job: JobSpec) -> States:
     main = 4 if job.run.precision != "fp32" else 0  # fp32 training steps the params themselves
     experts = expert_numel(job)
     if o.distributed_optimizer:
-        edp = dp // getattr(o, "ep", 1)
+        edp = dp // o.ep
         dense = _dist_opt_padded(psi - experts, dp)
         expert = _dist_opt_padded(experts, edp) if experts else 0
         padded = dense + expert
@@ -228,7 +228,7 @@ def _mg_layout(job: JobSpec) -> Layout:
         # megatron-core's tensor_parallel.checkpoint is reentrant: the whole layer forward, its TP
         # collectives included, runs again
         recompute=_mg_recompute(job),  # type: ignore[arg-type]
-        ep=getattr(o, "ep", 1),
+        ep=o.ep,
     )
 
 
