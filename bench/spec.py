@@ -316,6 +316,9 @@ class LaunchSpec:
     setup_timeout_s: float = 1800.0  # runner watchdog until the first step (imports, JIT op builds)
     hang_timeout_s: float = 600.0  # runner watchdog: no progress for this long -> kill, FAILED
     max_restarts: int = 0  # restart failed workers this often (torchrun --max-restarts); they resume
+    # a local start of one node without restarts: fork the ranks from one process that imported torch
+    # once (parabench.localrun), or start them through torchrun's agent as fresh interpreters
+    start: typing.Literal["fork", "torchrun"] = "fork"
     k8s: K8sSpec = K8sSpec()  # launcher.k8s.*: a Kubeflow PyTorchJob manifest in the dry-run bundle
 
     @property

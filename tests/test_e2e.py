@@ -152,8 +152,9 @@ def test_a_killed_rank_fails_the_run_quickly_and_is_recorded(results):
     _, err = proc.communicate(timeout=120)
     assert time.time() - killed_at < 60
     assert proc.returncode == 1
-    # one line naming a rank and its error (rank 1's SIGKILL, or rank 0's failed collective), no torchrun traceback
-    assert re.search(r"^parabench: run FAILED: a worker failed \(torchrun exit code 1\): rank [01]: ", err, re.M), err
+    # one line naming a rank and its error (rank 1's SIGKILL, or rank 0's failed collective), no launcher
+    # traceback; one node, no restarts: the forked ranks of parabench.localrun (launcher.start=fork)
+    assert re.search(r"^parabench: run FAILED: a worker failed \(localrun exit code 1\): rank [01]: ", err, re.M), err
     assert "ChildFailedError" not in err and "logs in" in err
     runs = mlflow_runs(results)
     assert list(runs["status"]) == ["FAILED"]

@@ -187,7 +187,7 @@ def test_a_comm_launch_that_does_not_finish_is_killed_by_the_watchdog(results):
 
 
 def _comm_running(results: Path) -> tuple[subprocess.Popen, Path, list[int]]:
-    """`bench comm` in the background until torchrun and its two ranks run: it, its run dir, their pids."""
+    """`bench comm` in the background until its launcher and its two ranks run: it, its run dir, their pids."""
     cmd = [sys.executable, "-m", "parabench", "comm", *SLOW_COMM, f"run.results_dir={results}"]
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -212,19 +212,26 @@ def test_sigterm_to_bench_comm_stops_its_workers(results):
 
 @pytest.mark.full
 def test_a_killed_comm_launcher_takes_its_workers_with_it(results):
-    """kill -9 of torchrun (the OOM killer, a node agent): its comm ranks end at once (stop_with_launcher),
+    """kill -9 of the launcher (the OOM killer, a node agent): its comm ranks end at once (stop_with_launcher),
     where they had gone on measuring, and bench comm reports the failure."""
     proc, run_dir, _ = _comm_running(results)
-    (torchrun,) = [
-        pid
-        for pid in alive_with(str(run_dir))
-        if "torch.distributed.run" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
-    ]
-    os.kill(torchrun, signal.SIGKILL)
+    ranks = _rank_pids(run_dir, 2)
+    (launcher,) = {int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) for pid in ranks}
+    assert "parabench.localrun" in Path(f"/proc/{launcher}/cmdline").read_text()  # one node: forked ranks
+    os.kill(launcher, signal.SIGKILL)
     _, err = proc.communicate(timeout=90)
     orphans = _no_orphans(run_dir)
-    assert orphans == [], f"comm ranks run on after kill -9 of their torchrun: {orphans}"
-    assert proc.returncode == 1 and "a worker failed (torchrun exit code -9)" in err, err[-3000:]
+    assert orphans == [], f"comm ranks run on after kill -9 of their launcher: {orphans}"
+    assert proc.returncode == 1 and "a worker failed (localrun exit code -9)" in err, err[-3000:]
+
+
+def _rank_pids(run_dir: Path, world: int) -> list[int]:
+    """The pids the ranks recorded (parabench.launchers.record_pid), once all ``world`` have."""
+    deadline = time.monotonic() + 120
+    while len(found := sorted((run_dir / "pids").glob("rank*"))) < world:
+        assert time.monotonic() < deadline, f"{len(found)} of {world} ranks recorded their pid"
+        time.sleep(0.2)
+    return [int(p.read_text()) for p in found]
 
 
 @pytest.mark.full

@@ -387,7 +387,7 @@ def test_injected_exception_fails_the_run_once(results):
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "bench: run failed: a worker failed" in proc.stderr
     cause = "rank 0: parabench.faults.InjectedFault: fault.kind=exception on rank 0 before step 1"
-    assert f"parabench: run FAILED: a worker failed (torchrun exit code 1): {cause}\n" in proc.stderr
+    assert f"parabench: run FAILED: a worker failed (localrun exit code 1): {cause}\n" in proc.stderr
     assert "ChildFailedError" not in proc.stderr and "Traceback" not in proc.stderr
     (run_dir,) = (p.parent for p in results.glob("runs/*/*/*/spec.json"))
     log = (run_dir / "logs" / "rank0.log").read_text()
@@ -433,13 +433,15 @@ def test_sigkill_of_bench_run_ends_the_launcher_and_its_workers(results, backend
 
 @pytest.mark.full
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's prctl")
-def test_sigkill_of_torchrun_ends_its_workers_and_fails_the_run(results):
+@pytest.mark.parametrize(("start", "module"), [("fork", "parabench.localrun"), ("torchrun", "torch.distributed.run")])
+def test_sigkill_of_the_launcher_ends_its_workers_and_fails_the_run(results, start, module):
     """kill -9 of the launcher itself (the OOM killer picks the agent, a node agent): its workers end
     with it instead of training on as orphans, and `bench run` fails with the launcher's exit."""
-    proc, run_dir = _start_until_step(results, [*FAST, "run.steps=100000", "launcher.nproc_per_node=2"], 2)
+    args = [*FAST, "run.steps=100000", "launcher.nproc_per_node=2", f"launcher.start={start}"]
+    proc, run_dir = _start_until_step(results, args, 2)
     ranks = [int(p.read_text()) for p in sorted((run_dir / "pids").glob("rank*"))]
     (launcher,) = {int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) for pid in ranks}
-    assert "torch.distributed.run" in Path(f"/proc/{launcher}/cmdline").read_text()
+    assert module in Path(f"/proc/{launcher}/cmdline").read_text()
     os.kill(launcher, signal.SIGKILL)
     _, err = proc.communicate(timeout=120)
     deadline = time.monotonic() + 10
@@ -448,7 +450,7 @@ def test_sigkill_of_torchrun_ends_its_workers_and_fails_the_run(results):
     orphans = [pid for pid in ranks if alive(pid)]
     for pid in orphans:  # a failing test leaves nothing training on this machine
         os.kill(pid, signal.SIGKILL)
-    assert orphans == [], f"workers train on after kill -9 of torchrun: {orphans}"
+    assert orphans == [], f"workers train on after kill -9 of {module}: {orphans}"
     assert proc.returncode == 1 and "run failed" in err, err[-3000:]
     (run,) = (row for _, row in mlflow_runs(results).iterrows())
     assert run["status"] == "FAILED"

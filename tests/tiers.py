@@ -29,7 +29,7 @@ PROCESS_STARTERS = {
     "torchrun", "msrun", "deepspeed", "srun", "sbatch", "salloc", "slurmctld", "slurmd", "munged",
     "mlflow", "pg_ctl", "postgres", "chromium", "chromium-browser",
 }  # fmt: skip
-STARTING_MODULES = {"torch.distributed.run", "parabench.worker", "mlflow"}
+STARTING_MODULES = {"torch.distributed.run", "parabench.localrun", "parabench.worker", "mlflow"}
 # bench commands that may launch workers, and the arguments with which they launch none.
 LAUNCHING_COMMANDS = {"run", "comm", "convert", "smoke"}
 NO_LAUNCH = {"--cfg", "--help", "-h", "launcher.dry_run=true"}
