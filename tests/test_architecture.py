@@ -53,6 +53,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
         "processes",
         (
             "parabench.launchers",
+            "parabench.localrun",
             "parabench.k8s",
             "parabench.worker",
             "parabench.loop",
