@@ -13,6 +13,7 @@
 #                                           ~5 GB; KEEP_TORCH=X.Y.Z picks another): `pip install .` must
 #                                           leave that torch in place; then `bench run +model=llama` and
 #                                           2-rank ddp and fsdp runs.  ~5 min once downloaded
+#   benchmarks/compat_matrix.sh keep-torch-env  its install alone (keep-torch repeats the check, then runs)
 #   benchmarks/compat_matrix.sh static      Python 3.12 and 3.10: byte-compile every source file and check
 #                                           that pip accepts the package metadata (requires-python).  <1 min
 #   benchmarks/compat_matrix.sh all         the three, in that order
@@ -106,8 +107,12 @@ newest_torch() {  # the newest torch release the package index offers
   echo "$v"
 }
 
-keep_torch() {
-  local venv="$ROOT/keeptorch" before out torch
+KEEP_TORCH_VENV="$ROOT/keeptorch"
+
+# The newest torch, then `pip install .` beside it (which must leave that torch in place): the slow part
+# of keep-torch (a ~5 GB download the first time), on its own so CI can start it before its test tier.
+keep_torch_env() {
+  local venv="$KEEP_TORCH_VENV" before torch
   # A machine-wide pip constraint (some images cap torch to the wheels on their disk) must not decide
   # which torch this job tests, nor make pip replace it while installing parabench.
   export PIP_CONFIG_FILE=/dev/null
@@ -117,6 +122,11 @@ keep_torch() {
   before="$(fingerprint "$venv")"
   pipq "$venv" "$REPO"  # plain `pip install .`: what a user on a GPU image types
   assert_torch_kept "$venv" "$before"
+}
+
+keep_torch() {
+  local venv="$KEEP_TORCH_VENV" out
+  keep_torch_env
   out="$(mktemp -d)"
   cd "$out"
   flock "$LOCK" bash -c "set -e
@@ -144,7 +154,8 @@ case "${1:-}" in
   oldest) oldest ;;
   known-good) known_good ;;
   keep-torch) keep_torch ;;
+  keep-torch-env) keep_torch_env ;;
   static) static ;;
   all) static; keep_torch; oldest; known_good ;;
-  *) sed -n '2,21p' "$0"; exit 2 ;;
+  *) sed -n '2,22p' "$0"; exit 2 ;;
 esac
