@@ -31,7 +31,9 @@ import runpy
 import signal
 import subprocess
 import sys
+import threading
 import time
+import traceback
 from collections.abc import Sequence
 from datetime import timedelta
 from types import FrameType
@@ -140,12 +142,12 @@ def rank_env(opts: argparse.Namespace, local_rank: int, port: int) -> dict[str, 
 
 def become_rank(opts: argparse.Namespace, local_rank: int, port_pipe: int, threads_wanted: str | None) -> NoReturn:
     """In the forked child: wait for the store's port, take the rank's environment, run the entry
-    module as ``__main__``. Its ``sys.exit`` ends this process through the interpreter's normal exit
-    (threads joined, atexit handlers, buffers flushed): no frame above this one catches it."""
+    module as ``__main__``, then :func:`end_rank`."""
     with os.fdopen(port_pipe, "rb") as pipe:
         told = pipe.read()
     if not told:  # the launcher died before its store was up
-        sys.exit(f"[localrun] rank {local_rank}: no rendezvous store")
+        print(f"[localrun] rank {local_rank}: no rendezvous store", file=sys.stderr, flush=True)
+        os._exit(1)
     os.environ.update(rank_env(opts, local_rank, int(told)))
     if threads_wanted is not None:  # what libgomp would have read at torch's import in a fresh rank
         import torch
@@ -153,8 +155,39 @@ def become_rank(opts: argparse.Namespace, local_rank: int, port_pipe: int, threa
         torch.set_num_threads(int(threads_wanted))
     sys.argv = [opts.module, *opts.args]
     sys.modules.pop(opts.module, None)  # preloaded: its body runs again as __main__, its imports stay
-    runpy.run_module(opts.module, run_name="__main__", alter_sys=True)
-    sys.exit(0)
+    try:
+        runpy.run_module(opts.module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        code = exit_status(exc.code)
+    except BaseException:  # the entry's own failure: its traceback, exit 1 (as the interpreter would)
+        traceback.print_exc()
+        code = 1
+    end_rank(code)
+
+
+def exit_status(code: object) -> int:
+    """``sys.exit``'s argument as the interpreter turns it into an exit status."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def end_rank(code: int) -> NoReturn:
+    """A forked rank ends as multiprocessing's forked children do: its threads joined and its streams
+    flushed, then ``os._exit``, without the interpreter's teardown - whose finalizers belong to the
+    objects the launcher created before the fork (torch's operator libraries among them): a rank
+    once hung there, in ``torch.library``'s finalizer, after its last step."""
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
+    os._exit(code)
 
 
 def fork_ranks(opts: argparse.Namespace, threads_wanted: str | None) -> dict[int, tuple[int, int]]:
@@ -299,4 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # nothing to tear down: the store closes with the process (see end_rank)
