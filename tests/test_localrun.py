@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
+from test_resilience import job_of
 
 from conftest import REPO, alive
-from test_resilience import job_of
 from parabench.launchers import Launch, Localrun, Torchrun
 from parabench.runner import ROOT_CAUSE
 
