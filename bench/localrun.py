@@ -234,11 +234,6 @@ def open_store(opts: argparse.Namespace):
     )
 
 
-def exit_code(status: int) -> int:
-    """torchrun's convention: a rank's exit code, or minus the signal that ended it."""
-    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-
-
 def root_cause(local_rank: int, pid: int, code: int) -> None:
     """The first failure, in the shape of torchrun's summary (parabench.runner.ROOT_CAUSE reads it)."""
     what = f" ({signal.Signals(-code).name})" if code < 0 and -code in signal.valid_signals() else ""
@@ -255,7 +250,7 @@ def wait_all(ranks: dict[int, int]) -> int:
         local_rank = ranks.pop(pid, None)
         if local_rank is None:
             continue
-        code = exit_code(status)
+        code = os.waitstatus_to_exitcode(status)  # minus the signal, as torchrun reports it
         log(f"rank {local_rank} (pid {pid}) exited with code {code}")
         if code != 0 and not failed:
             failed = True
@@ -274,7 +269,7 @@ def stop(ranks: dict[int, int]) -> None:
         if pid == 0:
             time.sleep(0.05)
         elif ranks.pop(pid, None) is not None:
-            log(f"stopped rank (pid {pid}): exit code {exit_code(status)}")
+            log(f"stopped rank (pid {pid}): exit code {os.waitstatus_to_exitcode(status)}")
     for pid in ranks:
         _signal(pid, signal.SIGKILL)
     for pid in list(ranks):
