@@ -32,8 +32,9 @@ rank = int(os.environ["RANK"])
 seen = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
         "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS")}
 seen.update(preloaded=preloaded, argv=sys.argv[1:], name=__name__, ppid=os.getppid(), threads=torch.get_num_threads())
-with open(os.path.join(out, f"pid{rank}"), "w") as f:
+with open(os.path.join(out, f"pid{rank}.tmp"), "w") as f:  # renamed whole: the test reads it once it exists
     f.write(str(os.getpid()))
+os.rename(os.path.join(out, f"pid{rank}.tmp"), os.path.join(out, f"pid{rank}"))
 if mode == "fail" and rank == 1:
     sys.exit(3)
 if mode in ("fail", "wait"):
