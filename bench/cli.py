@@ -12,12 +12,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from parabench import __version__, trackstore
+from parabench import __version__
 from parabench.devices import AUTOLOAD_ENV
 from parabench.errors import RunFailed, UserError, stopped_by
 from parabench.hydraconfig import compose, expand_sweep, register_resolvers, register_spec_defaults, to_plain
 from parabench.jobs import prepare
-from parabench.tracking import close_abandoned, end_own_runs, store_uri, sync_main
+from parabench.tracking import store as trackstore
+from parabench.tracking.runs import close_abandoned, end_own_runs, store_uri, sync_main
 
 USAGE = """usage: bench <command> [args]
 

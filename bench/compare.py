@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from parabench import stability, trackstore, versus
+from parabench import stability, versus
 from parabench.errors import UserError
 from parabench.plots import bar_stack_svg, line_svg
 from parabench.runnames import comparison_experiment, stamp
@@ -36,7 +36,8 @@ from parabench.runtable import (
     report_dict,
 )
 from parabench.spec import TrackingSpec
-from parabench.tracking import close_abandoned, default_store_uri, results_dir_of
+from parabench.tracking import store as trackstore
+from parabench.tracking.runs import close_abandoned, default_store_uri, results_dir_of
 
 # --------------------------------------------------------------------------------------------
 # Rendering.

@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from parabench import trackstore
 from parabench.adapters.base import Adapter, check_capabilities
 from parabench.adapters.registry import get_adapter
 from parabench.checkpoint import plan_resume
@@ -44,6 +43,7 @@ from parabench.spec import (
     validate_parallel,
     validate_resilience,
 )
+from parabench.tracking import store as trackstore
 
 _TOP_LEVEL = {"model", "data", "optim", "device", "launcher", "run", "tracking", "backend", "experiment", "fault"}
 

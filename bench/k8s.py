@@ -27,7 +27,7 @@ import yaml
 
 from parabench import __version__
 from parabench.spec import JobSpec
-from parabench.tracking import is_secret
+from parabench.tracking.runs import is_secret
 
 API_VERSION = "kubeflow.org/v1"
 CONTAINER = "pytorch"  # the operator's webhook needs one container of this name

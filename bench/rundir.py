@@ -14,11 +14,12 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from parabench import __version__, k8s, trackstore
+from parabench import __version__, k8s
 from parabench.checkpoint import checkpoint_root, checkpointing, link_default_root, plan_resume, write_resume_file
 from parabench.launchers import get_launcher, launch_env
 from parabench.spec import JobSpec
-from parabench.tracking import is_secret
+from parabench.tracking import store as trackstore
+from parabench.tracking.runs import is_secret
 
 
 def dry_run(job: JobSpec, plain: dict[str, Any], run_dir: Path, repeat: Any = None) -> Path:

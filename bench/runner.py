@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from parabench import __version__, commreport, expertload, rundir, trackstore
+from parabench import __version__, commreport, expertload, rundir
 from parabench.checkpoint import (
     RUN_ID_ENV,
     STEPS_FILE,
@@ -35,7 +35,8 @@ from parabench.launchers import Launch, launch_env, log_tails, supervise
 from parabench.metrics import summarize
 from parabench.runnames import job_run_name
 from parabench.spec import JobSpec, to_dict
-from parabench.tracking import JobRun, StepTail, flatten, git_sha, is_secret, store_uri
+from parabench.tracking import store as trackstore
+from parabench.tracking.runs import JobRun, StepTail, flatten, git_sha, is_secret, store_uri
 
 LIVE_S = 2.0  # rank 0's finished steps go to MLflow in a batch this often during the run
 STOP_GRACE_S = 60.0  # run.checkpoint.on_signal: how long the workers get to write the last checkpoint

@@ -34,8 +34,8 @@ from omegaconf import OmegaConf
 from parabench.errors import RunFailed, UserError, stopped_by
 from parabench.hydraconfig import register_resolvers
 from parabench.spec import tracking_from_config
-from parabench.tracking import PARENT_ENV, store_uri
-from parabench.trackstore import redact
+from parabench.tracking.runs import PARENT_ENV, store_uri
+from parabench.tracking.store import redact
 
 POLL_S = 1.0  # result files are looked for this often
 STATE_EVERY_S = 5.0  # the controller is asked for a job's state at most this often

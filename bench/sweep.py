@@ -18,8 +18,8 @@ from parabench import stability
 from parabench.runnames import stamp
 from parabench.runtable import build_sections, load_runs, metric_key, report_dict, scaling_metrics
 from parabench.spec import tracking_from_config
-from parabench.tracking import PARENT_ENV, JobRun, git_sha
-from parabench.trackstore import redact
+from parabench.tracking.runs import PARENT_ENV, JobRun, git_sha
+from parabench.tracking.store import redact
 
 
 class MultirunCallback(Callback):

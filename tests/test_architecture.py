@@ -85,8 +85,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "parabench.commlog",
             "parabench.metrics",
             "parabench.expertload",
-            "parabench.tracking",
-            "parabench.trackstore",
+            "parabench.tracking",  # the package: tracking.runs, tracking.store
             "parabench.plots",
             "parabench.stability",
             "parabench.runtable",

@@ -5,7 +5,7 @@ an MLflow param, tag or run name (issue 33, items 3 and 5; docs/security.md).
 
 Hydra escapes a URI in the overrides it writes and prints (``http\\://user\\:pw@host``), so the
 credentials are moved out of the command line before Hydra sees it
-(:func:`parabench.trackstore.overrides_without_credentials`). The end-to-end sweep against an MLflow
+(:func:`parabench.tracking.store.overrides_without_credentials`). The end-to-end sweep against an MLflow
 server with basic auth is in tests/test_mlflow_auth_ui.py.
 """
 
@@ -39,7 +39,7 @@ def mlflow_env(monkeypatch):
 
 
 def test_redact_finds_the_escaped_form_hydra_writes():
-    from parabench.trackstore import redact
+    from parabench.tracking.store import redact
 
     escaped = f"- tracking.uri=http\\://{USER}\\:{PASSWORD}@127.0.0.1\\:5000"  # .hydra/overrides.yaml
     assert redact(escaped) == "- tracking.uri=http\\://***@127.0.0.1\\:5000"
@@ -48,7 +48,7 @@ def test_redact_finds_the_escaped_form_hydra_writes():
 
 def test_overrides_move_credentials_to_mlflow_variables(mlflow_env):
     from parabench.errors import SpecError
-    from parabench.trackstore import overrides_without_credentials
+    from parabench.tracking.store import overrides_without_credentials
 
     given = ["+model=llama", f"tracking.uri=http://{USER}:{PASSWORD}@h1:5000,https://{USER}:{PASSWORD}@h2"]
     assert overrides_without_credentials(given, mlflow_env) == [
@@ -121,7 +121,8 @@ def test_compare_messages_hold_no_uri_password(tmp_path, capsys, monkeypatch, ml
     """`bench compare --tracking-uri http://user:pw@host`: MLflow's client is given the URI without
     the login, so neither bench's message nor MLflow's (which quotes the URL) holds the password. The
     server is one that answered the pre-flight probe and then went away (nothing listens)."""
-    from parabench import compare, trackstore
+    from parabench import compare
+    from parabench.tracking import store as trackstore
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(trackstore, "probe_server", lambda *args, **kwargs: None)

@@ -894,7 +894,7 @@ def test_load_imbalance_and_the_summary_from_hand_counts():
     """max/mean per layer (mean = k x tokens / E), the per-step MLflow metrics, the summary's mean over
     steps of the worst layer and where the worst step was: figures worked out by hand."""
     from parabench import expertload
-    from parabench.tracking import step_metrics
+    from parabench.tracking.runs import step_metrics
 
     step0 = [[4, 4, 4, 4], [8, 4, 2, 2]]  # 8 tokens x top-2 per layer: mean 4; layer 1 max 8 -> 2.0
     step1 = [[6, 2, 4, 4], [5, 3, 4, 4]]  # 1.5 and 1.25

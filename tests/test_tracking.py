@@ -4,7 +4,7 @@ import subprocess
 from pathlib import Path
 
 from parabench.spec import TrackingSpec
-from parabench.tracking import flatten, is_secret, store_uri
+from parabench.tracking.runs import flatten, is_secret, store_uri
 
 
 def test_secrets_never_become_params():
@@ -95,7 +95,7 @@ def test_a_killed_spooled_run_syncs_once_and_ends_failed(tmp_path, capsys):
     second sync sends nothing; the run is never left RUNNING."""
     from mlflow.tracking import MlflowClient
 
-    from parabench.tracking import JobRun, sync
+    from parabench.tracking.runs import JobRun, sync
 
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
@@ -119,7 +119,7 @@ def test_a_killed_spooled_run_syncs_once_and_ends_failed(tmp_path, capsys):
 
 
 def test_step_tail_reads_finished_lines_only(tmp_path):
-    from parabench.tracking import StepTail
+    from parabench.tracking.runs import StepTail
 
     path = tmp_path / "steps.jsonl"
     tail = StepTail(path, warmup_steps=1, tokens_per_step=100)
@@ -132,7 +132,7 @@ def test_step_tail_reads_finished_lines_only(tmp_path):
 
 
 def test_credentials_are_left_out_of_what_is_written():
-    from parabench.trackstore import redact, shown, without_credentials
+    from parabench.tracking.store import redact, shown, without_credentials
 
     uri = "http://alice:pw@host:5000/x"
     assert without_credentials(uri) == "http://host:5000/x" and shown(uri) == "http://***@host:5000/x"
@@ -143,7 +143,7 @@ def test_credentials_are_left_out_of_what_is_written():
 def _killed_run(results: Path, store: str) -> str:
     """A run that a bench killed by SIGKILL left RUNNING: started, one step logged, no end, and its
     pid a process that has exited."""
-    from parabench.tracking import SPOOL_DIR, STATE_FILE, JobRun
+    from parabench.tracking.runs import SPOOL_DIR, STATE_FILE, JobRun
 
     run_dir = results / "runs" / "parabench" / "20261205-120000" / "0_job"
     run_dir.mkdir(parents=True)
@@ -185,7 +185,7 @@ def test_a_new_sqlite_store_is_a_copy_of_the_empty_migrated_one(tmp_path, monkey
     import mlflow.store.db.utils as db_utils
     from mlflow.tracking import MlflowClient
 
-    from parabench import trackstore
+    from parabench.tracking import store as trackstore
 
     monkeypatch.chdir(tmp_path)
     cache = tmp_path / "cache"

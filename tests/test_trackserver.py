@@ -165,7 +165,7 @@ def _concurrent_runs(tmp_path: Path, uri_args: list[str], experiment: str) -> li
 JOB_RUN = """
 import sys
 from parabench.spec import TrackingSpec
-from parabench.tracking import JobRun
+from parabench.tracking.runs import JobRun
 t = JobRun(TrackingSpec(uri=sys.argv[1], experiment=sys.argv[2]), sys.argv[3])
 t.start("racer", {"a": "1"}, {"k": "v"})
 t.log_metrics([("loss", 1.0, 0)])
@@ -227,7 +227,7 @@ def test_experiments_are_created_as_model_training(tmp_path):
     from mlflow.tracking import MlflowClient
 
     from parabench.spec import TrackingSpec
-    from parabench.tracking import JobRun
+    from parabench.tracking.runs import JobRun
 
     tracker = JobRun(TrackingSpec(experiment="kind"), str(tmp_path))
     tracker.start("r", {}, {})
@@ -464,8 +464,8 @@ def test_server_answering_an_error_mid_run_spools_then_sync_completes(postgres, 
     from mlflow.tracking import MlflowClient
 
     from parabench.spec import TrackingSpec
-    from parabench.tracking import JobRun, sync
-    from parabench.trackstore import HTTP_RETRIES
+    from parabench.tracking.runs import JobRun, sync
+    from parabench.tracking.store import HTTP_RETRIES
 
     for key, value in HTTP_RETRIES.items():  # what `bench` sets (cli._quiet_environment)
         monkeypatch.setenv(key, value)

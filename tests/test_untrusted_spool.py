@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from parabench.tracking import SPOOL_DIR, SPOOL_FILE, STATE_FILE, sync_main
+from parabench.tracking.runs import SPOOL_DIR, SPOOL_FILE, STATE_FILE, sync_main
 
 SECRET = "private: must never reach a store\n"
 

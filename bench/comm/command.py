@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from parabench import __version__, trackstore
+from parabench import __version__
 from parabench.collectives import OPS, CommJob, Fit, SizePoint, fit_alpha_beta, sweep
 from parabench.comm.worker import comm_job, comm_stack
 from parabench.devices import DEVICES, versions
@@ -28,7 +28,8 @@ from parabench.errors import SpecError, UserError, stopped_by
 from parabench.hydraconfig import compose, expand_sweep, to_plain
 from parabench.jobs import usable_device
 from parabench.launchers import Launch, log_tails, supervise
-from parabench.tracking import JobRun, flatten, git_sha, store_uri
+from parabench.tracking import store as trackstore
+from parabench.tracking.runs import JobRun, flatten, git_sha, store_uri
 
 ENTRY = ["-m", "parabench.comm.worker"]
 USAGE = """usage: bench comm [-m] [key=value ...]

@@ -23,7 +23,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from parabench import canonical, hostmem, trackstore, untrusted
+from parabench import canonical, hostmem, untrusted
 from parabench.adapters.registry import get_adapter
 from parabench.checkpoint import (
     LAYOUT_KEYS,
@@ -45,7 +45,8 @@ from parabench.hydraconfig import compose, to_plain
 from parabench.jobs import model_spec, prepare
 from parabench.launchers import Launch, supervise
 from parabench.spec import JobSpec, TrackingSpec, to_dict
-from parabench.tracking import JobRun
+from parabench.tracking import store as trackstore
+from parabench.tracking.runs import JobRun
 
 ENTRY = ["-m", "parabench.convert.worker"]
 WORK = "convert"  # <out>/convert/{export,import}/: each launch's spec, request and logs

@@ -21,7 +21,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from parabench import trackstore
 from parabench.errors import SpecError, UserError
 from parabench.plan import calibrate
 from parabench.plan.cluster import Cluster, available, load, peak
@@ -31,7 +30,8 @@ from parabench.plan.render import render
 from parabench.plan.search import Searched, backend_defaults, describe, emit_bundle, search
 from parabench.runnames import plan_experiment, stamp
 from parabench.spec import TrackingSpec, build, check_precision
-from parabench.tracking import JobRun
+from parabench.tracking import store as trackstore
+from parabench.tracking.runs import JobRun
 
 GIB = 1024**3
 PLAN_KEYS = {"backends", "top", "devices", "nodes", "micro_batch_sizes", "calibration"}

@@ -10,7 +10,7 @@ from typing import Any
 from parabench.plan.estimate import Estimate
 from parabench.plan.search import Searched, describe, why_lost, why_wins
 from parabench.spec import to_dict
-from parabench.tracking import flatten
+from parabench.tracking.runs import flatten
 
 GIB = 1024**3
 REJECTED = 3  # nearest rejected rows shown of each kind (slower, does not fit)

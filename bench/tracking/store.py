@@ -155,7 +155,7 @@ def bound_retries(environ: MutableMapping[str, str]) -> None:
 def check(tracking: TrackingSpec, probe: bool = True, key: str = "tracking.uri", unreachable_ok: bool = False) -> None:
     """Refuse a tracking store that cannot take the run, before anything starts (one line, exit 2).
     ``key``: the setting the user gave the URI with, named in the message. ``unreachable_ok``: a
-    server that does not answer is let through (the run spools; :class:`parabench.tracking.JobRun`
+    server that does not answer is let through (the run spools; :class:`parabench.tracking.runs.JobRun`
     says so), one that answers wrongly (credentials refused, not MLflow) is still refused."""
     if not tracking.enabled or not tracking.uri:
         return

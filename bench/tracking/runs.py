@@ -28,9 +28,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from parabench import expertload, trackstore
+from parabench import expertload
 from parabench.errors import SpecError
 from parabench.spec import TrackingSpec
+from parabench.tracking import store as trackstore
 
 PARENT_ENV = "PARABENCH_PARENT_RUN_ID"
 SECRET = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
