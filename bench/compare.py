@@ -22,9 +22,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from parabench import stability, versus
+from parabench import versus
 from parabench.errors import UserError
 from parabench.plots import bar_stack_svg, line_svg
+from parabench.resilience import stability
 from parabench.runnames import comparison_experiment, stamp
 from parabench.runtable import (
     SECTION_KEYS,

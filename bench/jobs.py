@@ -17,11 +17,11 @@ from typing import Any, Literal
 
 from parabench.adapters.base import Adapter, check_capabilities
 from parabench.adapters.registry import get_adapter
-from parabench.checkpoint import plan_resume
 from parabench.errors import SpecError
 from parabench.hf import check_weights, spec_fields
 from parabench.hydraconfig import available_options
 from parabench.launchers import slurm_placement
+from parabench.resilience.checkpoint import plan_resume
 from parabench.spec import (
     BackendSpec,
     DataSpec,

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from parabench.adapters.base import Engine, WorkerContext
-from parabench.checkpoint import Checkpointer, planned_step
 from parabench.data import DataLedger, TokenSource
-from parabench.faults import fire_fault
+from parabench.resilience.checkpoint import Checkpointer, planned_step
+from parabench.resilience.faults import fire_fault
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:

@@ -15,8 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from parabench import __version__, k8s
-from parabench.checkpoint import checkpoint_root, checkpointing, link_default_root, plan_resume, write_resume_file
 from parabench.launchers import get_launcher, launch_env
+from parabench.resilience.checkpoint import (
+    checkpoint_root,
+    checkpointing,
+    link_default_root,
+    plan_resume,
+    write_resume_file,
+)
 from parabench.spec import JobSpec
 from parabench.tracking import store as trackstore
 from parabench.tracking.runs import is_secret

@@ -21,18 +21,18 @@ from pathlib import Path
 from typing import Any
 
 from parabench import __version__, commreport, expertload, rundir
-from parabench.checkpoint import (
+from parabench.devices import DEVICES, cpu_info, cpu_threads, versions
+from parabench.errors import RunFailed, stopped_by
+from parabench.flops import FORMULA, GemmReading, Peak, flops_per_token
+from parabench.launchers import Launch, launch_env, log_tails, supervise
+from parabench.metrics import summarize
+from parabench.resilience.checkpoint import (
     RUN_ID_ENV,
     STEPS_FILE,
     plan_resume,
     write_stop_request,
 )
-from parabench.devices import DEVICES, cpu_info, cpu_threads, versions
-from parabench.errors import RunFailed, stopped_by
-from parabench.faults import recovery_figures
-from parabench.flops import FORMULA, GemmReading, Peak, flops_per_token
-from parabench.launchers import Launch, launch_env, log_tails, supervise
-from parabench.metrics import summarize
+from parabench.resilience.faults import recovery_figures
 from parabench.runnames import job_run_name
 from parabench.spec import JobSpec, to_dict
 from parabench.tracking import store as trackstore

@@ -26,8 +26,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from parabench import stability
 from parabench.errors import UserError
+from parabench.resilience import stability
 
 SECTION_KEYS = ("model", "device", "precision", "seq_len", "data", "data_checksum", "steps", "warmup_steps", "start")
 ROW_KEYS = ("variant", "world_size", "layout", "global_batch", "micro_batch")
@@ -58,7 +58,7 @@ class RunRecord:
     loss_final: float
     losses: list[float] = field(default_factory=list)
     state_per_rank: list[dict[str, float]] = field(default_factory=list)
-    stability: dict[str, float] = field(default_factory=dict)  # parabench.stability: checkpoints, recovery
+    stability: dict[str, float] = field(default_factory=dict)  # parabench.resilience.stability: checkpoints, recovery
     comm_bytes_per_step: float | None = None  # bus bytes of the busiest rank per step (parabench.commreport)
     comm_formula_bytes_per_step: float | None = None
     comm_share_of_step: float | None = None

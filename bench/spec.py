@@ -340,7 +340,7 @@ class CheckpointSpec:
 
 @dataclass(frozen=True)
 class FaultSpec:
-    """``fault.*``: one injected failure per run directory, to measure recovery (parabench.faults)."""
+    """``fault.*``: one injected failure per run directory, to measure recovery (parabench.resilience.faults)."""
 
     kind: typing.Literal["none", "kill", "hang", "exception"] = "none"
     rank: int = 0
@@ -657,7 +657,7 @@ def _validate_data(data: DataSpec, model: ModelSpec) -> None:
 
 def validate_resilience(run: RunSpec, launch: LaunchSpec, fault: FaultSpec) -> None:
     """``run.checkpoint.*``, ``run.resume``, ``fault.*`` and ``launcher.max_restarts`` on their own
-    (what the backend supports is checked by parabench.checkpoint.check_support)."""
+    (what the backend supports is checked by parabench.resilience.checkpoint.check_support)."""
     ckpt = run.checkpoint
     for key, value in (
         ("run.checkpoint.every", ckpt.every),

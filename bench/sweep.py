@@ -14,7 +14,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
-from parabench import stability
+from parabench.resilience import stability
 from parabench.runnames import stamp
 from parabench.runtable import build_sections, load_runs, metric_key, report_dict, scaling_metrics
 from parabench.spec import tracking_from_config

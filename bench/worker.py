@@ -19,12 +19,12 @@ import traceback
 from pathlib import Path
 
 from parabench.adapters.base import WorkerContext
-from parabench.checkpoint import RUN_ID_ENV, STEPS_FILE, Checkpointer, CheckpointError, StopRequested
 from parabench.commlog import CommLog
 from parabench.devices import DEVICES, cpu_threads, drain_comm_threads
-from parabench.faults import record_detection, restart_count
 from parabench.jobs import load_job
 from parabench.launchers import msrun_scheduler_started, rank_of, serve_msrun_scheduler
+from parabench.resilience.checkpoint import RUN_ID_ENV, STEPS_FILE, Checkpointer, CheckpointError, StopRequested
+from parabench.resilience.faults import record_detection, restart_count
 
 
 def main(argv: list[str] | None = None) -> int:

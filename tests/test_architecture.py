@@ -58,8 +58,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "parabench.worker",
             "parabench.loop",
             "parabench.jobs",
-            "parabench.checkpoint",
-            "parabench.faults",
+            "parabench.resilience",  # the package: checkpoint, faults (its stability table is a building block)
             "parabench.comm.worker",
             "parabench.convert.worker",
             "parabench.convert.deepspeed_checkpoint",
@@ -87,7 +86,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "parabench.expertload",
             "parabench.tracking",  # the package: tracking.runs, tracking.store
             "parabench.plots",
-            "parabench.stability",
+            "parabench.resilience.stability",
             "parabench.runtable",
             "parabench.hydraconfig",
             "parabench.canonical",

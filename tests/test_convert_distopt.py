@@ -83,9 +83,9 @@ def _files_canonical(native: Path, tmp: Path):
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from parabench.checkpoint import read_marker
     from parabench.convert.megatron_checkpoint import STATE, _canonical
     from parabench.jobs import model_spec
+    from parabench.resilience.checkpoint import read_marker
 
     dcp_to_torch_save(str(native), str(tmp / "flat.pt"))
     saved = torch.load(tmp / "flat.pt", weights_only=False)

@@ -42,9 +42,9 @@ step 1/3 loss 10.424134 step_time 2.0603s
 Traceback (most recent call last):
   File "bench/loop.py", line 48, in train
     fire_fault(job, ctx.run_dir, ctx.rank, step)
-  File "bench/faults.py", line 58, in fire_fault
+  File "bench/resilience/faults.py", line 58, in fire_fault
     raise InjectedFault(f"fault.kind=exception on rank {{rank}} {{where}}")
-parabench.faults.InjectedFault: fault.kind=exception on rank {rank} before step 1
+parabench.resilience.faults.InjectedFault: fault.kind=exception on rank {rank} before step 1
 """
 
 RANK_QUIET = "[parabench worker] rank {rank}/2 local_rank {rank} pid 28122\nstep 1/3 loss 10.424134\n"
@@ -66,7 +66,7 @@ def logs(tmp_path: Path, launcher: str | None, ranks: dict[int, str]) -> Path:
         (
             TORCHRUN_FAILED.format(rank=1, code=1),
             {0: RANK_QUIET, 1: RANK_RAISED},
-            "rank 1: parabench.faults.InjectedFault: fault.kind=exception on rank 1 before step 1",
+            "rank 1: parabench.resilience.faults.InjectedFault: fault.kind=exception on rank 1 before step 1",
         ),
         (
             TORCHRUN_FAILED.format(rank=1, code=-9),
@@ -76,7 +76,7 @@ def logs(tmp_path: Path, launcher: str | None, ranks: dict[int, str]) -> Path:
         (  # msrun writes no root cause: the first rank log that ends in an exception
             "msrun: worker exited with 1\n",
             {0: RANK_QUIET, 1: RANK_RAISED},
-            "rank 1: parabench.faults.InjectedFault: fault.kind=exception on rank 1 before step 1",
+            "rank 1: parabench.resilience.faults.InjectedFault: fault.kind=exception on rank 1 before step 1",
         ),
         ("", {0: RANK_QUIET}, None),
     ],
@@ -92,7 +92,7 @@ def test_a_worker_failure_is_one_line_not_torchruns_traceback(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
         "parabench: run FAILED: a worker failed (torchrun exit code 1): rank 0: "
-        "parabench.faults.InjectedFault: fault.kind=exception on rank 0 before step 1"
+        "parabench.resilience.faults.InjectedFault: fault.kind=exception on rank 0 before step 1"
     ]
     assert tags["failure_reason"] == err[0].removeprefix("parabench: run FAILED: ")
 

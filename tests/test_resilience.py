@@ -31,10 +31,17 @@ from conftest import (
     only_summary,
     run_ok,
 )
-from parabench.checkpoint import MARKER, Checkpointer, check_compatible, job_identity, newest_complete, plan_resume
 from parabench.errors import SpecError
 from parabench.hydraconfig import compose, to_plain
 from parabench.jobs import from_config
+from parabench.resilience.checkpoint import (
+    MARKER,
+    Checkpointer,
+    check_compatible,
+    job_identity,
+    newest_complete,
+    plan_resume,
+)
 
 CKPT = ["run.checkpoint.every=5"]
 # ddp's kill-and-resume and hang recovery are in the default tier, fsdp's in the full tier
@@ -386,7 +393,7 @@ def test_injected_exception_fails_the_run_once(results):
     proc = bench(["run", *FAST, "run.steps=3", "fault.kind=exception", "fault.step=1"], results)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "bench: run failed: a worker failed" in proc.stderr
-    cause = "rank 0: parabench.faults.InjectedFault: fault.kind=exception on rank 0 before step 1"
+    cause = "rank 0: parabench.resilience.faults.InjectedFault: fault.kind=exception on rank 0 before step 1"
     assert f"parabench: run FAILED: a worker failed (localrun exit code 1): {cause}\n" in proc.stderr
     assert "ChildFailedError" not in proc.stderr and "Traceback" not in proc.stderr
     (run_dir,) = (p.parent for p in results.glob("runs/*/*/*/spec.json"))
@@ -546,8 +553,8 @@ def test_the_stop_step_is_ahead_of_rank_0s_newest_step_not_of_the_watch_loops(tm
     """The runner's watch loop polls progress.json; short steps had passed its last_step + 2 when the
     signal came, no rank met the stop step and nothing was saved (a CI run failed so). The stop step
     is rank 0's newest finished step, read at the signal, + 2."""
-    from parabench.checkpoint import STOP_FILE
     from parabench.launchers import stop
+    from parabench.resilience.checkpoint import STOP_FILE
     from parabench.runner import _Watch
 
     (tmp_path / "progress.json").write_text(json.dumps({"step": 17}))

@@ -13,7 +13,7 @@ import pytest
 from test_resilience import fake_checkpoint, job_of
 
 from conftest import FAST, assert_refused_before_launch, bench, mlflow_runs
-from parabench.checkpoint import Checkpointer
+from parabench.resilience.checkpoint import Checkpointer
 
 
 @pytest.mark.parametrize(("every", "saved"), [(5, [5, 10]), (10, [10]), (3, [3, 6, 9, 10]), (0, [])])
@@ -97,8 +97,8 @@ def test_the_stable_checkpoint_folder_is_used_only_when_the_job_checkpoints(tmp_
     """Dry runs (nothing trains): with run.checkpoint.every the same command finds the checkpoint the
     job's stable folder holds and says so in one line; without it (the default) it starts fresh
     however often it runs, whatever that folder holds, and says nothing about checkpoints."""
-    from parabench.checkpoint import default_root
     from parabench.cli import main
+    from parabench.resilience.checkpoint import default_root
 
     monkeypatch.chdir(tmp_path)
     results = tmp_path / "results"
@@ -152,7 +152,7 @@ def test_an_explicit_resume_path_wins_over_an_earlier_runs_checkpoints_in_the_jo
     workers start from the path asked for (they took the folder's newest one; issue 26), the runner
     says once that the folder holds another run's checkpoint, and a restarted worker continues from
     the newest checkpoint this launch saved, even below the earlier run's step."""
-    from parabench.checkpoint import MARKER, plan_resume, resume_source, write_resume_file
+    from parabench.resilience.checkpoint import MARKER, plan_resume, resume_source, write_resume_file
 
     folder, run_dir = tmp_path / "ck", tmp_path / "run"
     run_dir.mkdir()
@@ -177,8 +177,8 @@ def test_a_checkpoint_holding_other_adamw_settings_is_refused_and_conversion_car
     param_groups), which a resume restores: a job asking for other values would train with the
     checkpoint's while recording its own. Refused in one line naming the key; the same values resume.
     bench convert gives its target the source's values unless the user names others."""
-    from parabench.checkpoint import check_compatible, job_identity
     from parabench.convert.command import target_job
+    from parabench.resilience.checkpoint import check_compatible, job_identity
 
     ck = tmp_path / "ck"
     path = fake_checkpoint(ck, 5, job_of())

@@ -31,9 +31,9 @@ def _canonical(directory: Path) -> Path:
 
 
 def _source_info() -> dict:
-    from parabench.checkpoint import job_identity
     from parabench.hydraconfig import compose, to_plain
     from parabench.jobs import from_config
+    from parabench.resilience.checkpoint import job_identity
 
     job = from_config(to_plain(compose(["+model=llama", "backend=ddp", *TINY])))
     return {"path": "x", "format": "ddp", "job": job_identity(job), "world_size": None, "layout": None}
@@ -69,7 +69,7 @@ def _convert_then(tmp_path, monkeypatch, after) -> int:
 
 
 def _assert_nothing_resumable(out: Path) -> None:
-    from parabench.checkpoint import MARKER, _resolve_path
+    from parabench.resilience.checkpoint import MARKER, _resolve_path
 
     assert not list(out.rglob(MARKER)), list(out.rglob(MARKER))
     with pytest.raises(SpecError, match="no complete checkpoint"):
@@ -95,7 +95,7 @@ def test_a_conversion_that_fails_after_the_import_leaves_nothing_to_resume(tmp_p
 
 @pytest.mark.full
 def test_a_verified_conversion_is_published_complete(tmp_path, monkeypatch, capsys):
-    from parabench.checkpoint import _resolve_path
+    from parabench.resilience.checkpoint import _resolve_path
 
     assert _convert_then(tmp_path, monkeypatch, lambda result: result) == 0
     path, marker = _resolve_path(str(tmp_path / "out"))

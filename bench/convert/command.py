@@ -25,7 +25,14 @@ from typing import Any
 
 from parabench import canonical, hostmem, untrusted
 from parabench.adapters.registry import get_adapter
-from parabench.checkpoint import (
+from parabench.convert import deepspeed_checkpoint, megatron_checkpoint, megatron_legacy
+from parabench.convert.worker import REQUEST, RESULT
+from parabench.errors import RunFailed, SpecError, UserError, stopped_by
+from parabench.hf import CONFIG, SINGLE, hf_config, load_weights, spec_fields
+from parabench.hydraconfig import compose, to_plain
+from parabench.jobs import model_spec, prepare
+from parabench.launchers import Launch, supervise
+from parabench.resilience.checkpoint import (
     LAYOUT_KEYS,
     MARKER,
     MODEL_IGNORED,
@@ -37,13 +44,6 @@ from parabench.checkpoint import (
     read_marker,
     write_marker,
 )
-from parabench.convert import deepspeed_checkpoint, megatron_checkpoint, megatron_legacy
-from parabench.convert.worker import REQUEST, RESULT
-from parabench.errors import RunFailed, SpecError, UserError, stopped_by
-from parabench.hf import CONFIG, SINGLE, hf_config, load_weights, spec_fields
-from parabench.hydraconfig import compose, to_plain
-from parabench.jobs import model_spec, prepare
-from parabench.launchers import Launch, supervise
 from parabench.spec import JobSpec, TrackingSpec, to_dict
 from parabench.tracking import store as trackstore
 from parabench.tracking.runs import JobRun

@@ -30,10 +30,10 @@ from typing import Any
 
 from parabench import canonical
 from parabench.adapters.base import WorkerContext
-from parabench.checkpoint import TMP, _ledger_checksum, read_marker, rng_state
 from parabench.devices import DEVICES, drain_comm_threads
 from parabench.jobs import load_job
 from parabench.launchers import msrun_scheduler_started, rank_of, serve_msrun_scheduler
+from parabench.resilience.checkpoint import TMP, _ledger_checksum, read_marker, rng_state
 
 REQUEST = "convert.json"
 RESULT = "result.json"

@@ -32,7 +32,7 @@ from typing import Any
 
 from parabench import untrusted
 from parabench.errors import SpecError
-from parabench.faults import fire_fault
+from parabench.resilience.faults import fire_fault
 from parabench.spec import JobSpec, to_dict
 
 MARKER = "COMPLETE"

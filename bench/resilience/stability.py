@@ -1,6 +1,6 @@
 """The stability table of `bench compare`: checkpoint cost and recovery per backend (docs/resilience.md).
 
-The figures are the job summary's (parabench.faults.recovery_figures), logged as MLflow metrics
+The figures are the job summary's (parabench.resilience.faults.recovery_figures), logged as MLflow metrics
 under these names; a run without checkpoints or faults simply lacks them and shows ``-``.
 """
 
