@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return comm_main(rest)
     if command == "compare":
-        from parabench.compare import main as compare_main
+        from parabench.compare.command import main as compare_main
 
         return compare_main(rest)
     if command == "sync":

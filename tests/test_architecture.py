@@ -37,8 +37,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
         "commands",
         (
             "parabench.runner",
-            "parabench.compare",
-            "parabench.versus",
+            "parabench.compare",  # the package: compare.command, compare.versus
             "parabench.sweep",
             "parabench.slurm",
             "parabench.envreport",
@@ -104,7 +103,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
 COMMANDS: dict[str, tuple[str, ...]] = {
     # sweep, slurm: Hydra's callback and launcher; commreport: a run's communication, measured vs formula
     "run": ("parabench.runner", "parabench.sweep", "parabench.slurm", "parabench.commreport"),
-    "compare": ("parabench.compare", "parabench.versus"),  # versus: bench plan's predictions vs the runs
+    "compare": ("parabench.compare",),  # compare.versus: bench plan's predictions vs the runs
     "env": ("parabench.envreport",),
     "migrate": ("parabench.migrate",),  # bench migrate and bench smoke
     "plan": ("parabench.plan",),

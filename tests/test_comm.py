@@ -252,7 +252,7 @@ def test_comm_columns_and_bus_bandwidth_plots_render(tmp_path):
     import shutil
     import subprocess
 
-    from parabench.compare import RunRecord, build_sections, render_html, render_text, report_dict
+    from parabench.compare.command import RunRecord, build_sections, render_html, render_text, report_dict
 
     base = dict(device="cpu", device_name="cpu", precision="fp32", global_batch=4, seq_len=64, model="llama")
     base |= dict(mfu=None, peak_tflops=None, peak_source="", rank_spread_s=0.0, peak_memory_bytes=1.0)

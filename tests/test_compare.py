@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from parabench.compare import render_csv, render_html, render_text
+from parabench.compare.command import render_csv, render_html, render_text
 from parabench.errors import UserError
 from parabench.runtable import RunRecord, build_sections, grouping_note, report_dict, scaling_metrics
 
@@ -122,7 +122,7 @@ def test_renderers_carry_the_same_numbers():
 
 
 def test_compare_cli_errors_are_one_line(tmp_path, capsys):
-    from parabench.compare import main
+    from parabench.compare.command import main
 
     assert main(["--tracking-uri", f"sqlite:///{tmp_path / 'none.db'}"]) == 2
     err = capsys.readouterr().err.strip()
@@ -134,7 +134,7 @@ def test_compare_cli_errors_are_one_line(tmp_path, capsys):
 # Predicted (bench plan) vs measured (bench run).
 # --------------------------------------------------------------------------------------------
 def test_plan_rows_meet_only_the_runs_that_carry_all_their_params():
-    from parabench.versus import versus
+    from parabench.compare.versus import versus
 
     match = {"backend.name": "ddp", "data.micro_batch_size": "2", "model.hidden_size": "64", "device": "cpu"}
     row = {"rank": 1, "layout": "ddp dp1 mbs2", "overrides": "backend=ddp", "match": match,

@@ -121,7 +121,7 @@ def test_compare_messages_hold_no_uri_password(tmp_path, capsys, monkeypatch, ml
     """`bench compare --tracking-uri http://user:pw@host`: MLflow's client is given the URI without
     the login, so neither bench's message nor MLflow's (which quotes the URL) holds the password. The
     server is one that answered the pre-flight probe and then went away (nothing listens)."""
-    from parabench import compare
+    from parabench.compare import command as compare
     from parabench.tracking import store as trackstore
 
     monkeypatch.chdir(tmp_path)

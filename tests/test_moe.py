@@ -919,7 +919,7 @@ def test_compare_shows_the_expert_load_with_its_formula():
     '-' for a dense model; the legend gives the formula."""
     from test_compare import rec
 
-    from parabench.compare import build_sections, render_text, report_dict
+    from parabench.compare.command import build_sections, render_text, report_dict
 
     records = [rec("a", "ddp", 2, 100, model="moe-tiny", moe_load_imbalance=1.203, moe_load_imbalance_max=1.242),
                rec("b", "fsdp", 2, 90, model="moe-tiny")]  # fmt: skip

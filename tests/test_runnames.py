@@ -42,7 +42,7 @@ def test_runs_of_one_job_differ_by_time_and_repeats_by_index():
 def test_a_comparison_is_logged_in_an_experiment_of_its_own_with_a_dated_name(tmp_path):
     """bench compare --experiment E logs its run in ``E-comparisons``; the training experiment E
     keeps only the training runs."""
-    from parabench.compare import _log_comparison
+    from parabench.compare.command import _log_comparison
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     training = client.create_experiment("E")

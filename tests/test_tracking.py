@@ -162,7 +162,7 @@ def test_bench_compare_closes_a_run_a_killed_bench_left_running(tmp_path, capsys
     the killed run KILLED with the reason, not only bench sync."""
     from mlflow.tracking import MlflowClient
 
-    from parabench.compare import main
+    from parabench.compare.command import main
 
     results = tmp_path / "results"
     store = f"sqlite:///{results / 'mlflow.db'}"

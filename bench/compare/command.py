@@ -5,7 +5,7 @@ runs that may share a ratio, rows of one configuration with their repeats, basel
 E(N) = throughput(N) / (N x throughput(1)) with their noise bands); this module reads the runs,
 refuses an explicit ``--runs`` list that mixes sections, and renders the report (text, markdown,
 CSV, HTML with plots) and its MLflow record, with bench plan's predictions beside the measurements
-(parabench.versus).
+(parabench.compare.versus).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from parabench import versus
+from parabench.compare import versus
 from parabench.errors import UserError
 from parabench.plots import bar_stack_svg, line_svg
 from parabench.resilience import stability
