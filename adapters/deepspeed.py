@@ -815,7 +815,7 @@ class DeepSpeedEngine(Engine):
         if "padding_elements" in ms.detail:
             out["zero.padding_elements"] = ms.detail["padding_elements"]
         measured = self.all_to_all_formula[self.ctx.job.run.warmup_steps :]
-        if measured:  # MoE, ep > 1: read by parabench.commreport beside the measured all-to-all bytes
+        if measured:  # MoE, ep > 1: read by parabench.run.comm_report beside the measured all-to-all bytes
             out[f"moe.rank{self.ctx.rank}.all_to_all_formula_bytes"] = sum(measured) / len(measured)
         return out
 

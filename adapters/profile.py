@@ -55,7 +55,7 @@ class States:
     expert_elements: int = 0
     expert_bytes: float = 0.0  # of ``total``: the experts' parameters, gradients and optimizer states
     # the rank's parameters and experts before the distributed optimizer's padding (MoE): the formula
-    # without padding, from which bench run reports the padding's bytes (parabench.commreport)
+    # without padding, from which bench run reports the padding's bytes (parabench.run.comm_report)
     exact_elements: int = 0
     exact_expert_elements: int = 0
 

@@ -118,7 +118,7 @@ def _preflight(args) -> _PreparedJobs | None:
     first = compose(combos[0], return_hydra_config=True)
     remote = first.hydra.launcher.get("_target_") == "hydra_plugins.parabench_slurm.SlurmLauncher"
     if remote:  # Hydra starts its launcher only in multirun mode: one job is a sweep of one (docs/slurm.md)
-        from parabench.slurm import check_submission, register_launcher
+        from parabench.run.slurm import check_submission, register_launcher
 
         check_submission(first.hydra.launcher.get("partition"))
         register_launcher()
@@ -141,7 +141,7 @@ def _job(cfg, prepared: _PreparedJobs):
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from parabench.runner import execute
+    from parabench.run.command import execute
 
     hc = HydraConfig.get()
     plain = to_plain(cfg)
@@ -195,7 +195,7 @@ def cmd_run(argv: list[str]) -> int:
     def task(cfg):
         return _job(cfg, prepared)
 
-    task.failed = prepared.failed if prepared is not None else []  # type: ignore[attr-defined]  # parabench.slurm
+    task.failed = prepared.failed if prepared is not None else []  # type: ignore[attr-defined]  # parabench.run.slurm
 
     # What @hydra.main does, with our parsed arguments instead of sys.argv.
     setbase("1.3")

@@ -235,7 +235,7 @@ def open_store(opts: argparse.Namespace):
 
 
 def root_cause(local_rank: int, pid: int, code: int) -> None:
-    """The first failure, in the shape of torchrun's summary (parabench.runner.ROOT_CAUSE reads it)."""
+    """The first failure, in the shape of torchrun's summary (parabench.run.command.ROOT_CAUSE reads it)."""
     what = f" ({signal.Signals(-code).name})" if code < 0 and -code in signal.valid_signals() else ""
     log("Root Cause (first observed failure):")
     print(f"  rank      : {local_rank} (local_rank: {local_rank})", flush=True)

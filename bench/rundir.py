@@ -2,7 +2,7 @@
 (what was composed, without credentials), ``spec.json`` (what the workers read), the staged data, the
 resume file, and the launch bundle ``launch.sh`` (the exact, relocatable command and environment;
 ``pytorchjob.yaml`` beside it for Kubernetes). ``bench run`` writes it before it launches
-(parabench.runner) and ``bench plan --emit`` writes a row's as a dry run does (:func:`dry_run`).
+(parabench.run.command) and ``bench plan --emit`` writes a row's as a dry run does (:func:`dry_run`).
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ class RunRecord:
     losses: list[float] = field(default_factory=list)
     state_per_rank: list[dict[str, float]] = field(default_factory=list)
     stability: dict[str, float] = field(default_factory=dict)  # parabench.resilience.stability: checkpoints, recovery
-    comm_bytes_per_step: float | None = None  # bus bytes of the busiest rank per step (parabench.commreport)
+    comm_bytes_per_step: float | None = None  # bus bytes of the busiest rank per step (parabench.run.comm_report)
     comm_formula_bytes_per_step: float | None = None
     comm_share_of_step: float | None = None
     # MoE (parabench.expertload): max/mean tokens per expert of the worst layer, mean over steps and worst step
@@ -260,7 +260,7 @@ def _int(value: Any) -> int:
 
 def _conditions(m: dict, p: dict, t: dict) -> dict[str, Any]:
     """What else changes a run's numbers: data, steps, micro batch, layout, fresh or resumed
-    (MLflow params of the composed config, tags of bench run; parabench.runner._run_metadata)."""
+    (MLflow params of the composed config, tags of bench run; parabench.run.command._run_metadata)."""
     path = p.get("data.path")
     data = p.get("data.source", "?") + (f":{path}" if path not in (None, "", "None") else "")
     layout = " ".join(f"{k}{p[f'derived.{k}']}" for k in ("dp", "tp", "pp", "cp") if f"derived.{k}" in p)

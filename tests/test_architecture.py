@@ -6,7 +6,8 @@ command line aside) imports none, whatever floors their modules sit on (``COMMAN
 exceptions are listed as debt in ``COMMAND_IMPORTS_DEBT``):
 
     command line     parabench.cli, parabench.__main__
-    commands         runner, compare, sweep, envreport (bench env), parabench.migrate.* (bench migrate/smoke)
+    commands         run.*, compare.*, plan.*, comm.command, convert.command, envreport (bench env),
+                     parabench.migrate.* (bench migrate/smoke)
     processes        launchers, worker, loop, jobs (config or spec.json -> JobSpec: needs the adapter)
     backends         parabench.adapters.*
     building blocks  model, data, indexed, hf, devices, redirect, flops, metrics, tracking, plots, hydraconfig
@@ -36,15 +37,13 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     (
         "commands",
         (
-            "parabench.runner",
+            "parabench.run",  # the package: run.command, run.sweep, run.slurm, run.comm_report
+            "parabench.sweep",  # run.sweep's callback under its former name, for queued Slurm jobs' pickles
             "parabench.compare",  # the package: compare.command, compare.versus
-            "parabench.sweep",
-            "parabench.slurm",
             "parabench.envreport",
             "parabench.migrate",
             "parabench.plan",
             "parabench.comm",  # the package: comm.command
-            "parabench.commreport",
             "parabench.convert",
         ),
     ),
@@ -101,8 +100,9 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
 # per-rank worker on the processes floor: comm.worker, convert.worker). Every module of the commands
 # floor belongs to one command; what two commands share belongs to none and imports none.
 COMMANDS: dict[str, tuple[str, ...]] = {
-    # sweep, slurm: Hydra's callback and launcher; commreport: a run's communication, measured vs formula
-    "run": ("parabench.runner", "parabench.sweep", "parabench.slurm", "parabench.commreport"),
+    # run.sweep, run.slurm: Hydra's callback and launcher; run.comm_report: a run's communication,
+    # measured vs formula; parabench.sweep: the callback's former name (queued Slurm jobs unpickle it)
+    "run": ("parabench.run", "parabench.sweep"),
     "compare": ("parabench.compare",),  # compare.versus: bench plan's predictions vs the runs
     "env": ("parabench.envreport",),
     "migrate": ("parabench.migrate",),  # bench migrate and bench smoke
@@ -264,7 +264,7 @@ def test_imports_go_down():
 
 def test_project_modules_are_imported_in_functions_only_when_heavy():
     heavy = _heavy_modules()
-    cli, commands = floor("parabench.cli"), floor("parabench.runner")
+    cli, commands = floor("parabench.cli"), floor("parabench.run.command")
     hidden = [
         _where(i)
         for i in PROJECT
@@ -343,7 +343,7 @@ def test_the_floor_test_sees_upward_and_local_imports():
     assert got == [("os", False), ("parabench.cli", False), ("parabench.errors", True)]
     assert floor("parabench.cli") < floor("parabench.spec")
     assert floor("parabench.adapters.megatron") == floor("parabench.adapters")
-    assert floor("parabench.migrate.rules._py") == floor("parabench.runner")
+    assert floor("parabench.migrate.rules._py") == floor("parabench.run.command")
 
 
 def test_every_allowance_still_matters():
@@ -408,7 +408,7 @@ def _shared_into_command(imports: list[Import]) -> list[Import]:
 
 
 def test_every_module_of_the_commands_floor_belongs_to_a_command():
-    commands = floor("parabench.runner")
+    commands = floor("parabench.run.command")
     homeless = [m for m in MODULES if floor(m) == commands and command(m) is None]
     assert not homeless, f"commands-floor modules of no command (add them to COMMANDS): {homeless}"
 
@@ -439,8 +439,8 @@ def _seen(module: str, code: str, check) -> list[tuple[str, str | None]]:
 
 
 def test_the_command_test_sees_a_command_importing_another():
-    code = "from parabench.runner import prepare\nfrom parabench import spec\n\ndef f():\n    from parabench.plan import search\n"
-    crossing = [("parabench.runner", "run"), ("parabench.plan.search", "plan")]
+    code = "from parabench.run.command import execute\nfrom parabench import spec\n\ndef f():\n    from parabench.plan import search\n"
+    crossing = [("parabench.run.command", "run"), ("parabench.plan.search", "plan")]
     assert _seen("parabench.convert", code, _cross_command) == crossing
     # a command package's module below the commands floor, into another's: not one floor, still seen
     code = "from parabench.convert.worker import main\nfrom parabench.comm import command\nfrom parabench import loop\n"
@@ -449,7 +449,7 @@ def test_the_command_test_sees_a_command_importing_another():
     shared = [("parabench.convert.worker", "convert"), ("parabench.comm.command", "comm")]
     assert _seen("parabench.loop", code, _shared_into_command) == shared
     assert _seen("parabench.cli", code, _shared_into_command) == []  # the command line dispatches to commands
-    assert command("parabench.migrate.rules._py") == "migrate" and command("parabench.commreport") == "run"
+    assert command("parabench.migrate.rules._py") == "migrate" and command("parabench.run.comm_report") == "run"
     assert command("parabench.commlog") is None  # a prefix is a module or package, not a spelling
 
 

@@ -132,7 +132,7 @@ COMM_LIBRARY = (
     "print(prepare(to_plain(compose(['backend=toy', 'launcher.nproc_per_node=2'], config_name='comm'))).library)"
 )
 COMM_FORMULAS = (
-    "import json; from parabench.commreport import formula; from parabench.hydraconfig import compose, to_plain; "
+    "import json; from parabench.run.comm_report import formula; from parabench.hydraconfig import compose, to_plain; "
     "from parabench.jobs import prepare; jobs = [prepare(to_plain(compose(['+model=llama', f'backend={b}', "
     "'launcher.nproc_per_node=2']))) for b in ('toy', 'ddp')]; print(json.dumps([formula(j) for j in jobs]))"
 )

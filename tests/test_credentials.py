@@ -90,8 +90,8 @@ def test_slurm_submission_never_writes_prints_or_pickles_the_uri_password(tmp_pa
     failed); tests/test_mlflow_auth_ui.py runs a sweep end to end against a server with basic auth."""
     from submitit.slurm.slurm import SlurmExecutor
 
-    from parabench import slurm
     from parabench.cli import main
+    from parabench.run import slurm
 
     monkeypatch.setattr(slurm, "check_submission", lambda partition: None)  # no controller to ask
     submitted = ["echo", "Submitted batch job 4242"]  # what sbatch answers (submitit parses the id)

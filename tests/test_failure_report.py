@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from parabench.runner import _report_failure, failure_cause
+from parabench.run.command import _report_failure, failure_cause
 
 TORCHRUN_FAILED = """\
 E1205 22:34:44.337000 28085 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: {code}) local_rank: {rank} (pid: 28121) of binary: python
@@ -105,7 +105,7 @@ def test_without_a_cause_in_the_logs_their_last_lines_are_printed(tmp_path, caps
 
 
 def test_the_summary_mentions_faults_restarts_resumes_and_checkpoints_only_when_there_were_any():
-    from parabench.runner import resilience_lines
+    from parabench.run.command import resilience_lines
 
     plain = {"restarts": 0, "ckpt_saves": 0, "goodput": 0.9, "wall_time_s": 10.0}
     assert resilience_lines(plain) == []

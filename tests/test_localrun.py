@@ -19,7 +19,7 @@ from test_resilience import job_of
 
 from conftest import REPO, alive
 from parabench.launchers import Launch, Localrun, Torchrun
-from parabench.runner import ROOT_CAUSE
+from parabench.run.command import ROOT_CAUSE
 
 # The entry module the tests run under the launcher: records what it sees, joins the process group,
 # sums its rank over the world; MODE=fail makes rank 1 exit 3 while rank 0 waits; MODE=wait waits.

@@ -806,7 +806,7 @@ def test_moe_all_to_all_formula_from_the_shapes():
 def test_all_to_all_measured_is_the_mean_over_ranks():
     """Dropless routing sends a routing-dependent share to each rank: the measured figure compared with
     the formula is each rank's mean per measured step (warm-up steps left out), averaged over the ranks."""
-    from parabench.commreport import all_to_all_rank_mean
+    from parabench.run.comm_report import all_to_all_rank_mean
 
     job = from_config(
         hydraconfig.to_plain(hydraconfig.compose(["+model=moe-tiny", "backend=megatron", "run.warmup_steps=1"]))

@@ -258,11 +258,11 @@ DENSE = 2 * (2 * 128 + 128 * 128 + 2 * 64 * 128 + 128 * 128 + 4 * 128) + 128 + 2
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_deepspeed_moe_communication_formula_by_hand(stage):
-    """bench run's formula (parabench.commreport.formula) for ep=2 on 2 ranks: the non-expert gradients
+    """bench run's formula (parabench.run.comm_report.formula) for ep=2 on 2 ranks: the non-expert gradients
     all-reduced over dp (each AdamW group flattened and padded to 2 x dp: 624,256 elements, already a
     multiple of 4), ZeRO-1/2's updated non-expert partitions all-gathered; the experts' groups are
     partitioned and reduced over dp / ep = 1 rank, where nothing moves."""
-    from parabench.commreport import formula
+    from parabench.run.comm_report import formula
 
     got = formula(_job(f"backend.zero_stage={stage}", "backend.ep=2", "launcher.nproc_per_node=2"))
     want = {"all_reduce": (4 * DENSE, 1)} | ({"all_gather": (4 * DENSE, 1)} if stage else {})

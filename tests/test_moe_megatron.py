@@ -203,10 +203,10 @@ def _round128(n: int) -> int:
     ],
 )
 def test_the_communication_formula_follows_megatron_cores_expert_buffers(overrides, want):
-    """bench run's formula (parabench.commreport.formula) for moe-tiny on 2 megatron ranks, by hand:
+    """bench run's formula (parabench.run.comm_report.formula) for moe-tiny on 2 megatron ranks, by hand:
     size per call and calls of each data-parallel kind, measured equal in
     test_distributed_optimizer_with_experts_matches_ddp_and_its_formula (bus bytes per kind)."""
-    from parabench.commreport import formula
+    from parabench.run.comm_report import formula
 
     got = formula(_job("launcher.nproc_per_node=2", *overrides))
     data_parallel = {k: (v["bytes"] / v["calls"], v["calls"]) for k, v in got.items() if k != "all_to_all"}

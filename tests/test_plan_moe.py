@@ -13,13 +13,13 @@ import dataclasses
 
 import pytest
 
-from parabench.commreport import formula
 from parabench.hydraconfig import compose, to_plain
 from parabench.jobs import prepare
 from parabench.plan.cluster import load
 from parabench.plan.estimate import Calibration, activation_bytes, estimate
 from parabench.plan.gemms import forward_gemms
 from parabench.plan.search import Searched, _admit, backend_defaults, plannable, search
+from parabench.run.comm_report import formula
 
 PROFILES = plannable()  # backend name -> the plan profile its adapter declares
 

@@ -555,7 +555,7 @@ def test_the_stop_step_is_ahead_of_rank_0s_newest_step_not_of_the_watch_loops(tm
     is rank 0's newest finished step, read at the signal, + 2."""
     from parabench.launchers import stop
     from parabench.resilience.checkpoint import STOP_FILE
-    from parabench.runner import _Watch
+    from parabench.run.command import _Watch
 
     (tmp_path / "progress.json").write_text(json.dumps({"step": 17}))
     launcher = subprocess.Popen(  # stands in for the launcher: ends once the stop request is written

@@ -3,7 +3,7 @@
 
 Debian's slurmd is built without multiple-slurmd support, but two node names on one host still work
 when each names its own port (docs/slurm.md). No accounting database: the submitting side watches
-jobs through ``scontrol`` (parabench.slurm), not ``sacct``.
+jobs through ``scontrol`` (parabench.run.slurm), not ``sacct``.
 """
 
 from __future__ import annotations
@@ -339,3 +339,16 @@ except UserError as exc:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "pip install 'parabench[slurm]'" in out.stdout and "Error importing" not in out.stderr
+
+
+def test_a_job_queued_under_the_callbacks_former_name_still_unpickles():
+    """submitit pickles the launcher with Hydra's instantiated callbacks (hydra_context.callbacks): a
+    job queued by a parabench whose sweep callback was ``parabench.sweep.MultirunCallback`` unpickles
+    it by that name when it starts, after the callback moved to parabench.run.sweep."""
+    import pickle
+
+    from parabench.run.sweep import MultirunCallback
+
+    queued = pickle.dumps(MultirunCallback(), protocol=2).replace(b"cparabench.run.sweep\n", b"cparabench.sweep\n")
+    assert b"parabench.run" not in queued
+    assert type(pickle.loads(queued)) is MultirunCallback

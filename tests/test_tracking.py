@@ -41,7 +41,7 @@ def test_launch_bundle_never_carries_secrets(tmp_path):
 def test_cpu_threads_per_rank_split_the_cores_or_follow_the_user():
     from parabench.hydraconfig import compose, to_plain
     from parabench.jobs import prepare
-    from parabench.runner import launch_env
+    from parabench.run.command import launch_env
 
     def omp(*overrides):
         return launch_env(prepare(to_plain(compose(["+model=llama", "device=cpu", *overrides]))))["OMP_NUM_THREADS"]

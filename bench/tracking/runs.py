@@ -1,5 +1,5 @@
 """MLflow logging: one run per job; a parent run with a child per job for multirun sweeps (the
-parent is opened by :mod:`parabench.sweep`).
+parent is opened by :mod:`parabench.run.sweep`).
 
 Default store: embedded and local, ``sqlite:///<results_dir>/mlflow.db`` with artifacts under
 ``<results_dir>/mlartifacts`` (open it with ``mlflow ui --backend-store-uri sqlite:///results/mlflow.db``).

@@ -1,5 +1,5 @@
 """parabench's Slurm launcher where Hydra looks for launchers: Hydra instantiates a launcher only from
-the ``hydra_plugins`` namespace package (hydra.core.plugins). The code is :mod:`parabench.slurm`.
+the ``hydra_plugins`` namespace package (hydra.core.plugins). The code is :mod:`parabench.run.slurm`.
 
 Hydra imports every module of ``hydra_plugins`` at each start. Without the slurm extra
 (hydra-submitit-launcher) a stand-in is defined instead, so a plain install prints no "Error importing
@@ -17,7 +17,7 @@ NEEDS_EXTRA = (
 )
 
 try:
-    from parabench.slurm import SlurmLauncher as _SlurmLauncher
+    from parabench.run.slurm import SlurmLauncher as _SlurmLauncher
 except ModuleNotFoundError as exc:
     if not (exc.name or "").startswith(SUBMITIT):
         raise

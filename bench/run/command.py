@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from parabench import __version__, commreport, expertload, rundir
+from parabench import __version__, expertload, rundir
 from parabench.devices import DEVICES, cpu_info, cpu_threads, versions
 from parabench.errors import RunFailed, stopped_by
 from parabench.flops import FORMULA, GemmReading, Peak, flops_per_token
@@ -33,6 +33,7 @@ from parabench.resilience.checkpoint import (
     write_stop_request,
 )
 from parabench.resilience.faults import recovery_figures
+from parabench.run import comm_report
 from parabench.runnames import job_run_name
 from parabench.spec import JobSpec, to_dict
 from parabench.tracking import store as trackstore
@@ -419,7 +420,7 @@ def build_summary(job: JobSpec, adapter, results: list[dict]) -> dict[str, Any]:
     summary.update(expertload.summary(results[0].get("tokens_per_expert") or []))
     extra = {k: v for r in results for k, v in r.get("extra", {}).items()}
     summary.update({f"extra.{k}": v for k, v in extra.items()})
-    summary.update(commreport.comm_summary(job, results, summary["step_time_median_s"]))  # measured vs formula
+    summary.update(comm_report.comm_summary(job, results, summary["step_time_median_s"]))  # measured vs formula
     return summary
 
 
@@ -552,7 +553,7 @@ def print_summary(job: JobSpec, s: dict[str, Any], tracker, run_dir: Path) -> No
         f"  loss           {s['loss_first']:.6f} (step 0) -> {s['loss_final']:.6f} (step {len(s['losses']) - 1})",
         *expertload.summary_line(s),
         *resilience_lines(s),
-        *commreport.summary_lines(s),
+        *comm_report.summary_lines(s),
         f"  init checksum  {s['initial_checksum']}",
         f"  data           {s['data_reader']}; rows checksum {s['data_checksum']}",
         f"  run dir        {run_dir}",
