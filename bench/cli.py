@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return plan_main(rest)
     if command == "env":
-        from parabench.envreport import main as env_main
+        from parabench.env.command import main as env_main
 
         return env_main(rest)
     if command == "migrate":

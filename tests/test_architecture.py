@@ -6,7 +6,7 @@ command line aside) imports none, whatever floors their modules sit on (``COMMAN
 exceptions are listed as debt in ``COMMAND_IMPORTS_DEBT``):
 
     command line     parabench.cli, parabench.__main__
-    commands         run.*, compare.*, plan.*, comm.command, convert.command, envreport (bench env),
+    commands         run.*, compare.*, env.*, plan.*, comm.command, convert.command,
                      parabench.migrate.* (bench migrate/smoke)
     processes        launchers, worker, loop, jobs (config or spec.json -> JobSpec: needs the adapter)
     backends         parabench.adapters.*
@@ -40,7 +40,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "parabench.run",  # the package: run.command, run.sweep, run.slurm, run.comm_report
             "parabench.sweep",  # run.sweep's callback under its former name, for queued Slurm jobs' pickles
             "parabench.compare",  # the package: compare.command, compare.versus
-            "parabench.envreport",
+            "parabench.env",  # the package: env.command
             "parabench.migrate",
             "parabench.plan",
             "parabench.comm",  # the package: comm.command
@@ -104,7 +104,7 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     # measured vs formula; parabench.sweep: the callback's former name (queued Slurm jobs unpickle it)
     "run": ("parabench.run", "parabench.sweep"),
     "compare": ("parabench.compare",),  # compare.versus: bench plan's predictions vs the runs
-    "env": ("parabench.envreport",),
+    "env": ("parabench.env",),
     "migrate": ("parabench.migrate",),  # bench migrate and bench smoke
     "plan": ("parabench.plan",),
     "comm": ("parabench.comm",),
@@ -405,6 +405,13 @@ def _shared_into_command(imports: list[Import]) -> list[Import]:
     into a module of a command, whatever floor it sits on."""
     cli = floor("parabench.cli")
     return [i for i in imports if command(i.source) is None and floor(i.source) != cli and command(i.target)]
+
+
+def test_every_command_is_a_package():
+    """A command's modules are one package, bench/<command>/ (or migrate/); the one flat name is the
+    sweep callback's former name, kept for the pickles of queued Slurm jobs (bench/sweep.py)."""
+    flat = [p for prefixes in COMMANDS.values() for p in prefixes if MODULES[p].name != "__init__.py"]
+    assert flat == ["parabench.sweep"], f"commands of flat modules (make them packages): {flat}"
 
 
 def test_every_module_of_the_commands_floor_belongs_to_a_command():

@@ -32,7 +32,7 @@ def pyproject_ranges() -> dict[str, str]:
 def test_bench_env_reads_the_ranges_of_pyproject():
     from packaging.specifiers import SpecifierSet
 
-    from parabench.envreport import supported_ranges
+    from parabench.env.command import supported_ranges
 
     installed = supported_ranges()
     declared = pyproject_ranges()
@@ -76,7 +76,7 @@ def test_dev_constraints_lie_inside_the_supported_ranges():
 
 
 def test_a_backend_outside_its_range_is_named():
-    from parabench.envreport import backends_outside, range_status, registered_adapters
+    from parabench.env.command import backends_outside, range_status, registered_adapters
 
     ranges = {"torch": ">=2.6", "megatron-core": ">=0.12,<0.17", "deepspeed": ">=0.16.9,<0.20"}
     found = {"torch": "2.5.1+cu121", "megatron-core": "0.12.1", "deepspeed": None}
@@ -92,7 +92,7 @@ def test_a_backend_outside_its_range_is_named():
 
 def test_bench_env_prints_ranges_outside_backends_and_the_mindspeed_set(capsys):
     from parabench.devices import package_version
-    from parabench.envreport import main, report
+    from parabench.env.command import main, report
 
     assert main([]) == 0
     out = capsys.readouterr().out
@@ -148,7 +148,7 @@ def test_a_torch_newer_than_the_newest_tested_is_admitted_with_a_warning(monkeyp
     from packaging.specifiers import SpecifierSet
     from packaging.version import Version
 
-    from parabench import envreport
+    from parabench.env import command as envreport
 
     assert Version("99.0") in SpecifierSet(pyproject_ranges()["torch"])  # the metadata admits it
     tested = envreport.NEWEST_TESTED["torch"]
