@@ -256,3 +256,33 @@ def test_torchtitan_op_selective_checkpointing_keeps_the_saved_mm_outputs_only()
     logits = 2 * tokens * 128256 * 4
     assert op == pytest.approx(32 * op_sac_layer_bytes(job) + 34 * tokens * 4096 + logits)
     assert korthikanti == pytest.approx(32 * 34 * tokens * 4096 + logits)
+
+
+# Qwen2 0.5B's config.json (Qwen/Qwen2-0.5B): hidden 896, 14 heads (head dimension 64), 2 KV heads,
+# 24 layers, FFN 4,864, vocabulary 151,936
+QWEN2_05B = ModelSpec("qwen2-0.5b", 896, 4864, 24, 14, 2, 151936)
+
+
+def test_npu_attention_runs_at_its_per_head_gemm_shape():
+    from parabench.plan.gemms import CURVES, Curve, forward_gemms, step_compute_s
+
+    # CANN 8.0.RC3 Ascend C guide, basic architecture: on the separated architecture (Atlas A2: the
+    # 910B) AIC (cube) and AIV (vector) are two cores that pass data through global memory, so the
+    # fused attention's score tiles leave the cube core for the softmax and come back: its GEMMs run
+    # as GEMMs of their per-head shape, scores s x s x d and their product with V s x d x s
+    assert CURVES["npu"].attention_at_shape and not CURVES["cuda"].attention_at_shape
+    npu = Curve(0.5, 100.0, attention_at_shape=True)
+    for model, seq, d in ((LLAMA3_8B, 8192, 128), (QWEN2_05B, 32768, 64)):
+        attention = [g for g in forward_gemms(model, seq, 1) if g.what.startswith("attention")]
+        forward = sum(g.flops for g in attention)
+        x = seq * seq * d / (2 * seq * d + seq * seq)  # both GEMMs: s^2 d FLOPs over s d + s d + s^2
+        want = forward * 3.5 / (1e15 * 0.5 * x / (x + 100.0))
+        assert step_compute_s(attention, 1, 1, 1e15, npu, 0.0) == pytest.approx(want, rel=1e-12)
+    # 8192 x 128 / 8448 = 124.1 FLOPs per byte at head dimension 128, 32768 x 64 / 32896 = 63.75 at
+    # 64: the same scores cost 0.5 x 63.75 / 163.75 against 0.5 x 124.1 / 224.1 of the peak, 1.42 x
+    # the time per FLOP; on a GPU both run at e_max
+    gpu = Curve(0.5, 100.0)
+    attention = [g for g in forward_gemms(QWEN2_05B, 32768, 1) if g.what.startswith("attention")]
+    assert step_compute_s(attention, 1, 1, 1e15, gpu, 0.0) == pytest.approx(
+        sum(g.flops for g in attention) * 3.5 / (1e15 * 0.5), rel=1e-12
+    )

@@ -15,7 +15,8 @@ seconds per byte it moves, counted per op from the kernels the stack runs (``LAY
 eager PyTorch; ``LOGIT_BYTES``), tokens x (L x layer bytes + 52 V) / tp. e_max, x0 and beta are fitted once
 per device kind on published runs (benchmarks/plan_published.py --fit; the values and the rows they were fitted on
 are in ``CURVES`` and docs/plan.md). The fused attention kernel (FlashAttention, Dao 2023) runs its
-GEMMs at e_max, recomputes the scores in its backward (5 GEMMs there against 2 in the forward: 2.5 x
+GEMMs at e_max on a GPU (at their per-head shape's intensity on the Ascend 910B, whose cube and vector
+cores pass the score tiles through global memory: docs/sources.md#plan-attention-npu), recomputes the scores in its backward (5 GEMMs there against 2 in the forward: 2.5 x
 the forward FLOPs, FlashAttention-2 sec. 4.1) and evaluates one exponential per score in the forward
 and one more in the backward's recomputation, on the special-function units, whose throughput is a
 device's ``sfu_ratio`` below its matmul peak (H100: 989 against 3.9 TFLOP/s, FlashAttention-3 sec. 1):
@@ -48,6 +49,10 @@ class Curve:
     # published, not fitted (0: not modelled); FlashAttention-2 runs the softmax between its two
     # GEMMs in the same warps, so its time adds to theirs (docs/sources.md#plan-attention-softmax)
     sfu_ratio: float = 0.0
+    # the fused attention's score tiles pass through global memory between its GEMMs and its softmax
+    # (the Ascend 910B's separated cube and vector cores: docs/sources.md#plan-attention-npu): its two
+    # GEMMs run at their per-head shape's intensity (about the head dimension), not at e_max
+    attention_at_shape: bool = False
     fitted_on: str = ""  # which published rows (benchmarks/data/published_runs.yaml)
 
     def eff(self, m: float, n: float, k: float) -> float:
@@ -67,8 +72,10 @@ CURVES: dict[str, Curve] = {
     "cuda": Curve(0.52, 118.9, 7e-13, H100_SFU_RATIO,
                   fitted_on="megatron-readme (9 rows) + torchtitan-h100-202412 (2 rows), H100"),
     # the 910B's exponential throughput is not published: no softmax term (docs/plan.md: a fitted one
-    # helped the rows it was fitted on and worsened the held-out figure)
-    "npu": Curve(0.56, 70.7, 2e-12, fitted_on="mindspeed-llm-readme (28 expressible rows), Ascend 910B"),
+    # helped the rows it was fitted on and worsened the held-out figure); its attention GEMMs at their
+    # per-head shape (``_eff``), refitted 2026-12-07 22:30 UTC
+    "npu": Curve(0.58, 100.0, 1e-12, attention_at_shape=True,
+                 fitted_on="mindspeed-llm-readme (28 expressible rows), Ascend 910B"),
 }  # fmt: skip
 
 
@@ -85,6 +92,7 @@ class Gemm:
     k: float
     count: float  # how many per forward pass of one micro-batch over the whole model
     heads: float = 0.0  # attention heads of the device a batched GEMM runs (the attention scores)
+    head_dim: float = 0.0  # the attention's GEMMs: the dimension of one head (their per-head shape)
 
     @property
     def flops(self) -> float:
@@ -117,8 +125,8 @@ def forward_gemms(
     ]  # fmt: skip
     return [
         Gemm("qkv", m, (q + 2 * kv) / tp, h, layers),
-        Gemm("attention scores", m, seq_len, q / tp, layers / 2, model.num_attention_heads / tp),
-        Gemm("attention x V", m, q / tp, seq_len, layers / 2),
+        Gemm("attention scores", m, seq_len, q / tp, layers / 2, model.num_attention_heads / tp, model.head_dim),
+        Gemm("attention x V", m, q / tp, seq_len, layers / 2, head_dim=model.head_dim),
         Gemm("o", m, h, q / tp, layers),
         *mlp,
         Gemm("lm_head", m, model.vocab_size / (tp if vocab_parallel else 1), h, 1),
@@ -175,10 +183,18 @@ FLASH_BACKWARD = 2.5
 
 
 def _eff(g: Gemm, curve: Curve) -> float:
-    """The attention runs as one fused kernel (FlashAttention, Dao 2023) whose tiles stay in on-chip
-    memory: compute-bound whatever the sequence, at the curve's ceiling e_max; every other GEMM at its
-    shape's intensity."""
-    return curve.e_max if g.what.startswith("attention") else curve.eff(g.m, g.n, g.k)
+    """Every GEMM at its shape's intensity but the attention's. On a GPU the attention runs as one
+    fused kernel (FlashAttention, Dao 2023) whose tiles stay in on-chip memory: compute-bound whatever
+    the sequence, at the curve's ceiling e_max. Where the curve says ``attention_at_shape`` (the
+    Ascend 910B: its cube and vector cores exchange the score tiles through global memory,
+    docs/sources.md#plan-attention-npu) its two GEMMs run at their per-head shape's intensity: the
+    scores (s / cp) x s x d, their product with V (s / cp) x d x s, about d FLOPs per byte."""
+    if not g.what.startswith("attention"):
+        return curve.eff(g.m, g.n, g.k)
+    if not curve.attention_at_shape:
+        return curve.e_max
+    d = g.head_dim
+    return curve.eff(g.m, g.n, d) if g.what == "attention scores" else curve.eff(g.m, d, g.k)
 
 
 # Bytes of memory-bound traffic per token and layer for each element of a width (h, q = heads x
