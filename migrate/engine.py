@@ -217,7 +217,7 @@ def _process(task: Task, options: Options) -> FileResult:
     res.full_parse = task.kind != "python" or bool(findings) or new != text
     if new == text:
         res.status = "unchanged"
-        _copy(task)
+        _copy(task, data)
         return res
     encoded = encode(new, source)
     if encoded is None:
@@ -239,7 +239,7 @@ def _skip(task: Task, res: FileResult, reason: str, data: bytes) -> FileResult:
     """A file left as it is: copied, and marked when its bytes name a CUDA construct (``--check``)."""
     res.status, res.reason = "skipped", reason
     res.may_hold_cuda = may_hold_cuda(data.decode("latin-1"))
-    _copy(task)
+    _copy(task, data)
     return res
 
 
@@ -331,27 +331,50 @@ class UnsafePath(Exception):
     """A path the migration would write through (a link or an existing file it must not replace)."""
 
 
-def _copy(task: Task) -> None:
+def _copy(task: Task, data: bytes | None = None) -> None:
+    """The source file's bytes (``data`` when already read) and times to ``task.dest``."""
     if task.dest is None or os.path.abspath(task.dest) == os.path.abspath(task.src):
         return
-    with open(task.src, "rb") as fh:
-        _write(task, fh.read())
+    if data is None:
+        with open(task.src, "rb") as fh:
+            data = fh.read()
+    _write(task, data)
     shutil.copystat(task.src, task.dest)
 
 
 def _write(task: Task, data: bytes) -> None:
-    """``data`` to ``task.dest`` through a temporary file created exclusively in its folder (mkstemp:
-    O_EXCL, so a link planted under a predictable name is never written through), then renamed over
-    the destination (a rename replaces a link at ``dest`` itself, never its target)."""
+    """``data`` to ``task.dest``, never through a link: where nothing is at ``dest`` yet (a new
+    output tree), the file is created there exclusively (O_CREAT | O_EXCL | O_NOFOLLOW: a link
+    planted at ``dest`` makes it fail, not followed); else (in place, or something already there)
+    through a temporary file created exclusively in its folder, renamed over the destination (a
+    rename replaces a link at ``dest`` itself, never its target)."""
     folder, name = os.path.split(task.dest)
     os.makedirs(folder, exist_ok=True)
     mode = stat.S_IMODE(os.stat(task.src).st_mode)
+    try:
+        fd = os.open(task.dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        _replace(task.dest, folder, name, data, mode)
+        return
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            os.fchmod(fh.fileno(), mode)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(task.dest)
+        raise
+
+
+def _replace(dest: str, folder: str, name: str, data: bytes, mode: int) -> None:
+    """``data`` to ``dest`` through a temporary file (mkstemp: O_EXCL, so a link planted under a
+    predictable name is never written through), then renamed over it."""
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".bench-migrate.tmp")
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
         os.chmod(tmp, mode)
-        os.replace(tmp, task.dest)
+        os.replace(tmp, dest)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

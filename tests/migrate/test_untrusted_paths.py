@@ -61,3 +61,23 @@ def test_a_backup_that_exists_or_is_a_link_is_refused_before_anything_is_written
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "train.py.orig already exists" in err, err
     assert victim.read_text() == PRECIOUS and (src / "train.py").read_text() == TRAIN
+
+
+def test_a_link_planted_where_an_output_file_goes_is_replaced_never_written_through(tmp_path):
+    """Output files are created exclusively where nothing is yet (O_EXCL | O_NOFOLLOW); a link
+    already at a destination - of a changed file or of a copied one - is replaced, not followed."""
+    from parabench.migrate.core import Options
+    from parabench.migrate.engine import run
+
+    src, victim = _tree(tmp_path)
+    (src / "notes.txt").write_text("copied as it is\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("train.py", "notes.txt"):
+        (out / name).symlink_to(victim)
+    result = run([src], Options(), out, jobs=1, progress=False)
+    assert {r.path: r.status for r in result.files} == {"notes.txt": "copied", "train.py": "changed"}
+    assert victim.read_text() == PRECIOUS
+    assert not (out / "train.py").is_symlink() and "torch.npu.set_device" in (out / "train.py").read_text()
+    assert not (out / "notes.txt").is_symlink() and (out / "notes.txt").read_text() == "copied as it is\n"
+    assert not list(out.glob(".*.bench-migrate.tmp"))
