@@ -13,6 +13,8 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+from collections.abc import Callable
+from typing import Any
 
 from parabench.migrate.core import Finding, Options
 from parabench.migrate.entries import may_train_at_top_level, top_level_training
@@ -96,7 +98,7 @@ def _migrate(text: str, path: str, options: Options, plan: Plan) -> tuple[str, l
     if new is module:
         new_text = text
     else:
-        new_text = _render(new, module, layout, text, plan, origin, ctx.inserted)
+        new_text = _render(new, module, layout, text, plan, origin, ctx)
         if new_text is None:
             if plan.partial:
                 return None
@@ -155,11 +157,24 @@ def _dispatch(order, visitors) -> None:
             fn(node)
 
 
-def _render(new, parsed, layout, text: str, plan: Plan, origin: dict, inserted: dict) -> str | None:
+@dataclasses.dataclass(frozen=True)
+class _Parsed:
+    """What every patch of one file reads: the text LibCST parsed and its line starts, the parsed
+    module, the map from rebuilt nodes to the parsed ones they replace, and ``known_lines`` (the
+    (first, last) lines code generation already found for a parsed node, else None)."""
+
+    text: str
+    starts: list[int]
+    module: Any
+    origin: dict
+    known_lines: Callable[[Any], tuple[int, int] | None]
+
+
+def _render(new, parsed, layout, text: str, plan: Plan, origin: dict, ctx) -> str | None:
     """Source of ``new`` spliced into ``text``: top-level statements that are still the parsed
     objects are copied from ``text`` (with the statements blanked for a partial parse around them),
     rebuilt ones replace only the lines that changed, inserted ones are generated.
-    None when that cannot be done exactly."""
+    None when that cannot be done exactly. ``ctx``: the rules' PyContext (its inserts, known lines)."""
     if (
         layout is None
         or not parsed.has_trailing_newline
@@ -177,6 +192,8 @@ def _render(new, parsed, layout, text: str, plan: Plan, origin: dict, inserted: 
     if any(b < a for a, b in zip(rows, rows[1:])):
         return None
     bounds = [starts[r] for r in rows]
+    patching = _Parsed(ptext, pstarts, parsed, origin, ctx.known_lines)
+    inserted = ctx.inserted
     out = [text[: bounds[0]]]
     seen: list[int] = []
     for stmt in new.body:
@@ -185,9 +202,7 @@ def _render(new, parsed, layout, text: str, plan: Plan, origin: dict, inserted: 
             i = layout.index[origin[stmt]]
             region = text[bounds[i] : bounds[i + 1]]
             old = ptext[pstarts[rows[i]] : pstarts[rows[i + 1]]]
-            piece = _patch_statement(
-                region, rows[i] + 1, ptext, pstarts, origin[stmt], stmt, layout.block(i, origin[stmt]), origin, parsed
-            )
+            piece = _patch_statement(region, rows[i] + 1, patching, origin[stmt], stmt, layout.block(i, origin[stmt]))
             if piece is None:
                 piece = _replace_changed_lines(region, old, new.code_for_node(stmt))
             if piece is None:
@@ -220,17 +235,7 @@ def _after_partial_class(plan: Plan, a: int) -> bool:
 
 
 def _patch_block(
-    lines: list[str],
-    base: int,
-    ptext: str,
-    pstarts: list[int],
-    old,
-    new,
-    sub,
-    origin,
-    module,
-    indents: tuple[str, ...],
-    edits: list,
+    lines: list[str], base: int, parsed: _Parsed, old, new, sub, indents: tuple[str, ...], edits: list
 ) -> bool:
     """A rebuilt class or function whose header is untouched: add to ``edits`` the line patches
     of its rebuilt body statements (descending into rebuilt classes and functions in turn).
@@ -251,45 +256,105 @@ def _patch_block(
             return False
     if len(old_block.body) != len(new_block.body):
         return False
-    indents = (*indents, module.default_indent if old_block.indent is None else old_block.indent)
+    indents = (*indents, parsed.module.default_indent if old_block.indent is None else old_block.indent)
     mine: list = []
     for at, (old_s, new_s) in enumerate(zip(old_block.body, new_block.body)):
         if old_s is new_s:
             continue
-        if origin.get(new_s) is not old_s:
+        if parsed.origin.get(new_s) is not old_s:
             return False
-        if (isinstance(old_s, (cst.ClassDef, cst.FunctionDef)) or type(old_s) in _COMPOUND) and _patch_block(
-            lines, base, ptext, pstarts, old_s, new_s, sub.block(at, old_s), origin, module, indents, mine
+        nested = (
+            sub.block(at, old_s)
+            if isinstance(old_s, (cst.ClassDef, cst.FunctionDef)) or type(old_s) in _COMPOUND
+            else None
+        )
+        if nested is not None and (
+            _patch_block(lines, base, parsed, old_s, new_s, nested, indents, mine)
+            or _patch_header_and_body(lines, base, parsed, old_s, new_s, nested, sub.region[at] - 1, indents, mine)
         ):
             continue
-        row = sub.region[at] - 1  # 0-based line of the statement's text in the file
-        if at + 1 < len(sub.region):  # statements tile the block: the parsed text up to the next one
-            count = sub.region[at + 1] - 1 - row
-            old_code = ptext[pstarts[row] : pstarts[row + count]]
-        else:
-            old_code = code_at(module, indents, old_s)
-            count = old_code.count("\n")
-            if row + count >= len(pstarts) or ptext[pstarts[row] : pstarts[row + count]] != old_code:
-                return False
-        lo = row - (base - 1)
-        piece = _replace_changed_lines(
-            "\n".join(lines[lo : lo + count]) + "\n", old_code, code_at(module, indents, new_s)
-        )
-        if piece is None or not piece.endswith("\n"):
+        patch = _patch_whole(lines, base, parsed, sub, at, old_s, new_s, indents)
+        if patch is None:
             return False
-        mine.append((lo, lo + count, piece[:-1].split("\n")))
+        mine.append(patch)
     edits.extend(mine)
     return True
 
 
-def _patch_statement(
-    region: str, first_line: int, ptext: str, pstarts: list[int], old, new, sub, origin, module
-) -> str | None:
+def _patch_whole(lines: list[str], base: int, parsed: _Parsed, sub, at: int, old_s, new_s, indents: tuple[str, ...]):
+    """The line patch (first, end, new lines) of body statement ``at`` of ``sub``'s block, rebuilt
+    as a whole: the lines where its old and new code differ; None when one of them was blanked."""
+    ptext, pstarts, module = parsed.text, parsed.starts, parsed.module
+    row = sub.region[at] - 1  # 0-based line of the statement's text in the file
+    known = parsed.known_lines(old_s)
+    if at + 1 < len(sub.region):  # statements tile the block: the parsed text up to the next one
+        count = sub.region[at + 1] - 1 - row
+        old_code = ptext[pstarts[row] : pstarts[row + count]]
+    elif known is not None and row < known[1] < len(pstarts):
+        # the block's last statement ends on the last line the rules' code generation found for it
+        # (PyContext.lines): its text is the parsed text of its lines (LibCST reproduces its input)
+        count = known[1] - row
+        old_code = ptext[pstarts[row] : pstarts[row + count]]
+    else:
+        old_code = code_at(module, indents, old_s)
+        count = old_code.count("\n")
+        if row + count >= len(pstarts) or ptext[pstarts[row] : pstarts[row + count]] != old_code:
+            return None
+    lo = row - (base - 1)
+    piece = _replace_changed_lines("\n".join(lines[lo : lo + count]) + "\n", old_code, code_at(module, indents, new_s))
+    if piece is None or not piece.endswith("\n"):
+        return None
+    return lo, lo + count, piece[:-1].split("\n")
+
+
+def _patch_header_and_body(
+    lines: list[str], base: int, parsed: _Parsed, old_s, new_s, nested, row: int, indents: tuple[str, ...], edits: list
+) -> bool:
+    """A rebuilt def or class whose header changed (a parameter's annotation, a decorator), its
+    body perhaps too: the header's lines are patched on their own and the body's statements as
+    ``_patch_block`` patches them, so the body's blanked statements (parse_plan._trim_functions)
+    are never regenerated. ``row``: the statement's first line (0-based, leading lines included)."""
+    import libcst as cst
+
+    old_body, new_body = old_s.body, getattr(new_s, "body", None)
+    if type(old_s) not in (cst.FunctionDef, cst.ClassDef) or type(new_s) is not type(old_s) or not nested.region:
+        return False
+    if not isinstance(old_body, cst.IndentedBlock) or not isinstance(new_body, cst.IndentedBlock):
+        return False
+    mine: list = []
+    if new_body is not old_body and not _patch_block(
+        lines, base, parsed, old_s, old_s.with_changes(body=new_body), nested, indents, mine
+    ):
+        return False
+    # the headers: each statement generated with a one-line body in place of its own, that line cut off
+    stub = old_body.with_changes(body=[cst.SimpleStatementLine(body=[cst.Pass()])], footer=())
+    old_head, new_head = (
+        _without_last_line(code_at(parsed.module, indents, s.with_changes(body=stub))) for s in (old_s, new_s)
+    )
+    count = old_head.count("\n")
+    if row + count > nested.region[0] - 1 or parsed.text[parsed.starts[row] : parsed.starts[row + count]] != old_head:
+        return False
+    lo = row - (base - 1)
+    piece = _replace_changed_lines("\n".join(lines[lo : lo + count]) + "\n", old_head, new_head)
+    if piece is None or not piece.endswith("\n"):
+        return False
+    edits.extend([*mine, (lo, lo + count, piece[:-1].split("\n"))])
+    return True
+
+
+def _without_last_line(code: str) -> str:
+    return code[: code.rindex("\n", 0, len(code) - 1) + 1]
+
+
+def _patch_statement(region: str, first_line: int, parsed: _Parsed, old, new, sub) -> str | None:
     """``region`` (the source text of a top-level statement starting at ``first_line``) with the
     rebuilt statements inside ``new`` patched line by line; None when that does not apply."""
     lines = region.split("\n")
     edits: list = []
-    if not _patch_block(lines, first_line, ptext, pstarts, old, new, sub, origin, module, (), edits):
+    if sub is None or not (
+        _patch_block(lines, first_line, parsed, old, new, sub, (), edits)
+        or _patch_header_and_body(lines, first_line, parsed, old, new, sub, first_line - 1, (), edits)
+    ):
         return None
     for lo, hi, new_lines in sorted(edits, reverse=True):
         lines[lo:hi] = new_lines

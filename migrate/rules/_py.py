@@ -228,6 +228,10 @@ class PyContext:
         self._pos.update(line_table(path[j], layout.region[at], self.module))
         return self._pos.get(node, (0, 0))
 
+    def known_lines(self, node: cst.CSTNode) -> tuple[int, int] | None:
+        """The lines of ``node`` if a code-generation pass of ``lines`` has already found them."""
+        return self._pos.get(node)
+
     def body_line(self, index: int) -> int:
         """First line of the top-level statement that a statement inserted at ``index`` of the
         parsed body would precede (the last statement when inserted at the end), in the whole file
@@ -884,12 +888,21 @@ def torch_bound(module: cst.Module) -> bool:
 
 
 def insert_statements(
-    ctx: PyContext, new: cst.Module, index: int, code: str, *, after: bool, blank_lines: int = 0
+    ctx: PyContext,
+    new: cst.Module,
+    index: int,
+    code: str,
+    *,
+    after: bool,
+    blank_lines: int = 0,
+    behind_inserts: bool = False,
 ) -> cst.Module:
     """Insert ``code`` at ``index`` of the parsed body, attached to the statement before it
-    (``after=True``: directly after its text) or to the one at ``index`` (directly before its
-    leading lines), ``blank_lines`` empty lines before it. Where statements were left out of the
-    parse (parse_plan._select) the two differ."""
+    (``after=True``: directly after its text; ``behind_inserts`` too: after the statements other
+    rules inserted there before) or to the one at ``index`` (directly before its leading lines),
+    ``blank_lines`` empty lines before it. Where statements were left out of the parse
+    (parse_plan._select) the two differ: only an insert after a statement's text is placed exactly
+    without a whole-file parse."""
     stmts = list(cst.parse_module(code).body)
     if blank_lines and stmts:
         stmts[0] = stmts[0].with_changes(leading_lines=[cst.EmptyLine()] * blank_lines)
@@ -907,4 +920,6 @@ def insert_statements(
         if anchor is None
         else next((p + after for p, s in enumerate(body) if s is anchor or ctx.origin.get(s) is anchor), index)
     )
+    while behind_inserts and after and at < len(body) and body[at] in ctx.inserted:
+        at += 1
     return new.with_changes(body=body[:at] + stmts + body[at:])

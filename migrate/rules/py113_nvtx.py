@@ -163,5 +163,6 @@ class Nvtx(PyRule, ModuleRule):
                 after="_mstx_range_ids = []",
             )
         )
-        # before the statement that follows the imports: after any import other rules add there
-        return insert_statements(ctx, new, at, code, after=at >= len(original.body), blank_lines=2)
+        # right after the imports' text and after any import other rules add there: the place before the
+        # next statement's leading lines, which a partial parse (parse_plan._select) can also splice exactly
+        return insert_statements(ctx, new, at, code, after=at > 0, blank_lines=2, behind_inserts=True)
