@@ -1,6 +1,7 @@
 """Speed of `bench migrate` over a generated tree shaped like a real training repository.
 
-    python benchmarks/migrate_speed.py [--files 1200] [--jobs N] [--cuda-share 0.2] [--keep DIR] [--src DIR]
+    python benchmarks/migrate_speed.py [--files 1200] [--jobs N] [--cuda-share 0.2] [--keep DIR] [--src DIR ...]
+                                       [--against REV [--rounds 3]]
 
 The tree mixes, like the repositories measured in docs/sources.md#cuda-constructs-survey: model/data/utility
 modules that never touch CUDA (most files), modules that mention CUDA only in comments,
@@ -8,7 +9,11 @@ docstrings or log messages, and training/distributed modules with real CUDA cons
 (torch.cuda calls, .cuda(), device strings, nccl, env vars). Files are 150-450 lines (8.4 KiB on
 average; DeepSpeed's .py files average 7.7 KiB, Megatron-LM's 12.8 KiB), about 35% of them mention
 CUDA (DeepSpeed 20%, Megatron-LM 35%) and 20% use it in code (Megatron-LM: 24% use torch.cuda).
-``--src DIR`` measures an existing tree instead (it is only read).
+``--src DIR`` measures an existing tree instead (it is only read; repeat it for several trees in one run).
+``--against REV`` measures this checkout's code and git revision REV's (its bench/ and migrate/,
+exported into a temporary ``parabench`` package) over the same tree, alternated for ``--rounds``
+rounds in fresh interpreters, and prints both medians and their ratio: a comparison measured in one
+run on one machine, which the figures of different days on different machine instances are not.
 
 It prints files/s for the whole run (discovery, pre-filter, LibCST where needed, writing the output
 tree) by wall clock, and by CPU time: user+sys of this process and all its workers, as
@@ -20,10 +25,15 @@ at start and end says how busy it was.
 from __future__ import annotations
 
 import argparse
+import io
+import json
 import os
 import random
 import re
+import resource
 import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -224,6 +234,120 @@ def generate(root: Path, n_files: int, cuda_share: float, prose_share: float, se
     return counts
 
 
+def _cpu_seconds() -> float:
+    """user+sys of this process and its joined children (the pool's workers)."""
+    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+
+def measure(srcs: list[Path], out: Path, jobs: int) -> dict:
+    """One timed ``bench migrate`` run (the engine's ``run``, as the CLI calls it) over ``srcs``."""
+    from parabench.migrate.core import Options
+    from parabench.migrate.engine import run
+
+    c0, t0 = _cpu_seconds(), time.perf_counter()
+    result = run(srcs, Options(), out, jobs=jobs, progress=False)
+    dt, dcpu = time.perf_counter() - t0, _cpu_seconds() - c0  # workers are joined by now: their time is in CHILDREN
+    return {
+        "files": len(result.files),
+        "py": sum(1 for r in result.files if r.kind == "python"),
+        "full": sum(1 for r in result.files if r.full_parse and r.kind == "python"),
+        "changed": sum(1 for r in result.files if r.status == "changed"),
+        "wall": dt,
+        "cpu": dcpu,
+    }
+
+
+def describe_tree(srcs: list[Path], counts) -> str:
+    py_files = [p for src in srcs for p in src.rglob("*.py") if p.is_file()]
+    texts = [p.read_text(encoding="utf-8", errors="replace") for p in py_files]
+    lines = sorted(t.count("\n") for t in texts) or [0]
+    mention = sum(1 for t in texts if "cuda" in t.lower())
+    code_use = re.compile(r"^(?!\s*#).*(?:torch\.cuda\.|\.cuda\()", re.MULTILINE)  # not in a comment line
+    in_code = sum(1 for t in texts if code_use.search(t))
+    py_kib = sum(len(t.encode()) for t in texts) / max(1, len(texts)) / 1024
+    n = max(1, len(py_files))
+    return (
+        f"{len(py_files)} .py: {py_kib:.1f} KiB avg, lines min/median/max {lines[0]}/{lines[len(lines) // 2]}/"
+        f"{lines[-1]}; {mention / n:.0%} mention cuda, {in_code / n:.0%} use torch.cuda./.cuda() outside comments; {counts}"
+    )
+
+
+def report(m: dict, jobs: int, load0, load1) -> None:
+    total, dt, dcpu = m["files"], m["wall"], m["cpu"]
+    print(
+        f"jobs: {jobs} on {os.cpu_count()} cores; .py files with findings or changes: {m['full']}; changed files: {m['changed']}"
+    )
+    print(f"wall: {dt:.2f} s -> {total / dt:.1f} files/s")
+    cores = min(jobs, os.cpu_count() or 1)
+    print(
+        f"cpu:  {dcpu:.2f} s user+sys (all processes) -> {total / (dcpu / cores):.1f} files/s on {cores} free cores "
+        f"({total / dcpu:.1f} files/s per core)"
+    )
+    print(
+        f"load average (1/5/15 min): start {load0[0]:.1f}/{load0[1]:.1f}/{load0[2]:.1f}, "
+        f"end {load1[0]:.1f}/{load1[1]:.1f}/{load1[2]:.1f}"
+    )
+
+
+def export_revision(rev: str, into: Path) -> Path:
+    """The ``parabench`` package (bench/ with migrate/ inside, as package-dir maps them) of git
+    revision ``rev``, written under ``into``; -> the directory to put on PYTHONPATH."""
+    import tarfile
+
+    repo = Path(__file__).resolve().parent.parent
+    archive = subprocess.run(
+        ["git", "-C", str(repo), "archive", "--format=tar", rev, "bench", "migrate"], check=True, capture_output=True
+    ).stdout
+    site = into / "site"
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        for member in tar.getmembers():
+            top, _, rest = member.name.partition("/")
+            member.name = "parabench/" + rest if top == "bench" else "parabench/migrate/" + rest
+            tar.extract(member, site, filter="data")
+    return site
+
+
+def _measured_in_child(srcs: list[Path], out: Path, jobs: int, site: Path | None) -> dict:
+    """``measure`` in a fresh interpreter: this checkout's code, or (``site``) another revision's."""
+    env = dict(os.environ)
+    if site is not None:  # ahead of the editable install's finder (sys.meta_path's PathFinder comes first)
+        env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [env.get("PYTHONPATH")])])
+    cmd = [sys.executable, __file__, "--measure-json", "--jobs", str(jobs), "--out", str(out)]
+    cmd += [a for src in srcs for a in ("--src", str(src))]
+    done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    m = json.loads(done.stdout.strip().splitlines()[-1])
+    want = str(site) if site is not None else str(Path(__file__).resolve().parent.parent)
+    if not m["code"].startswith(want):
+        raise SystemExit(f"measured the wrong code: parabench.migrate from {m['code']}, expected under {want}")
+    shutil.rmtree(out, ignore_errors=True)
+    return m
+
+
+def compare(srcs: list[Path], base: Path, jobs: int, rev: str, rounds: int) -> None:
+    """This checkout against revision ``rev``, alternated (which goes first flips each round), in one run."""
+    site = export_revision(rev, base)
+    runs: dict[str, list[dict]] = {"this checkout": [], rev: []}
+    for r in range(rounds):
+        order = [("this checkout", None), (rev, site)]
+        for name, where in order if r % 2 == 0 else order[::-1]:
+            runs[name].append(_measured_in_child(srcs, base / "out", jobs, where))
+    cores = min(jobs, os.cpu_count() or 1)
+    medians = {}
+    for name, ms in runs.items():
+        walls = [m["files"] / m["wall"] for m in ms]
+        cpus = [m["files"] / (m["cpu"] / cores) for m in ms]
+        medians[name] = (statistics.median(walls), statistics.median(cpus))
+        print(
+            f"{name:>14}: files/s wall {', '.join(f'{w:.1f}' for w in walls)} (median {medians[name][0]:.1f}); "
+            f"by CPU time {', '.join(f'{c:.1f}' for c in cpus)} (median {medians[name][1]:.1f})"
+        )
+    (w_new, c_new), (w_old, c_old) = medians["this checkout"], medians[rev]
+    print(
+        f"ratio this checkout / {rev}: wall {w_new / w_old:.3f}, by CPU time {c_new / c_old:.3f} (medians of {rounds})"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--files", type=int, default=1200, help="Python files to generate (default 1200)")
@@ -231,61 +355,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cuda-share", type=float, default=0.2, help="share of modules with real CUDA code")
     ap.add_argument("--prose-share", type=float, default=0.15, help="share mentioning CUDA only in prose")
     ap.add_argument("--keep", type=Path, help="generate into this directory and keep it")
-    ap.add_argument("--src", type=Path, help="measure this existing tree instead of a generated one")
+    ap.add_argument("--src", type=Path, action="append", help="measure this existing tree instead (repeatable)")
+    ap.add_argument("--against", metavar="REV", help="also measure git revision REV's code, alternated with this one's")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of each code with --against (default 3)")
+    ap.add_argument("--measure-json", action="store_true", help=argparse.SUPPRESS)  # one run, JSON (--against's child)
+    ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
-    import resource
+    if args.measure_json:
+        import parabench.migrate
 
-    from parabench.migrate.core import Options
-    from parabench.migrate.engine import run
-
+        m = measure(args.src, args.out, args.jobs)
+        print(json.dumps({**m, "code": str(Path(parabench.migrate.__file__).resolve())}))
+        return 0
     base = Path(tempfile.mkdtemp(prefix="migrate_speed_")) if args.keep is None else args.keep
-    src, out = (args.src, base / "out") if args.src else (base / "repo", base / "repo_npu")
+    srcs = args.src or [base / "repo"]
     try:
-        if args.src:
-            counts = "existing tree"
-        else:
-            counts = generate(src, args.files, args.cuda_share, args.prose_share)
-        py_files = [p for p in src.rglob("*.py") if p.is_file()]
-        texts = [p.read_text(encoding="utf-8", errors="replace") for p in py_files]
-        lines = sorted(t.count("\n") for t in texts) or [0]
-        mention = sum(1 for t in texts if "cuda" in t.lower())
-        code_use = re.compile(r"^(?!\s*#).*(?:torch\.cuda\.|\.cuda\()", re.MULTILINE)  # not in a comment line
-        in_code = sum(1 for t in texts if code_use.search(t))
-        py_kib = sum(len(t.encode()) for t in texts) / max(1, len(texts)) / 1024
-        del texts
-
-        def cpu() -> float:
-            a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-            return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
-
+        counts = "existing tree" if args.src else generate(srcs[0], args.files, args.cuda_share, args.prose_share)
+        print(f"tree: {describe_tree(srcs, counts)}")
+        if args.against:
+            compare(srcs, base, args.jobs, args.against, args.rounds)
+            return 0
         load0 = os.getloadavg()
-        c0, t0 = cpu(), time.perf_counter()
-        result = run([src], Options(), out, jobs=args.jobs, progress=False)
-        dt, dcpu = time.perf_counter() - t0, cpu() - c0  # workers are joined by now: their time is in CHILDREN
-        load1 = os.getloadavg()
-        total = len(result.files)
-        full = sum(1 for r in result.files if r.full_parse and r.kind == "python")
-        changed = sum(1 for r in result.files if r.status == "changed")
-        py = sum(1 for r in result.files if r.kind == "python")
-        n = max(1, len(py_files))
-        print(
-            f"tree: {total} files ({py} .py: {py_kib:.1f} KiB avg, lines min/median/max {lines[0]}/{lines[len(lines) // 2]}/"
-            f"{lines[-1]}; {mention / n:.0%} mention cuda, {in_code / n:.0%} use torch.cuda./.cuda() outside comments; {counts})"
-        )
-        print(
-            f"jobs: {args.jobs} on {os.cpu_count()} cores; .py files with findings or changes: {full}; changed files: {changed}"
-        )
-        print(f"wall: {dt:.2f} s -> {total / dt:.1f} files/s")
-        cores = min(args.jobs, os.cpu_count() or 1)
-        print(
-            f"cpu:  {dcpu:.2f} s user+sys (all processes) -> {total / (dcpu / cores):.1f} files/s on {cores} free cores "
-            f"({total / dcpu:.1f} files/s per core)"
-        )
-        print(
-            f"load average (1/5/15 min): start {load0[0]:.1f}/{load0[1]:.1f}/{load0[2]:.1f}, "
-            f"end {load1[0]:.1f}/{load1[1]:.1f}/{load1[2]:.1f}"
-        )
+        m = measure(srcs, base / "out", args.jobs)
+        report(m, args.jobs, load0, os.getloadavg())
     finally:
         if args.keep is None:
             shutil.rmtree(base, ignore_errors=True)
