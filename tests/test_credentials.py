@@ -96,6 +96,7 @@ def test_slurm_submission_never_writes_prints_or_pickles_the_uri_password(tmp_pa
     monkeypatch.setattr(slurm, "check_submission", lambda partition: None)  # no controller to ask
     submitted = ["echo", "Submitted batch job 4242"]  # what sbatch answers (submitit parses the id)
     monkeypatch.setattr(SlurmExecutor, "_make_submission_command", lambda self, path: submitted)
+    monkeypatch.setattr(SlurmExecutor, "affinity", staticmethod(lambda: 2))  # submitit looks for srun on PATH
     monkeypatch.setattr(slurm.SlurmLauncher, "_wait", staticmethod(lambda job: ([], "stopped by the test")))
     monkeypatch.chdir(tmp_path)
     uri = f"http://{USER}:{PASSWORD}@{DEAD}"
