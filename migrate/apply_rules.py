@@ -98,7 +98,7 @@ def _migrate(text: str, path: str, options: Options, plan: Plan) -> tuple[str, l
     if new is module:
         new_text = text
     else:
-        new_text = _render(new, module, layout, text, plan, origin, ctx)
+        new_text = _render(new, module, layout, text, plan, ctx)
         if new_text is None:
             if plan.partial:
                 return None
@@ -170,11 +170,12 @@ class _Parsed:
     known_lines: Callable[[Any], tuple[int, int] | None]
 
 
-def _render(new, parsed, layout, text: str, plan: Plan, origin: dict, ctx) -> str | None:
+def _render(new, parsed, layout, text: str, plan: Plan, ctx) -> str | None:
     """Source of ``new`` spliced into ``text``: top-level statements that are still the parsed
     objects are copied from ``text`` (with the statements blanked for a partial parse around them),
     rebuilt ones replace only the lines that changed, inserted ones are generated.
-    None when that cannot be done exactly. ``ctx``: the rules' PyContext (its inserts, known lines)."""
+    None when that cannot be done exactly. ``ctx``: the rules' PyContext (its inserts, the rebuilt
+    nodes' origins, known lines)."""
     if (
         layout is None
         or not parsed.has_trailing_newline
@@ -192,8 +193,8 @@ def _render(new, parsed, layout, text: str, plan: Plan, origin: dict, ctx) -> st
     if any(b < a for a, b in zip(rows, rows[1:])):
         return None
     bounds = [starts[r] for r in rows]
+    origin, inserted = ctx.origin, ctx.inserted
     patching = _Parsed(ptext, pstarts, parsed, origin, ctx.known_lines)
-    inserted = ctx.inserted
     out = [text[: bounds[0]]]
     seen: list[int] = []
     for stmt in new.body:
@@ -286,11 +287,10 @@ def _patch_whole(lines: list[str], base: int, parsed: _Parsed, sub, at: int, old
     as a whole: the lines where its old and new code differ; None when one of them was blanked."""
     ptext, pstarts, module = parsed.text, parsed.starts, parsed.module
     row = sub.region[at] - 1  # 0-based line of the statement's text in the file
-    known = parsed.known_lines(old_s)
     if at + 1 < len(sub.region):  # statements tile the block: the parsed text up to the next one
         count = sub.region[at + 1] - 1 - row
         old_code = ptext[pstarts[row] : pstarts[row + count]]
-    elif known is not None and row < known[1] < len(pstarts):
+    elif (known := parsed.known_lines(old_s)) is not None and row < known[1] < len(pstarts):
         # the block's last statement ends on the last line the rules' code generation found for it
         # (PyContext.lines): its text is the parsed text of its lines (LibCST reproduces its input)
         count = known[1] - row
@@ -300,8 +300,15 @@ def _patch_whole(lines: list[str], base: int, parsed: _Parsed, sub, at: int, old
         count = old_code.count("\n")
         if row + count >= len(pstarts) or ptext[pstarts[row] : pstarts[row + count]] != old_code:
             return None
+    return _line_patch(lines, base, row, count, old_code, code_at(module, indents, new_s))
+
+
+def _line_patch(lines: list[str], base: int, row: int, count: int, old: str, new: str):
+    """(first, end, new lines): the ``count`` source lines from file line ``row`` (0-based; ``lines[0]``
+    is line ``base``) with those where ``old`` (their parsed text) and ``new`` differ replaced; None
+    when a differing line was blanked for the parse."""
     lo = row - (base - 1)
-    piece = _replace_changed_lines("\n".join(lines[lo : lo + count]) + "\n", old_code, code_at(module, indents, new_s))
+    piece = _replace_changed_lines("\n".join(lines[lo : lo + count]) + "\n", old, new)
     if piece is None or not piece.endswith("\n"):
         return None
     return lo, lo + count, piece[:-1].split("\n")
@@ -334,11 +341,10 @@ def _patch_header_and_body(
     count = old_head.count("\n")
     if row + count > nested.region[0] - 1 or parsed.text[parsed.starts[row] : parsed.starts[row + count]] != old_head:
         return False
-    lo = row - (base - 1)
-    piece = _replace_changed_lines("\n".join(lines[lo : lo + count]) + "\n", old_head, new_head)
-    if piece is None or not piece.endswith("\n"):
+    head = _line_patch(lines, base, row, count, old_head, new_head)
+    if head is None:
         return False
-    edits.extend([*mine, (lo, lo + count, piece[:-1].split("\n"))])
+    edits.extend([*mine, head])
     return True
 
 
