@@ -31,7 +31,6 @@ import dataclasses
 import importlib.metadata
 import os
 import platform
-import resource
 import shutil
 import subprocess
 import sys
@@ -40,6 +39,10 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from migrate_speed import cpu_seconds  # user+sys of this process and its joined workers
 
 # about 4,000 files of training code (issue 13's corpus size): docs/migrate.md#corpus-check
 DEFAULT_PACKAGES = (
@@ -144,11 +147,6 @@ def fetch(spec: str, cache: Path, offline: bool) -> Source | None:
     return None
 
 
-def _cpu() -> float:
-    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
-
-
 def _compiles(text: str, path: str) -> bool:
     try:
         compile(text, path, "exec", dont_inherit=True)
@@ -170,14 +168,14 @@ def _first_pass(row: Row, out: Path, jobs: int):
     from parabench.migrate.engine import process, run
 
     roots = row.source.roots
-    c0, t0 = _cpu(), time.perf_counter()
+    c0, t0 = cpu_seconds(), time.perf_counter()
     try:
         result = run(roots, Options(), out, jobs=jobs, progress=False)
         files = result.files
     except Exception as exc:  # counted, named and failing the exit code: the check must not stop at one
         row.crashes.append(f"engine run: {type(exc).__name__}: {exc}")
         files = _file_by_file(row, roots, out, process)
-    row.wall, row.cpu = time.perf_counter() - t0, _cpu() - c0
+    row.wall, row.cpu = time.perf_counter() - t0, cpu_seconds() - c0
     return files
 
 

@@ -234,7 +234,7 @@ def generate(root: Path, n_files: int, cuda_share: float, prose_share: float, se
     return counts
 
 
-def _cpu_seconds() -> float:
+def cpu_seconds() -> float:
     """user+sys of this process and its joined children (the pool's workers)."""
     a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
@@ -245,9 +245,9 @@ def measure(srcs: list[Path], out: Path, jobs: int) -> dict:
     from parabench.migrate.core import Options
     from parabench.migrate.engine import run
 
-    c0, t0 = _cpu_seconds(), time.perf_counter()
+    c0, t0 = cpu_seconds(), time.perf_counter()
     result = run(srcs, Options(), out, jobs=jobs, progress=False)
-    dt, dcpu = time.perf_counter() - t0, _cpu_seconds() - c0  # workers are joined by now: their time is in CHILDREN
+    dt, dcpu = time.perf_counter() - t0, cpu_seconds() - c0  # workers are joined by now: their time is in CHILDREN
     return {
         "files": len(result.files),
         "py": sum(1 for r in result.files if r.kind == "python"),
