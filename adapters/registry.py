@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING, Any
 from parabench.errors import SpecError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from parabench.adapters.base import Adapter
+    from parabench.adapters.base import Adapter, Capabilities
+    from parabench.adapters.profile import Profile
+    from parabench.collectives import Stack
 
 # name -> ("module:Class", one-line description)
 _BUILTIN: dict[str, tuple[str, str]] = {
@@ -92,3 +94,27 @@ def get_adapter(name: str) -> type[Adapter]:
     if name not in found:
         raise SpecError("backend", f"unknown backend {name!r} (choices: {', '.join(names())})")
     return _load(found[name][0])
+
+
+# The facts the commands read of every backend, by name. Nothing outside this module and the job's
+# composition (parabench.jobs, which hands the job its adapter) looks an adapter up by name
+# (tests/test_architecture.py checks it).
+def adapters() -> dict[str, type[Adapter]]:
+    """Every registered backend's adapter class, by name (declarative: imports no framework)."""
+    return {name: get_adapter(name) for name in names()}
+
+
+def plan_profiles() -> dict[str, Profile]:
+    """The plan profile of every backend that declares one (``Adapter.plan_profile``), by name."""
+    return {name: a.plan_profile for name, a in adapters().items() if a.plan_profile is not None}
+
+
+def comm_stacks() -> dict[str, Stack]:
+    """The stack ``bench comm`` drives of every backend that declares one (``Adapter.comm_stack``), by name."""
+    return {name: a.comm_stack for name, a in adapters().items() if a.comm_stack is not None}
+
+
+def capabilities(name: str) -> Capabilities:
+    """What backend ``name`` declares it supports, for a backend known only by a recorded name (a
+    checkpoint's identity); a composed job reads ``job.backend.adapter.capabilities``."""
+    return get_adapter(name).capabilities

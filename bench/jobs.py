@@ -67,12 +67,7 @@ def from_config(cfg: Mapping[str, Any]) -> JobSpec:
     tracking = build(TrackingSpec, cfg.get("tracking"), "tracking")
     fault = build(FaultSpec, cfg.get("fault"), "fault")
 
-    backend_node = dict(cfg.get("backend") or {})
-    name = backend_node.pop("name", None)
-    if not name:
-        raise SpecError("backend", "no backend chosen: add backend=NAME")
-    adapter = get_adapter(name)  # raises SpecError listing the choices
-    options = build(adapter.Options, backend_node, "backend")
+    backend = backend_spec(cfg.get("backend"))
     extra = sorted(set(cfg) - _TOP_LEVEL)
     if extra:
         raise SpecError(extra[0], "unknown top-level key")
@@ -81,7 +76,7 @@ def from_config(cfg: Mapping[str, Any]) -> JobSpec:
     validate_launch_words(launch)
     validate_moe(model)
     validate_resilience(run, launch, fault)
-    parallel = adapter.parallel_dims(options, launch.world_size, model)
+    parallel = backend.adapter.parallel_dims(backend.options, launch.world_size, model)
     validate_parallel(parallel, model, data)
     return JobSpec(
         model=model,
@@ -91,11 +86,23 @@ def from_config(cfg: Mapping[str, Any]) -> JobSpec:
         launch=launch,
         run=run,
         tracking=tracking,
-        backend=BackendSpec(name, options, adapter),
+        backend=backend,
         parallel=parallel,
         experiment=cfg.get("experiment") if isinstance(cfg.get("experiment"), str) else None,
         fault=fault,
     )
+
+
+def backend_spec(node: Mapping[str, Any] | None, default: str | None = None) -> BackendSpec:
+    """The ``backend`` node of a composed config (``name`` and the ``backend.*`` options) as a
+    BackendSpec that carries its adapter: with ``job_from_json``, the one place that looks a backend's
+    adapter up by name (``bench run`` and ``bench comm`` compose through it)."""
+    backend_node = dict(node or {})
+    name = backend_node.pop("name", None) or default
+    if not name:
+        raise SpecError("backend", "no backend chosen: add backend=NAME")
+    adapter = get_adapter(name)  # raises SpecError listing the choices
+    return BackendSpec(name, build(adapter.Options, backend_node, "backend"), adapter)
 
 
 def model_spec(node: Mapping[str, Any]) -> ModelSpec:

@@ -480,6 +480,37 @@ def test_a_job_carries_its_adapter_and_spec_json_does_not():
     assert job_from_json(job.to_json()) == job and job_from_json(job.to_json()).backend.adapter is job.backend.adapter
 
 
+# Where a backend's adapter is looked up by name: the registry (its own helpers: every adapter, the
+# plan profiles, the comm stacks, a recorded backend's capabilities) and the job's composition, which
+# hands the job its adapter (``job.backend.adapter``). Everything else reads one of those.
+ADAPTER_LOOKUPS = {"adapters/registry.py", "bench/jobs.py"}
+
+
+def _adapter_lookups(path: Path) -> list[int]:
+    """Lines of ``path`` that call ``get_adapter(...)`` (by name or as an attribute)."""
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+        and (getattr(node.func, "id", None) == "get_adapter" or getattr(node.func, "attr", None) == "get_adapter")
+    ]
+
+
+def test_adapters_are_looked_up_by_name_only_in_the_registry_and_the_job_composition():
+    found = [
+        f"{path.relative_to(ROOT).as_posix()}:{line}"
+        for package in ("bench", "adapters", "migrate")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if path.relative_to(ROOT).as_posix() not in ADAPTER_LOOKUPS
+        for line in _adapter_lookups(path)
+    ]
+    assert not found, (
+        "get_adapter( outside the registry and parabench.jobs: read job.backend.adapter, or a registry helper "
+        "(adapters(), plan_profiles(), comm_stacks(), capabilities(name)):\n" + "\n".join(found)
+    )
+    assert all(_adapter_lookups(ROOT / p) for p in ADAPTER_LOOKUPS), "a listed lookup site no longer looks up"
+
+
 def test_every_standalone_torch_worker_script_destroys_its_process_group():
     """The scripts tests and benchmarks start under torchrun (tests/*_train.py, benchmarks/native/*) end by
     destroying their process group, as parabench's own workers do (adapters/base.py): one that exits

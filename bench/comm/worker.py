@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from parabench.adapters.base import Adapter, WorkerContext
-from parabench.adapters.registry import get_adapter, import_target, names
+from parabench.adapters.registry import comm_stacks, import_target
 from parabench.collectives import OPS, CommJob, Stack, options
 from parabench.devices import DEVICES
 from parabench.errors import SpecError
+from parabench.jobs import backend_spec
 from parabench.launchers import msrun_scheduler_started, rank_of, serve_msrun_scheduler
 from parabench.loop import write_json_atomic
-from parabench.spec import BackendSpec, DeviceSpec, LaunchSpec, TrackingSpec, build
+from parabench.spec import DeviceSpec, LaunchSpec, TrackingSpec, build
 
 
 def comm_stack(adapter: type[Adapter]) -> Stack:
@@ -36,11 +37,11 @@ def comm_stack(adapter: type[Adapter]) -> Stack:
     naming the backends that declare one."""
     if adapter.comm_stack is not None:
         return adapter.comm_stack
-    drivers = {n: get_adapter(n).comm_stack for n in names()}
-    torch_driver = next((n for n, st in drivers.items() if st is not None and st.libraries is None), None)
+    drivers = comm_stacks()
+    torch_driver = next((n for n, st in drivers.items() if st.libraries is None), None)
     raise SpecError(
         "backend",
-        f"bench comm drives {', '.join(f'backend={n}' for n, st in drivers.items() if st is not None)}, "
+        f"bench comm drives {', '.join(f'backend={n}' for n in drivers)}, "
         f"not backend={adapter.name}"
         + (
             f": a backend that trains through torch.distributed calls the collectives backend={torch_driver} measures"
@@ -79,15 +80,13 @@ def measure(ops, spec: dict[str, Any], sync: Callable[[], None]) -> list[dict[st
 
 def comm_job(plain: Mapping[str, Any]) -> CommJob:
     """The CommJob of a composed ``bench comm`` config (plain dict; ``comm.json`` holds the same)."""
-    backend_node = dict(plain.get("backend") or {})
-    name = backend_node.pop("name", None) or "ddp"
-    adapter = get_adapter(name)
-    comm_stack(adapter)  # refuses a backend bench comm does not drive
+    backend = backend_spec(plain.get("backend"), default="ddp")
+    comm_stack(backend.adapter)  # refuses a backend bench comm does not drive
     extra = sorted(set(plain) - {"backend", "device", "launcher", "tracking", "comm", "run"})
     if extra:
         raise SpecError(extra[0], "unknown top-level key of bench comm")
     job = CommJob(
-        backend=BackendSpec(name, build(adapter.Options, backend_node, "backend"), adapter),
+        backend=backend,
         device=build(DeviceSpec, plain.get("device"), "device"),
         launch=build(LaunchSpec, plain.get("launcher"), "launcher"),
         tracking=build(TrackingSpec, plain.get("tracking"), "tracking"),

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from parabench import canonical, hostmem, untrusted
-from parabench.adapters.registry import get_adapter
+from parabench.adapters.registry import capabilities
 from parabench.convert import deepspeed_checkpoint, megatron_checkpoint, megatron_legacy
 from parabench.convert.worker import REQUEST, RESULT
 from parabench.errors import RunFailed, SpecError, UserError, stopped_by
@@ -261,7 +261,7 @@ def _check_convertible(job: JobSpec, role: str) -> None:
 
 
 def layout_text(identity: dict[str, Any]) -> str:
-    support = get_adapter(identity["backend"]).capabilities.checkpoint
+    support = capabilities(identity["backend"]).checkpoint
     fmt = support.format if support else "?"
     layout = " ".join(
         f"{k}={identity['layout'][k]}"

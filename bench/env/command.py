@@ -6,8 +6,9 @@ import json
 import sys
 from typing import Any
 
+from parabench.adapters import registry
 from parabench.adapters.base import Adapter
-from parabench.adapters.registry import describe, get_adapter, names
+from parabench.adapters.registry import describe
 from parabench.devices import AUTOLOAD_TEXT, DEVICES, cpu_info, package_version, versions
 
 # The newest release of each distribution whose range has no upper bound that parabench has run on
@@ -76,7 +77,7 @@ def range_status(found: dict[str, str | None], ranges: dict[str, str]) -> dict[s
 
 def registered_adapters() -> dict[str, type[Adapter]]:
     """Every registered backend's adapter class (declarative: imports no framework)."""
-    return {name: get_adapter(name) for name in names()}
+    return registry.adapters()
 
 
 def backends_outside(status: dict[str, dict[str, Any]], adapters: dict[str, type[Adapter]]) -> dict[str, list[str]]:

@@ -15,7 +15,7 @@ from typing import Any
 
 from parabench import rundir
 from parabench.adapters.profile import Profile
-from parabench.adapters.registry import get_adapter, names
+from parabench.adapters.registry import plan_profiles
 from parabench.errors import SpecError, UserError
 from parabench.hf import spec_fields
 from parabench.hydraconfig import compose, to_plain
@@ -38,7 +38,7 @@ class Searched:
 
 def plannable() -> dict[str, Profile]:
     """Every registered backend whose adapter declares a plan profile, by name."""
-    return {name: profile for name in names() if (profile := get_adapter(name).plan_profile) is not None}
+    return plan_profiles()
 
 
 def backend_defaults(backends: list[str], user: list[str]) -> dict[str, dict[str, Any]]:
@@ -58,9 +58,10 @@ def candidates(base: dict[str, dict[str, Any]], cluster: Cluster, world: int, mb
     place = [f"device={cluster.device_kind}", f"launcher.nproc_per_node={per_node}"]
     if nnodes > 1:
         place += [f"launcher.nnodes={nnodes}", "launcher.master_port=29500"]
+    profiles = plannable()
     for name, plain in base.items():
         experts = _routed_experts(plain["model"])
-        for options in _with_experts(name, world, cluster, experts):
+        for options in _with_experts(name, profiles.get(name), world, cluster, experts):
             for b in mbs:
                 cfg = copy.deepcopy(plain)
                 cfg["backend"].update(options)
@@ -79,10 +80,9 @@ def _routed_experts(node: dict[str, Any]) -> int:
     return int(fields.get("num_local_experts") or 0)
 
 
-def _with_experts(name: str, world: int, cluster: Cluster, experts: int):
+def _with_experts(name: str, prof: Profile | None, world: int, cluster: Cluster, experts: int):
     """The profile's layouts, each with every expert-parallel size it tries for a model of ``experts``
     routed experts (none: the layout alone)."""
-    prof = get_adapter(name).plan_profile
     if prof is None:  # backend_defaults admits plannable backends only
         raise SpecError("plan.backends", f"backend {name!r} declares no plan profile")
     for options in prof.layouts(world, cluster.devices_per_node, cluster.host_link is not None):
