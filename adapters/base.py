@@ -85,7 +85,7 @@ DCP_SUPPORT = CheckpointSupport(
 @dataclass(frozen=True)
 class ConvertSupport:
     """How a backend takes part in ``bench convert`` (docs/convert.md): its engine maps its state to
-    the canonical full tensors (``Engine.export_canonical``) and back (``Engine.import_canonical``)."""
+    the canonical full tensors (``CanonicalIO.export_canonical``) and back (``CanonicalIO.import_canonical``)."""
 
     optimizer: str | None = None  # None: AdamW moments and step are carried; else why they are not
     # backend.* switches (booleans) under which the state is laid out in a way export/import does not map
@@ -223,9 +223,13 @@ class WorkerContext:
     comm_log: CommLog | None = None  # the collectives train_step calls (torchrun backends; parabench.commlog)
 
 
-class Engine(ABC):
-    """One rank's training state for one backend (worker side). Engines keep their WorkerContext
-    in ``self.ctx``."""
+# The engine's roles: what each command asks of one rank's training state. ``create_engine`` returns an
+# ``Engine`` (stepping and accounting: every backend runs ``bench run``); an engine whose adapter
+# declares ``capabilities.checkpoint`` also has the ``Checkpointing`` role, one that declares
+# ``capabilities.convert`` the ``CanonicalIO`` role (``check_roles``, run where a worker builds its engine).
+class Stepping(ABC):
+    """Role of the measured loop (``loop.train``, ``bench run``): take a step, say which slice of the
+    batch this rank takes, and report per-step extras. Engines keep their WorkerContext in ``self.ctx``."""
 
     ctx: WorkerContext
 
@@ -244,15 +248,6 @@ class Engine(ABC):
         Returns the mean token loss over this rank's micro-batches, as anything ``float()`` accepts
         (a 0-dim tensor), on every rank that takes part in the step (also every tensor/pipeline
         rank of a replica)."""
-
-    @abstractmethod
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full, unsharded weights under canonical (Hugging Face) names, as fp32 CPU tensors.
-        Collective: every rank calls it."""
-
-    @abstractmethod
-    def model_state_bytes(self) -> ModelStateBytes:
-        """Bytes of parameters, gradients and optimizer states this rank holds."""
 
     def data_parallel(self) -> tuple[int, int]:
         """(data-parallel rank, data-parallel size) of this rank: which slice of the batch it takes."""
@@ -275,33 +270,80 @@ class Engine(ABC):
         """Backend-specific documents for rank 0 to log (e.g. the effective DeepSpeed config)."""
         return {}
 
+    def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
+        pass
+
+
+class Accounting(ABC):
+    """Role of what a rank holds: its model-state bytes (the rank file, the published formula) and the
+    full weights (the initial-weights checksum every backend must match)."""
+
+    @abstractmethod
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full, unsharded weights under canonical (Hugging Face) names, as fp32 CPU tensors.
+        Collective: every rank calls it."""
+
+    @abstractmethod
+    def model_state_bytes(self) -> ModelStateBytes:
+        """Bytes of parameters, gradients and optimizer states this rank holds."""
+
+
+class Engine(Stepping, Accounting):
+    """One rank's training state for one backend (worker side): what ``Adapter.create_engine`` returns."""
+
+
+class Checkpointing(ABC):
+    """Role of step checkpoints (``resilience.checkpoint``) and of a conversion's native files
+    (``bench convert``), in the backend's native format (``capabilities.checkpoint``)."""
+
+    @abstractmethod
     def save_checkpoint(self, directory: Path, *, async_save: bool = False) -> None:
         """Collective (every rank calls it): write model + optimizer state in the backend's native
         format into ``directory`` (created by the harness under a temporary name). With
         ``async_save`` it may return before the files are written; ``finish_checkpoint`` waits."""
-        raise NotImplementedError(f"{type(self).__name__} does not checkpoint")
 
     def finish_checkpoint(self) -> float | None:
         """Block until the last ``save_checkpoint(async_save=True)`` is fully written; return the
         ``time.perf_counter()`` at which its background write ended (None: no save pending)."""
         return None
 
+    @abstractmethod
     def load_checkpoint(self, directory: Path) -> None:
         """Collective: restore model + optimizer state from ``directory`` (native format)."""
-        raise NotImplementedError(f"{type(self).__name__} does not checkpoint")
 
+
+class CanonicalIO(ABC):
+    """Role of ``bench convert``: the state as canonical full tensors and back (``capabilities.convert``)."""
+
+    @abstractmethod
     def export_canonical(self) -> CanonicalState:
         """Collective: the full canonical state (weights, AdamW moments, optimizer step) as fp32 CPU
         tensors under canonical names, complete on rank 0 at least (``bench convert``)."""
-        raise NotImplementedError(f"{type(self).__name__} does not convert")
 
+    @abstractmethod
     def import_canonical(self, state: CanonicalState) -> None:
         """Collective: take the AdamW moments and step of ``state`` (the weights already came in
         through ``model.weights``, the path every backend initialises from)."""
-        raise NotImplementedError(f"{type(self).__name__} does not convert")
 
-    def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
-        pass
+
+def declared_roles(caps: Capabilities) -> tuple[type, ...]:
+    """The engine roles a backend's capabilities promise: Engine always, Checkpointing with
+    ``checkpoint``, CanonicalIO with ``convert``."""
+    return (
+        Engine,
+        *((Checkpointing,) if caps.checkpoint is not None else ()),
+        *((CanonicalIO,) if caps.convert is not None else ()),
+    )
+
+
+def check_roles(adapter: type[Adapter], engine: object) -> None:
+    """Fail where the worker builds its engine when the engine lacks a role its adapter declares."""
+    missing = [role.__name__ for role in declared_roles(adapter.capabilities) if not isinstance(engine, role)]
+    if missing:
+        raise TypeError(
+            f"backend {adapter.name}'s engine {type(engine).__name__} lacks the role(s) {', '.join(missing)} "
+            "its capabilities declare (adapters/base.py: Engine, Checkpointing, CanonicalIO)"
+        )
 
 
 class Adapter(ABC):

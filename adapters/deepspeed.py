@@ -42,7 +42,9 @@ from typing import Any, Literal
 from parabench.adapters.base import (
     Adapter,
     Availability,
+    CanonicalIO,
     Capabilities,
+    Checkpointing,
     CheckpointSupport,
     ConvertSupport,
     Engine,
@@ -487,7 +489,7 @@ def import_deepspeed():
     return deepspeed
 
 
-class DeepSpeedEngine(Engine):
+class DeepSpeedEngine(Engine, Checkpointing, CanonicalIO):
     def __init__(self, ctx: WorkerContext):
         import torch
 

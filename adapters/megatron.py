@@ -61,7 +61,9 @@ from parabench.adapters import megatron_distopt
 from parabench.adapters.base import (
     Adapter,
     Availability,
+    CanonicalIO,
     Capabilities,
+    Checkpointing,
     CheckpointSupport,
     ConvertSupport,
     Engine,
@@ -584,7 +586,7 @@ def moe_config(spec: ModelSpec, opts: MegatronOptions) -> dict:
     }
 
 
-class MegatronEngine(Engine):
+class MegatronEngine(Engine, Checkpointing, CanonicalIO):
     def __init__(self, ctx: WorkerContext, redirect_cuda: bool = True):
         """``redirect_cuda=False`` when something else already maps CUDA onto the device (MindSpeed's
         adaptor applies torch_npu's transfer_to_npu)."""

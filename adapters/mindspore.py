@@ -40,7 +40,9 @@ from typing import Any, Literal
 from parabench.adapters.base import (
     Adapter,
     Availability,
+    CanonicalIO,
     Capabilities,
+    Checkpointing,
     CheckpointSupport,
     Comm,
     ConvertSupport,
@@ -263,7 +265,7 @@ class MindSporeComm(Comm):
 # --------------------------------------------------------------------------------------------
 # The engine.
 # --------------------------------------------------------------------------------------------
-class MindSporeEngine(Engine):
+class MindSporeEngine(Engine, Checkpointing, CanonicalIO):
     def __init__(self, ctx: WorkerContext):
         import mindspore as ms
         import numpy as np

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from parabench import untrusted
-from parabench.adapters.base import Engine, ModelStateBytes, WorkerContext
+from parabench.adapters.base import CanonicalIO, Checkpointing, Engine, ModelStateBytes, WorkerContext
 from parabench.canonical import MOMENTS, CanonicalState
 from parabench.expertload import RoutedTokens
 from parabench.metrics import torch_model_state
@@ -55,7 +55,7 @@ def count_routed_tokens(model: torch.nn.Module, spec: ModelSpec, device) -> Rout
     return routed
 
 
-class TorchEngine(Engine):
+class TorchEngine(Engine, Checkpointing, CanonicalIO):
     """Gradient accumulation over micro-batches, global-norm clipping, AdamW step.
 
     ``sync_context(last)`` is entered around each micro-batch's forward/backward: backends use it to

@@ -18,7 +18,7 @@ import time
 import traceback
 from pathlib import Path
 
-from parabench.adapters.base import WorkerContext
+from parabench.adapters.base import WorkerContext, check_roles
 from parabench.commlog import CommLog
 from parabench.devices import DEVICES, cpu_threads, drain_comm_threads
 from parabench.jobs import load_job
@@ -68,6 +68,7 @@ def _run(job, adapter, run_dir: Path, rank: int, local_rank: int, world: int, st
 
     t0 = time.perf_counter()
     engine = adapter.create_engine(ctx)
+    check_roles(adapter, engine)  # run.checkpoint / run.resume were admitted on its capabilities.checkpoint
     setup_s = time.perf_counter() - t0
     checksum = weights_checksum(engine.full_state_dict()) if job.run.checksum else None
     print(f"[parabench worker] engine ready in {setup_s:.1f}s, initial weights checksum {checksum}", flush=True)

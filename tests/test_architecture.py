@@ -521,3 +521,51 @@ def test_every_standalone_torch_worker_script_destroys_its_process_group():
     assert len(torch_scripts) >= 5, [p.name for p in scripts]
     missing = [p.name for p in torch_scripts if "destroy_process_group()" not in p.read_text()]
     assert not missing, f"exit holding a process group: {missing}"
+
+
+def test_an_engine_has_the_roles_its_adapter_declares():
+    """The engine interface is split into roles (adapters/base.py); the capabilities an adapter declares
+    name the roles its engine must have, checked where a worker builds it (worker, convert.worker)."""
+    from dataclasses import replace
+
+    from parabench.adapters.base import (
+        Accounting,
+        CanonicalIO,
+        Checkpointing,
+        Engine,
+        Stepping,
+        check_roles,
+        declared_roles,
+    )
+    from parabench.adapters.ddp import DDPAdapter
+
+    class Steps(Engine):
+        def train_step(self, micro_batches):
+            return 0.0
+
+        def full_state_dict(self):
+            return {}
+
+        def model_state_bytes(self):
+            raise NotImplementedError
+
+    class Saves(Steps, Checkpointing):
+        def save_checkpoint(self, directory, *, async_save=False):
+            pass
+
+        def load_checkpoint(self, directory):
+            pass
+
+    with pytest.raises(TypeError, match=r"engine Steps lacks the role\(s\) Checkpointing, CanonicalIO"):
+        check_roles(DDPAdapter, Steps())
+    with pytest.raises(TypeError, match=r"lacks the role\(s\) CanonicalIO its capabilities declare"):
+        check_roles(DDPAdapter, Saves())
+    caps = DDPAdapter.capabilities
+    assert declared_roles(caps) == (Engine, Checkpointing, CanonicalIO)
+    assert declared_roles(replace(caps, checkpoint=None, convert=None)) == (Engine,)
+    check_roles(type("Plain", (DDPAdapter,), {"capabilities": replace(caps, checkpoint=None, convert=None)}), Steps())
+    # the roles split the interface: no method belongs to two
+    methods = [
+        {m for m in vars(role) if not m.startswith("_")} for role in (Stepping, Accounting, Checkpointing, CanonicalIO)
+    ]
+    assert sum(map(len, methods)) == len(set().union(*methods)) == 14, methods

@@ -4,12 +4,12 @@ Started by the backend's own launcher (torchrun or msrun) with the job of one si
 (``spec.json``) and what to do (``convert.json``):
 
 * ``export``: the SOURCE backend with the source checkpoint's own layout loads the native checkpoint
-  (``Engine.load_checkpoint``), gathers the canonical full tensors (``Engine.export_canonical``) and
+  (``Checkpointing.load_checkpoint``), gathers the canonical full tensors (``CanonicalIO.export_canonical``) and
   rank 0 writes the canonical directory (parabench.canonical) with the source ranks' harness states;
 * ``import``: the TARGET backend with the target layout starts from the canonical weights (the job's
   ``model.weights``, the path every backend initialises from), takes the AdamW moments and step
-  (``Engine.import_canonical``), exports again to check the canonical checksum, and writes a native
-  checkpoint (``Engine.save_checkpoint``) with per-rank harness files into ``step_N.tmp``, without a
+  (``CanonicalIO.import_canonical``), exports again to check the canonical checksum, and writes a native
+  checkpoint (``Checkpointing.save_checkpoint``) with per-rank harness files into ``step_N.tmp``, without a
   marker: the command writes the COMPLETE marker naming the target job and renames it to ``step_N``
   only once the checksum matches (parabench.convert.command.import_verified), so that ``bench run ...
   run.resume=<out>`` continues from a verified checkpoint and never from a failed conversion.
@@ -29,7 +29,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from parabench import canonical
-from parabench.adapters.base import WorkerContext
+from parabench.adapters.base import WorkerContext, check_roles
 from parabench.devices import DEVICES, drain_comm_threads
 from parabench.jobs import load_job
 from parabench.launchers import msrun_scheduler_started, rank_of, serve_msrun_scheduler
@@ -120,6 +120,7 @@ def _run(run_dir: Path, rank: int, local_rank: int, world: int) -> int:
     ctx = WorkerContext(job=job, rank=rank, world_size=world, local_rank=local_rank, device=device, run_dir=run_dir)
     ctx.comm = adapter.init_worker(ctx)
     engine = adapter.create_engine(ctx)
+    check_roles(adapter, engine)  # bench convert admitted the backend on its capabilities.convert
     result = (_export if request["mode"] == "export" else _import)(engine, ctx, request)
     if rank == 0:
         (run_dir / RESULT).write_text(json.dumps(result, indent=1))

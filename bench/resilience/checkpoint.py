@@ -2,7 +2,7 @@
 
 Layout of one checkpoint, ``<run.checkpoint.dir>/step_000012/``::
 
-    native/              the backend's own files (Engine.save_checkpoint: DCP, DeepSpeed, ...)
+    native/              the backend's own files (Checkpointing.save_checkpoint: DCP, DeepSpeed, ...)
     harness/rank<R>.pt   per rank: completed steps, RNG streams, data ledger, loss/time history
     COMPLETE             JSON written last by rank 0: the job it belongs to and every file's size
 
@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from parabench import untrusted
+from parabench.adapters.base import Checkpointing
 from parabench.errors import SpecError
 from parabench.resilience.faults import fire_fault
 from parabench.spec import JobSpec, to_dict
@@ -463,7 +464,7 @@ def write_marker(tmp: Path, step: int, ctx, run_id: str | None, **extra: Any) ->
 class Checkpointer:
     """One rank's side of saving and resuming (every call is collective over the job's ranks)."""
 
-    def __init__(self, engine, ctx, run_id: str | None = None):
+    def __init__(self, engine: Checkpointing, ctx, run_id: str | None = None):
         job = ctx.job
         self.engine, self.ctx, self.comm = engine, ctx, ctx.comm
         self.root = checkpoint_root(job, ctx.run_dir)
