@@ -50,6 +50,8 @@ class Capabilities:
     multi_node: bool = True
     model_features: frozenset[str] = frozenset()  # optional model parts it implements (spec.MODEL_FEATURES)
     moe: bool = False  # trains a Mixture-of-Experts model (model.num_local_experts > 0; docs/moe.md)
+    # why it does not (moe False): the reason the refusal of a MoE model gives; empty: the generic one
+    moe_refusal: str = ""
     # splits each decoder layer's heads, key/value heads and MLP columns over parallel.tp ranks (no
     # key/value head replication): check_capabilities refuses a model they do not divide
     tensor_parallel: bool = False
@@ -442,11 +444,11 @@ def check_capabilities(adapter: type[Adapter], job: JobSpec) -> None:
     if job.launch.nnodes > 1 and not caps.multi_node:
         raise SpecError("launcher.nnodes", f"backend {adapter.name} runs on a single node only")
     if job.model.is_moe and not caps.moe:
+        why = caps.moe_refusal or "it lacks expert parallelism and a mapping of the experts onto the canonical weights"
         raise SpecError(
             "model.num_local_experts",
-            f"backend {adapter.name} does not train Mixture-of-Experts models yet (model {job.model.name} has "
-            f"{job.model.num_local_experts} experts): it lacks expert parallelism and a mapping of the experts onto "
-            "the canonical weights (issue #31, docs/moe.md); backend=ddp trains them",
+            f"backend {adapter.name} does not train Mixture-of-Experts models (model {job.model.name} has "
+            f"{job.model.num_local_experts} experts): {why} (issue #31, docs/moe.md); backend=ddp trains them",
         )
     if caps.tensor_parallel and job.parallel.tp > 1:
         check_tensor_parallel_split(adapter.name, job.model, job.parallel.tp)

@@ -24,13 +24,9 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from parabench.adapters.base import Availability, Capabilities, Engine, WorkerContext
-from parabench.adapters.megatron import (
-    MegatronAdapter,
-    MegatronEngine,
-    MegatronOptions,
-    moe_config,
-    recompute_settings,
-)
+from parabench.adapters.megatron import MegatronAdapter, MegatronOptions
+from parabench.adapters.megatron_build import moe_config, recompute_settings
+from parabench.adapters.megatron_engine import MegatronEngine
 from parabench.adapters.megatron_profile import PROFILE as MEGATRON_PROFILE
 from parabench.adapters.profile import no_experts
 from parabench.devices import AUTOLOAD_TEXT, NPUDevice, cann_library, cann_version, package_version
@@ -185,7 +181,14 @@ def check_matrix(found: dict[str, str | None]) -> str | None:
 class MindSpeedAdapter(MegatronAdapter):
     name = "mindspeed"
     capabilities = Capabilities(
-        devices=frozenset({"npu"}), precisions=frozenset({"fp32", "bf16"}), shards_model_states=True
+        devices=frozenset({"npu"}),
+        precisions=frozenset({"fp32", "bf16"}),
+        shards_model_states=True,
+        # docs/moe.md#mindspeed: its MoE flags are written and parsed, the engine path is not checked
+        moe_refusal=(
+            "the megatron engine's MoE layer, expert parallelism and its mapping are checked with megatron-core "
+            "0.16 only, while MindSpeed's known-good set pairs with megatron-core 0.12.1"
+        ),
     )
     Options = MindSpeedOptions
     distributions = ("torch", "torch-npu", "megatron-core")

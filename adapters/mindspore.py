@@ -123,6 +123,14 @@ class MindSporeAdapter(Adapter):
         # mindspore.save_checkpoint(async_save="thread") snapshots the tensors, then writes in a thread.
         checkpoint=CheckpointSupport(format="mindspore-ckpt", async_save=None),
         convert=ConvertSupport(),
+        # MindSpore 2.10's Python API has no MoE layer (MindFormers builds its own); its MoE operators
+        # document Ascend as their only platform, and the CPU kernels are missing (docs/moe.md#mindspore)
+        moe_refusal=(
+            "MindSpore has no Mixture-of-Experts layer of its own, and its MoE operators (ops.moe_token_permute, "
+            "moe_init_routing_v2, moe_distribute_dispatch/combine) are Ascend kernels its CPU target does not "
+            "register ('The kernel MoeTokenPermute unregistered'), so expert parallelism through MindSpore's own "
+            "MoE support cannot run or be checked here"
+        ),
     )
     Options = MindSporeOptions
     distributions = ("mindspore",)

@@ -98,6 +98,28 @@ def test_refused_before_launch(name, tmp_path, capsys, monkeypatch):
     assert reason in err, err
 
 
+@pytest.mark.parametrize(
+    "operator, args",
+    [
+        ("moe_token_permute", lambda x, idx: (x, idx)),
+        ("moe_init_routing_v2", lambda x, idx: (x, idx, 0, 0, 4, 0, 2, False)),
+    ],
+)
+def test_mindspores_moe_operators_have_no_cpu_kernel_so_a_moe_model_is_refused(operator, args, tmp_path, capsys):
+    """MindSpore has no MoE layer; its MoE operators are Ascend kernels the CPU target does not register,
+    which is the reason the refusal of a MoE model gives (docs/moe.md#mindspore). When a MindSpore
+    release runs them on the CPU this fails, and the refusal is to be revisited."""
+    ms.set_device("CPU")
+    x = ms.Tensor(np.ones((4, 8), np.float32))
+    idx = ms.Tensor(np.array([[0, 1], [1, 2], [2, 3], [0, 3]], np.int32))
+    with pytest.raises(RuntimeError, match="unregistered"):
+        [out.asnumpy() for out in getattr(ms.ops, operator)(*args(x, idx))]  # the kernel runs when read
+    line = assert_refused_before_launch(
+        ["+model=moe-tiny", "backend=mindspore"], "model.num_local_experts", tmp_path, capsys
+    )
+    assert "The kernel MoeTokenPermute unregistered" in line and "no Mixture-of-Experts layer" in line, line
+
+
 def test_pynative_needs_numpy_below_2(tmp_path, capsys, monkeypatch):
     if int(np.__version__.split(".")[0]) < 2:
         pytest.skip("numpy<2 here: PyNative is allowed")
