@@ -384,7 +384,9 @@ def test_backends_without_moe_refuse_it_before_launch(tmp_path, capsys, backend)
     line = assert_refused_before_launch(
         ["+model=moe-tiny", f"backend={backend}"], "model.num_local_experts", tmp_path, capsys
     )
-    assert f"backend {backend}" in line and "expert parallelism" in line
+    assert f"backend {backend}" in line
+    # the backend's own reason (Capabilities.moe_refusal), docs/moe.md#mindspore and #mindspeed
+    assert {"mindspore": "MoE operators", "mindspeed": "megatron-core 0.12.1"}[backend] in line, line
 
 
 def test_fsdp_with_tensor_parallel_refuses_experts_before_launch(tmp_path, capsys):
@@ -723,12 +725,13 @@ def test_fsdp_moe_matches_ddp_and_its_model_state_formula(moe_runs):
 @pytest.mark.full
 @pytest.mark.parametrize("label", ["ep2", "ep1-dp2", "ep2-allgather"])
 def test_megatron_moe_matches_ddp_and_its_model_state_formula(moe_runs, label):
-    """Same canonical start, the dense megatron parity bounds against ddp (step 0 within 1e-5, step 10
-    within 1e-3 relative), and each rank's params + grads + AdamW moments = the formula with the
-    experts sharded over ep (16 bytes per parameter held)."""
+    """Same canonical start, step 0 within 1e-6 relative of ddp's (issue #31's acceptance; the dense
+    megatron tests allow 1e-5; measured 3.1e-8 at ep=2), step 10 within 1e-3 (the dense megatron
+    bound), and each rank's params + grads + AdamW moments = the formula with the experts sharded over
+    ep (16 bytes per parameter held)."""
     mg = moe_runs[label]
     assert mg["backend"] == "megatron"
-    assert_parity(moe_runs["ddp"], mg, first=1e-5, after_ten=1e-3)
+    assert_parity(moe_runs["ddp"], mg, first=1e-6, after_ten=1e-3)
     for rank in mg["model_state_per_rank"]:
         assert rank["params"] + rank["grads"] + rank["optimizer"] == mg["model_state_expected_bytes"], rank
 
