@@ -156,13 +156,16 @@ def _hash(h, name: str, arr) -> None:
     h.update(arr.tobytes())
 
 
-def checksum(state: CanonicalState, hashing: bool = True) -> str:
+def checksum(state: CanonicalState, hashing: bool = True, visit: Callable[[str, Any], None] | None = None) -> str:
     """SHA-256 over (name, shape, float32 bytes) of every tensor in name order, then the step.
-    Collective where the state's tensors are (every rank calls it; ``hashing=False``: fetch only)."""
+    Collective where the state's tensors are (every rank calls it; ``hashing=False``: fetch only).
+    ``visit(flat name, array)`` sees each tensor as it is hashed (a writer in the same pass)."""
     h = hashlib.sha256()
     for name, arr in stream(state, fetch_plain=hashing):
         if hashing:
             _hash(h, name, arr)
+        if visit is not None:
+            visit(name, arr)
     h.update(f"step={state.step}".encode())
     return h.hexdigest()[:16]
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from parabench import canonical, hostmem, untrusted
 from parabench.adapters.registry import capabilities
-from parabench.convert import deepspeed_checkpoint, megatron_checkpoint, megatron_legacy
+from parabench.convert import deepspeed_checkpoint, files, megatron_checkpoint, megatron_legacy
 from parabench.convert.worker import REQUEST, RESULT
 from parabench.errors import RunFailed, SpecError, UserError, stopped_by
 from parabench.hf import CONFIG, SINGLE, hf_config, load_weights, spec_fields
@@ -79,6 +79,14 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="unpickle the source with code allowed: only for a checkpoint whose source you trust that "
         "holds globals beyond parabench's allowlist (docs/security.md); default: every pickle is checked first",
+    )
+    p.add_argument(
+        "--via",
+        choices=("auto", "files", "launch"),
+        default="auto",
+        help="files: read and write the checkpoint files without launching the frameworks (ZeRO-3 -> "
+        "megatron tp, docs/convert.md); launch: through the frameworks' own load and save; auto (default): "
+        "files where both ends allow it",
     )
     p.add_argument("overrides", nargs="*", help="the target's layout and options, as bench run takes them")
     return p
@@ -362,6 +370,7 @@ def plan(args) -> dict[str, Any]:
         tjob = target_job(args.to, list(args.overrides), identity, world, held)
         _check_convertible(tjob, "target")
     return {
+        "via": _via(args.via, kind, identity, tjob),
         "kind": kind,
         "src": src,
         "meta": meta,
@@ -372,6 +381,15 @@ def plan(args) -> dict[str, Any]:
         "out": out,
         "tracking": tracking,
     }
+
+
+def _via(asked: str, kind: str, identity: dict[str, Any], tjob: JobSpec | None) -> str:
+    """ "files" where the conversion can go from files to files (parabench.convert.files) and
+    ``--via launch`` was not given, else "launch"; ``--via files`` where it cannot is refused."""
+    why = files.refusal(kind, identity, tjob)
+    if asked == "files" and why:
+        raise SpecError("--via", f"files: not for this conversion ({why}); --via launch or auto")
+    return "launch" if asked == "launch" or why else "files"
 
 
 def check_apart(src: Path, out: Path) -> None:
@@ -440,6 +458,8 @@ def _file_bytes(root: Path, skip: Path | None = None) -> int:
 
 
 def _convert(p: dict[str, Any]) -> dict[str, Any]:
+    if p["via"] == "files":
+        return _convert_files(p)
     out, work = p["out"], p["out"] / WORK
     canon = out / "canonical"
     if p["kind"] == "native":
@@ -456,6 +476,7 @@ def _convert(p: dict[str, Any]) -> dict[str, Any]:
             "layout": p["source_layout"],
             "step": manifest["step"],
         },
+        "via": "launch",
         "tensors": manifest["tensors"],
         "bytes": manifest["bytes"],
         "checksum_before": manifest["checksum"],
@@ -481,16 +502,45 @@ def _convert(p: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
+def _convert_files(p: dict[str, Any]) -> dict[str, Any]:
+    """From the source's files to the target's (parabench.convert.files), published as an import is."""
+    tjob, found = p["target_job"], {}
+
+    def produce() -> dict[str, Any]:
+        found.update(files.convert(p["src"], p["meta"], tjob, p["out"]))
+        return dict(found)
+
+    result = published(tjob, p["out"], lambda: found["checksum_before"], produce)
+    manifest = {"optimizer": True, "step": found["optimizer_step"]}
+    return {
+        "source": {"path": str(p["src"]), "format": p["kind"], "layout": p["source_layout"], "step": found["step"]},
+        "via": "files",
+        "tensors": found["tensors"],
+        "bytes": found["bytes"],
+        "checksum_before": found["checksum_before"],
+        "optimizer": True,
+        "fresh_optimizer": None,
+        "target": {"format": "native", "layout": layout_text(job_identity(tjob)), "checkpoint": result["checkpoint"]},
+        "checksum_after": result["checksum"],
+        "optimizer_line": _optimizer_line(p, manifest),
+    }
+
+
 def import_verified(job: JobSpec, canon: Path, out: Path, expected: str) -> dict[str, Any]:
-    """The target's import, published only once verified: the workers write ``step_N.tmp`` without a
-    COMPLETE marker (nothing run.resume accepts); when the checksum they read back through the
-    target framework equals ``expected`` the command writes the marker and renames it to ``step_N``.
-    A failure, an interrupt or a mismatch leaves no checkpoint under ``out``: the staging directory
-    is removed (a SIGKILL leaves it, unmarked)."""
+    """The target's import through its framework (the launched workers), published once verified."""
+    request = {"mode": "import", "canonical": str(canon), "out": str(out)}
+    return published(job, out, lambda: expected, lambda: launch(job, out / WORK / "import", request))
+
+
+def published(job: JobSpec, out: Path, expected, produce) -> dict[str, Any]:
+    """``produce()`` writes ``step_N.tmp`` without a COMPLETE marker (nothing run.resume accepts) and
+    returns its checksum read back; when it equals ``expected()`` the command writes the marker naming
+    the target job and renames it to ``step_N``. A failure, an interrupt or a mismatch leaves no
+    checkpoint under ``out``: the staging directory is removed (a SIGKILL leaves it, unmarked)."""
     try:
-        result = launch(job, out / WORK / "import", {"mode": "import", "canonical": str(canon), "out": str(out)})
+        result = produce()
         staging, result["checkpoint"] = Path(result["staging"]), None
-        if result["checksum"] == expected:
+        if result["checksum"] == expected():
             ctx = SimpleNamespace(job=job, world_size=job.parallel.world_size)
             result["checkpoint_bytes"] = write_marker(staging, int(result["step"]), ctx, None, converted=True)
             final = staging.with_name(staging.name.removesuffix(TMP))

@@ -59,11 +59,15 @@ def _export(engine, ctx, request: dict[str, Any]) -> dict[str, Any]:
 
 
 def _harness(ctx, engine, saved: list[dict[str, Any]], step: int) -> dict[str, Any]:
-    """This target rank's harness state: the RNG streams and history of the source rank it stands for
-    (rank mod the source world size; the loss list is the same on every rank), and the data ledger
-    checksum resharded as a resume would (checkpoint._ledger_checksum)."""
     dp_rank, dp_size = engine.data_parallel()
-    mine = saved[ctx.rank % len(saved)]
+    return harness_state(ctx.rank, dp_rank, dp_size, saved, step)
+
+
+def harness_state(rank: int, dp_rank: int, dp_size: int, saved: list[dict[str, Any]], step: int) -> dict[str, Any]:
+    """Target rank ``rank``'s harness state: the RNG streams and history of the source rank it stands
+    for (rank mod the source world size; the loss list is the same on every rank), and the data
+    ledger checksum resharded as a resume would (checkpoint._ledger_checksum)."""
+    mine = saved[rank % len(saved)]
     ledger = SimpleNamespace(dp_rank=dp_rank, dp_size=dp_size)
     checksum = _ledger_checksum([s["ledger"] for s in saved], ledger)
     return {
