@@ -12,7 +12,7 @@ chunks per rank, the norms whole (under the TE-compatible names ``linear_qkv.lay
 ``optimizer.state.exp_avg.<key>`` / ``exp_avg_sq.<key>`` chunked alike; ``common.pt`` holds the
 optimizer's param groups and its step; ``metadata.json`` the backend (megatron-core
 ``dist_checkpointing/serialization.py``, ``strategies/torch.py``, ``optimizer/optimizer.py``
-``FP32Optimizer.sharded_state_dict``; docs/sources.md#megatron-dist-checkpointing). Megatron loads
+``FP32Optimizer.sharded_state_dict``; docs/sources.md#megatron-dist_checkpointing). Megatron loads
 global tensors and reshards them on load, so these files load at any tensor-parallel size.
 
 Each chunk is a ``torch.save`` of its own tensor appended to one ``.distcp`` file per tensor rank,
@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from parabench import untrusted
 from parabench.adapters.megatron_mapping import fuse_qkv, split_qkv
 from parabench.canonical import MOMENTS, CanonicalState, Lazy, checksum
 from parabench.errors import RunFailed
@@ -271,8 +272,6 @@ class _Reader:
     chunk by chunk with torch.load (weights only) and put together one layer at a time."""
 
     def __init__(self, native: Path):
-        from parabench import untrusted
-
         self.native = native
         self.meta = untrusted.dcp_metadata(native)
 
