@@ -257,7 +257,7 @@ def test_mindspeed_moe_flags_parse_to_the_megatron_engines_moe_config(overrides)
     refuses a MoE model before launch (Capabilities.moe)."""
     import argparse
 
-    from parabench.adapters.megatron import moe_config
+    from parabench.adapters.megatron_build import moe_config
     from parabench.adapters.mindspeed import moe_argv
     from parabench.hydraconfig import compose, to_plain
     from parabench.jobs import from_config
