@@ -351,11 +351,12 @@ def _tensor_parallel(model: ModelSpec, layout: Layout, batch: Batch, widths: Wid
         return Collective(kind, "tp", t, size, calls, what, SRC_TP)
 
     if layout.sequence_parallel:
+        n = _sp_blocks(model)
         out = [
-            c("all_gather", m * layers * (2 + 2 + 2 * redo), "SP: layer input all-gathers (fwd, bwd wgrad, recompute)"),
-            c("reduce_scatter", m * layers * (2 + 2 * redo), "SP: layer output reduce-scatters (fwd, recompute)"),
-            c("reduce_scatter", m * layers * 2, "SP: backward of the input all-gathers"),
-            c("all_gather", m * layers * 2, "SP: backward of the output reduce-scatters"),
+            c("all_gather", m * layers * n * (2 + redo), "SP: layer input all-gathers (fwd, bwd wgrad, recompute)"),
+            c("reduce_scatter", m * layers * n * (1 + redo), "SP: layer output reduce-scatters (fwd, recompute)"),
+            c("reduce_scatter", m * layers * n, "SP: backward of the input all-gathers"),
+            c("all_gather", m * layers * n, "SP: backward of the output reduce-scatters"),
         ]
     else:
         again = (1 if layout.recompute_stops_early else 2) * redo
@@ -374,10 +375,21 @@ def _tensor_parallel(model: ModelSpec, layout: Layout, batch: Batch, widths: Wid
     return out
 
 
+def _sp_blocks(model: ModelSpec) -> int:
+    """Blocks of a decoder layer whose input sequence parallelism all-gathers and whose output it
+    reduce-scatters: attention and the dense MLP. A MoE layer's routed experts do neither (megatron-core
+    0.16 ``tensor_parallel/layers.py``: an expert linear's ``explicit_expert_comm`` turns its sequence
+    parallelism off; the token dispatcher gathers their rows instead, :func:`moe_all_to_all`); its
+    shared expert is a dense MLP (``SharedExpertMLP``) and does."""
+    if not model.is_moe:
+        return 2
+    return 2 if model.shared_expert_intermediate_size else 1
+
+
 def tp_backward_async(model: ModelSpec, layout: Layout, batch: Batch, widths: Widths) -> list[Collective]:
     """Of the decoder layers' tensor-parallel collectives (``_tensor_parallel``), the ones megatron-core's
-    column-parallel linears (qkv, gate+up: two per layer) issue asynchronously in their backward,
-    without tp_comm_overlap (``LinearWithGradAccumulationAndAsyncCommunication.backward``,
+    column-parallel linears (qkv, gate+up: two per layer; a MoE layer's routed experts none) issue
+    asynchronously in their backward, without tp_comm_overlap (``LinearWithGradAccumulationAndAsyncCommunication.backward``,
     megatron/core/tensor_parallel/layers.py; docs/sources.md#plan-tp-backward-overlap): with sequence
     parallelism the re-gather of the input for the weight gradient (``async_op=True`` before the
     input-gradient GEMM) and the input gradient's reduce-scatter (before the weight-gradient GEMM);
@@ -386,7 +398,7 @@ def tp_backward_async(model: ModelSpec, layout: Layout, batch: Batch, widths: Wi
     t = layout.tp
     if t <= 1:
         return []
-    calls = batch.micro_batches * (model.num_hidden_layers // layout.pp) * 2
+    calls = batch.micro_batches * (model.num_hidden_layers // layout.pp) * _sp_blocks(model)
     act = batch.micro_batch_size * batch.seq_len // layout.cp * model.hidden_size * widths.activation
     if layout.sequence_parallel:
         return [
@@ -428,7 +440,15 @@ def _context_parallel(model: ModelSpec, layout: Layout, batch: Batch, widths: Wi
 
 
 def moe_all_to_all(
-    model: ModelSpec, batch: Batch, widths: Widths, ep: int, *, pp: int = 1, cp: int = 1, scalar_elements: int = 0
+    model: ModelSpec,
+    batch: Batch,
+    widths: Widths,
+    ep: int,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    scalar_elements: int = 0,
 ) -> list[Collective]:
     """Expert-parallel token dispatch and combine of one rank per step (megatron-core 0.16
     ``token_dispatcher.py``, ``MoEAlltoAllTokenDispatcher``; docs/sources.md#comm-volume-expert-parallel).
@@ -442,36 +462,73 @@ def moe_all_to_all(
     the combine's and the dispatch-backward's are the rows the rank's experts received, which depends
     on the routing: T x k on average over the ep ranks (every row sent is received once), so these
     figures are exact for the mean over the ep ranks and a lower bound of the busiest one. Before the
-    dispatch the ranks all-gather their tokens per expert (E int64 each), a scalar-sized call when
-    ep x E <= ``scalar_elements`` (the communication log keeps those apart)."""
-    if ep <= 1 or not model.is_moe:
+    dispatch the ranks all-gather their tokens per expert (E int64 each) over the tensor x expert
+    ranks, a scalar-sized call when tp x ep x E <= ``scalar_elements`` (the communication log keeps
+    those apart).
+
+    Expert tensor parallelism (tp > 1, with the sequence parallelism megatron-core's MoE layer demands
+    in training): each tensor rank routes its T / tp tokens, so the all-to-alls carry T k / tp rows, and
+    the tensor ranks then all-gather the rows their experts received and reduce-scatter the experts'
+    output (:func:`_moe_tensor_parallel`)."""
+    if ep * tp <= 1 or not model.is_moe:
+        return []
+    m, layers = batch.micro_batches, model.num_hidden_layers // pp
+    rows = batch.micro_batch_size * batch.seq_len // cp // tp * model.num_experts_per_tok
+    out = (
+        []
+        if ep <= 1
+        else [
+            Collective(
+                "all_to_all",
+                "ep",
+                ep,
+                rows * model.hidden_size * widths.activation,
+                4 * m * layers,
+                "MoE token dispatch + combine, forward and backward (mean over ep ranks)",
+                SRC_EP,
+            ),
+            Collective(
+                "all_to_all",
+                "ep",
+                ep,
+                rows * widths.activation,
+                2 * m * layers,
+                "MoE routing probabilities with the dispatch, forward and backward",
+                SRC_EP,
+            ),
+        ]
+    )
+    out += _moe_tensor_parallel(model, batch, widths, tp, pp=pp, cp=cp)
+    counts = tp * ep * model.num_local_experts
+    if counts > scalar_elements:
+        out.append(Collective("all_gather", "ep", tp * ep, counts * 8, m * layers, "MoE tokens per expert", SRC_EP))
+    return out
+
+
+def _moe_tensor_parallel(
+    model: ModelSpec, batch: Batch, widths: Widths, tp: int, *, pp: int, cp: int
+) -> list[Collective]:
+    """The alltoall token dispatcher's collectives over the tensor ranks with expert tensor parallelism
+    (megatron-core 0.16 ``MoEAlltoAllTokenDispatcher``: ``dispatch_postprocess`` all-gathers the rows
+    and their probabilities with ``gather_from_sequence_parallel_region``, ``combine_preprocess``
+    reduce-scatters the experts' output with ``reduce_scatter_to_sequence_parallel_region``; each one's
+    backward is the other). Per MoE layer and micro-batch the gathered rows are the tensor group's T x
+    k (T = b x s / cp): exact at ep = 1, the mean over the expert ranks with ep > 1."""
+    if tp <= 1:
         return []
     m, layers = batch.micro_batches, model.num_hidden_layers // pp
     rows = batch.micro_batch_size * batch.seq_len // cp * model.num_experts_per_tok
-    out = [
-        Collective(
-            "all_to_all",
-            "ep",
-            ep,
-            rows * model.hidden_size * widths.activation,
-            4 * m * layers,
-            "MoE token dispatch + combine, forward and backward (mean over ep ranks)",
-            SRC_EP,
-        ),
-        Collective(
-            "all_to_all",
-            "ep",
-            ep,
-            rows * widths.activation,
-            2 * m * layers,
-            "MoE routing probabilities with the dispatch, forward and backward",
-            SRC_EP,
-        ),
+    tokens, probs = rows * model.hidden_size * widths.activation, rows * widths.activation
+
+    def c(kind: Kind, size: float, calls: int, what: str) -> Collective:
+        return Collective(kind, "tp", tp, size, calls * m * layers, what, SRC_EP)
+
+    return [
+        c("all_gather", tokens, 2, "MoE dispatcher: routed rows gathered over the tensor ranks (fwd), combine (bwd)"),
+        c("reduce_scatter", tokens, 2, "MoE dispatcher: experts' output reduce-scattered (fwd), the gather (bwd)"),
+        c("all_gather", probs, 1, "MoE dispatcher: routing probabilities gathered over the tensor ranks (fwd)"),
+        c("reduce_scatter", probs, 1, "MoE dispatcher: routing probabilities' gradient (bwd)"),
     ]
-    counts = ep * model.num_local_experts
-    if counts > scalar_elements:
-        out.append(Collective("all_gather", "ep", ep, counts * 8, m * layers, "MoE tokens per expert", SRC_EP))
-    return out
 
 
 __all__ = [

@@ -173,6 +173,42 @@ def test_expert_tensor_parallelism_matches_ddp(runs):
     mg, ref = runs["tp2"], runs["ddp"]
     held = _routes_and_trains_like_ddp(mg, ref)
     assert held == [mg["model_state_expected_bytes"]] * 2, held
+    # the communication formula with the token dispatcher's gathers over the tensor ranks
+    # (test_the_tensor_parallel_formula_counts_the_dispatchers_gathers): every reduce-scatter measured
+    # = formula; the all-gathers measured exceed it by the dense sequence-parallel formula's two uncounted
+    # gathers per micro-batch (lm_head's input re-gathered for its weight gradient and the backward of
+    # the embedding output's reduce-scatter: 2 x 2 micro-batches x b s h x 4 B), not the MoE layer's
+    measured, formula = mg["comm_measured"], mg["comm_formula"]
+    assert measured["reduce_scatter"]["bus_bytes"] == formula["reduce_scatter"]["bus_bytes"], (measured, formula)
+    assert measured["reduce_scatter"]["calls"] == formula["reduce_scatter"]["calls"] == 24
+    assert measured["all_gather"]["bytes"] - formula["all_gather"]["bytes"] == 2 * 2 * (2 * 64 * H * 4)
+
+
+def test_the_tensor_parallel_formula_counts_the_dispatchers_gathers():
+    """Expert tensor parallelism (tp=2 with sequence parallelism, ep=1), moe-tiny, 2 micro-batches of
+    b = 2, s = 64 (act = b s h x 4 B): the routed experts' linears do no sequence-parallel collectives
+    (megatron-core's explicit_expert_comm), the alltoall dispatcher all-gathers the tensor group's
+    T k = 256 rows and their probabilities and reduce-scatters the experts' output (each one's backward
+    the other), by hand; measured equal for the reduce-scatters in test_expert_tensor_parallelism_matches_ddp.
+    A shared expert is a dense MLP: its sequence-parallel collectives come back."""
+    from parabench.run.comm_report import formula
+
+    act, rows = 2 * 64 * H * 4, 2 * 64 * 2
+    tp2 = ["backend.tp=2", "backend.sequence_parallel=true", "backend.distributed_optimizer=false"]
+    got = formula(_job("launcher.nproc_per_node=2", "data.seq_len=64", *tp2))
+    m, layers = 2, L
+    # attention: input gathered (fwd), re-gathered (wgrad), output reduce-scatter's backward; the
+    # lm_head's input (fwd); the dispatcher's rows twice and probabilities once per layer
+    gathers = m * layers * 3 * act + m * act + m * layers * (2 * rows * H * 4 + rows * 4)
+    # attention: output (fwd), input gather's backward; embedding output; lm_head input grad; dispatcher
+    scatters = m * layers * 2 * act + m * act + m * act + m * layers * (2 * rows * H * 4 + rows * 4)
+    assert (got["all_gather"]["bytes"], got["all_gather"]["calls"]) == (gathers, m * layers * 6 + m)
+    assert (got["reduce_scatter"]["bytes"], got["reduce_scatter"]["calls"]) == (scatters, m * layers * 5 + 2 * m)
+    shared = formula(
+        _job("launcher.nproc_per_node=2", "data.seq_len=64", "+model.shared_expert_intermediate_size=64", *tp2)
+    )
+    assert shared["all_gather"]["bytes"] - gathers == m * layers * 3 * act  # fc1 in, fc1 wgrad, fc2 out's bwd
+    assert shared["reduce_scatter"]["bytes"] - scatters == m * layers * 2 * act
 
 
 def _round128(n: int) -> int:

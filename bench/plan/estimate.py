@@ -426,7 +426,7 @@ def _expert_comm(job: JobSpec, layout: Layout, batch: Batch, widths: Widths, sta
     if states.expert_elements:
         out += expert_data_parallel(job.model, layout, batch, widths, states.expert_elements)
     if getattr(job.backend.options, "moe_token_dispatcher", None) == "alltoall":
-        out += moe_all_to_all(job.model, batch, widths, layout.ep, pp=layout.pp, cp=layout.cp)
+        out += moe_all_to_all(job.model, batch, widths, layout.ep, tp=layout.tp, pp=layout.pp, cp=layout.cp)
     return out
 
 

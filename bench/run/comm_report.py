@@ -89,7 +89,9 @@ def _expert_parallel(job: JobSpec, batch: Batch, widths: Any) -> list[Any]:
     if getattr(options, "moe_token_dispatcher", None) != "alltoall":
         return []
     ep, par = getattr(options, "ep", 1), job.parallel
-    return moe_all_to_all(job.model, batch, widths, ep, pp=par.pp, cp=par.cp, scalar_elements=SCALAR_ELEMENTS)
+    return moe_all_to_all(
+        job.model, batch, widths, ep, tp=par.tp, pp=par.pp, cp=par.cp, scalar_elements=SCALAR_ELEMENTS
+    )
 
 
 def all_to_all_rank_mean(job: JobSpec, results: list[dict[str, Any]]) -> float | None:
