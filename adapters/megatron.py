@@ -201,11 +201,12 @@ def _check_moe(job: JobSpec) -> None:
             f"ep > 1 with tp > 1: megatron-core's token dispatcher all-gathers uneven token counts over the "
             f"tensor ranks, which gloo cannot; nccl can (device={job.device.type}: use ep=1 or tp=1 here)",
         )
-    if m.num_experts_per_tok == 1:
+    if m.num_experts_per_tok == 1 and m.norm_topk_prob:
         raise SpecError(
             "model.num_experts_per_tok",
             "megatron-core needs moe_router_pre_softmax at top-1, whose weight is the softmax probability, "
-            "not Mixtral's renormalised 1 (with model.norm_topk_prob=false they agree, but top-1 is not checked)",
+            "not Mixtral's renormalised 1: set model.norm_topk_prob=false (that probability, as Qwen2-MoE and "
+            "the Switch Transformer weigh their expert) or top-k > 1",
         )
     version = package_version("megatron-core")
     if version is not None and not version.startswith("0.16."):

@@ -581,7 +581,8 @@ INVALID_MEGATRON_MOE = {
         ["backend.tp=2", "backend.sequence_parallel=true", "backend.pp=2", "launcher.nproc_per_node=4"],
         "backend.tp",
     ),
-    "top-1": (["model.num_experts_per_tok=1"], "model.num_experts_per_tok"),
+    # megatron-core's top-1 weighs by the softmax probability (moe_router_pre_softmax), Mixtral's by 1
+    "top-1 renormalised": (["model.num_experts_per_tok=1"], "model.num_experts_per_tok"),
     # the first forward under full recompute runs without grad: the load-balancing loss lost its gradient
     "full recompute": (["backend.recompute_granularity=full"], "backend.recompute_granularity"),
 }
@@ -644,6 +645,16 @@ def test_megatron_moe_engine_with_qwen2_moe_block_matches_the_canonical_model(tm
         assert_trains_like_the_canonical_model(engine, job)
         measured = engine.model_state_bytes()
         assert measured.params + measured.grads + measured.optimizer == MegatronAdapter.expected_model_state(job).bytes
+
+
+def test_megatron_moe_engine_top1_with_the_softmax_weight_matches_the_canonical_model(tmp_path):
+    """Top-1 with norm_topk_prob false (the chosen expert weighed by its softmax probability, as
+    Qwen2-MoE and the Switch Transformer do): megatron-core's top-1 with moe_router_pre_softmax, the
+    same 3 steps as the canonical model's. Top-1 renormalised (Mixtral's weight 1) stays refused."""
+    job = _one_rank_megatron_job("model.num_experts_per_tok=1", "+model.norm_topk_prob=false")
+    assert job.model.num_experts_per_tok == 1 and not job.model.norm_topk_prob
+    with _megatron_engine_in_process(job, tmp_path) as engine:
+        assert_trains_like_the_canonical_model(engine, job)
 
 
 def _one_rank_megatron_job(*overrides: str):
