@@ -351,7 +351,10 @@ def test_deepspeed_to_megatron_tp2_and_pp2_and_back_to_zero1(ds_checkpoint, ddp_
     exported = tmp_path / "tp2" / "canonical"  # the ZeRO-3 checkpoint's canonical state, written by the tp=2 conversion
     for name, layout, source in (("tp2", ["backend.tp=2"], ds_checkpoint[1]), ("pp2", ["backend.pp=2"], exported)):
         to_mg = tmp_path / name
-        printed = _convert([str(source), "--to", "megatron", *layout, "--out", str(to_mg), *TINY[:-2]])
+        # --via launch: through DeepSpeed's and Megatron's own load and save, writing canonical/ on the
+        # way (ZeRO-3 -> megatron tp=2 goes from files to files by default: the test below)
+        via = ["--via", "launch"]
+        printed = _convert([str(source), "--to", "megatron", *layout, *via, "--out", str(to_mg), *TINY[:-2]])
         assert "(match)" in printed and f"{layout[0].split('.')[1]} world_size=2" in printed, printed
         _run(["backend=megatron", *layout, f"run.steps={STEPS}", f"run.resume={to_mg}"], tmp_path / f"r_{name}")
         rel[f"megatron {name}"] = _relative(_losses(tmp_path / f"r_{name}", "megatron"), ddp_losses)
@@ -367,6 +370,80 @@ def test_deepspeed_to_megatron_tp2_and_pp2_and_back_to_zero1(ds_checkpoint, ddp_
 
     printed = _convert([str(exported), "--to", "megatron", *MEGATRON, "--out", str(tmp_path / "tp2pp2"), *TINY[:-2]])
     assert "(match)" in printed and "tp=2 pp=2 world_size=4" in printed, printed
+
+
+def _same_megatron_checkpoint(a: Path, b: Path) -> None:
+    """Two parabench megatron checkpoints hold the same thing: DCP keys, global shapes and chunks,
+    every tensor and extra state bit for bit, common.pt, metadata.json, the harness files byte for
+    byte, and markers that differ only in their time and the names of the .distcp files."""
+    import io
+    import pickle
+
+    import torch
+
+    def items(step: Path) -> dict:
+        with open(step / "native" / ".metadata", "rb") as f:
+            meta = pickle.load(f)
+        out = {}
+        for index, info in meta.storage_data.items():
+            with open(step / "native" / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                raw = f.read(info.length)
+            value = raw if index.offset is None else torch.load(io.BytesIO(raw), weights_only=True)
+            out[(index.fqn, None if index.offset is None else tuple(index.offset))] = value
+        shapes = {
+            k: (tuple(v.size), sorted(map(repr, v.chunks))) if hasattr(v, "chunks") else "bytes"
+            for k, v in meta.state_dict_metadata.items()
+        }
+        return {"items": out, "shapes": shapes}
+
+    x, y = items(a), items(b)
+    assert x["shapes"] == y["shapes"]
+    assert x["items"].keys() == y["items"].keys()
+    for key, value in x["items"].items():
+        other = y["items"][key]
+        same = (
+            value == other
+            if isinstance(value, bytes)
+            else torch.equal(value.view(torch.int32), other.view(torch.int32))
+        )
+        assert same, key
+    common = [repr(torch.load(s / "native" / "common.pt", weights_only=True)) for s in (a, b)]
+    assert common[0] == common[1]
+    assert (a / "native" / "metadata.json").read_text() == (b / "native" / "metadata.json").read_text()
+    for rank in sorted((a / "harness").iterdir()):
+        assert rank.read_bytes() == (b / "harness" / rank.name).read_bytes(), rank.name
+    markers = [json.loads((s / "COMPLETE").read_text()) for s in (a, b)]
+    for m in markers:
+        m.pop("time"), m.pop("files")
+    assert markers[0] == markers[1]
+
+
+@pytest.mark.full
+@pytest.mark.deepspeed
+@pytest.mark.megatron
+def test_zero3_to_megatron_from_files_is_the_launched_conversion(ds_checkpoint, tmp_path):
+    """ZeRO-3 x2 -> megatron tp=2 from files to files (the default; no framework launched) writes
+    the checkpoint the launched conversion writes (same tensors bit for bit, same harness files and
+    marker), and both resumed on megatron tp=2 give the same losses, bit for bit."""
+    pytest.importorskip("megatron.core")
+    out = {via: tmp_path / via for via in ("auto", "launch")}
+    for via, to in out.items():
+        args = [str(ds_checkpoint[1]), "--to", "megatron", "backend.tp=2", "--via", via, "--out", str(to)]
+        printed = _convert([*args, *TINY[:-2]])
+        assert "(match)" in printed, printed
+    record = json.loads((out["auto"] / "convert.json").read_text())
+    assert record["via"] == "files" and not (out["auto"] / "convert").exists(), record  # nothing launched
+    assert json.loads((out["launch"] / "convert.json").read_text())["via"] == "launch"
+    assert record["checksum_before"] == record["checksum_after"]
+    step = f"step_{SAVED:06d}"
+    _same_megatron_checkpoint(out["auto"] / step, out["launch"] / step)
+    losses = {}
+    for via, to in out.items():
+        _run(["backend=megatron", "backend.tp=2", f"run.steps={SAVED + 4}", f"run.resume={to}"], tmp_path / f"r_{via}")
+        losses[via] = _losses(tmp_path / f"r_{via}", "megatron")
+    print(f"resumed from files / from the launched conversion: {losses}")
+    assert losses["auto"] == losses["launch"] and len(losses["auto"]) == SAVED + 4
 
 
 @pytest.mark.full
