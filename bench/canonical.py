@@ -30,6 +30,7 @@ import math
 import os
 import struct
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -156,16 +157,33 @@ def _hash(h, name: str, arr) -> None:
     h.update(arr.tobytes())
 
 
+def _hash_beside(h, state: CanonicalState, visit: Callable[[str, Any], None]) -> None:
+    """Each tensor hashed in a thread (hashlib releases the GIL for large buffers) while ``visit``
+    takes it in this one: in name order, at most two tensors held."""
+    with ThreadPoolExecutor(1) as pool:
+        hashed = None
+        for name, arr in stream(state):
+            if hashed is not None:
+                hashed.result()
+            hashed = pool.submit(_hash, h, name, arr)
+            visit(name, arr)
+        if hashed is not None:
+            hashed.result()
+
+
 def checksum(state: CanonicalState, hashing: bool = True, visit: Callable[[str, Any], None] | None = None) -> str:
     """SHA-256 over (name, shape, float32 bytes) of every tensor in name order, then the step.
     Collective where the state's tensors are (every rank calls it; ``hashing=False``: fetch only).
     ``visit(flat name, array)`` sees each tensor as it is hashed (a writer in the same pass)."""
     h = hashlib.sha256()
-    for name, arr in stream(state, fetch_plain=hashing):
-        if hashing:
-            _hash(h, name, arr)
-        if visit is not None:
-            visit(name, arr)
+    if visit is not None and hashing:
+        _hash_beside(h, state, visit)
+    else:
+        for name, arr in stream(state, fetch_plain=hashing):
+            if hashing:
+                _hash(h, name, arr)
+            if visit is not None:
+                visit(name, arr)
     h.update(f"step={state.step}".encode())
     return h.hexdigest()[:16]
 

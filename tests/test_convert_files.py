@@ -218,10 +218,12 @@ def test_megatron_files_load_in_torch_dcp_as_the_mapping_shards(tmp_path, tp):
     assert {tuple(c.offsets) for c in fc1.chunks} == {(i, s, 0) for i in range(spec.num_hidden_layers) for s in starts}
     assert set(meta.state_dict_metadata) == megatron_files._keys(spec)
     assert canonical.checksum(megatron_files.read_back(tmp_path, spec, 7)) == digest
+    assert megatron_files.checked(tmp_path, spec, state, digest) == digest
 
 
 def test_megatron_files_read_back_sees_a_changed_value(tmp_path):
-    """The after-checksum is read from the files: one flipped bit in one chunk changes it."""
+    """The after-checksum is read from the files: one flipped bit in one chunk changes it (the files'
+    own checksum, and the comparison with the source that stands for it)."""
     import io
     import pickle
 
@@ -247,6 +249,7 @@ def test_megatron_files_read_back_sees_a_changed_value(tmp_path):
     raw[info.offset : info.offset + info.length] = buf.getvalue()
     path.write_bytes(bytes(raw))
     assert canonical.checksum(megatron_files.read_back(tmp_path, spec, 7)) != digest
+    assert megatron_files.checked(tmp_path, spec, state, digest) not in (digest, None)
 
 
 def test_megatron_files_write_holds_one_layer(tmp_path):

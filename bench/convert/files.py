@@ -62,7 +62,7 @@ def convert(src: Path, marker: dict[str, Any], tjob: JobSpec, out: Path) -> dict
     for rank in range(target_world):  # megatron's rank order: tensor rank fastest, then data-parallel
         harness = harness_state(rank, rank // tp, target_world // tp, saved, step)
         torch.save(harness, staging / "harness" / f"rank{rank}.pt")
-    after = canonical.checksum(megatron_files.read_back(staging / "native", spec, state.step))
+    after = megatron_files.checked(staging / "native", spec, state, before)  # the files read back
     return {
         "checksum": after,
         "staging": str(staging),

@@ -35,7 +35,7 @@ import numpy as np
 
 from parabench import untrusted
 from parabench.adapters.megatron_mapping import fuse_qkv, split_qkv
-from parabench.canonical import MOMENTS, CanonicalState, Lazy, checksum
+from parabench.canonical import MOMENTS, CanonicalState, Lazy, checksum, stream
 from parabench.errors import RunFailed
 from parabench.spec import ModelSpec
 
@@ -156,7 +156,8 @@ class DcpWriter:
             TensorStorageMetadata,
         )
 
-        t = torch.from_numpy(np.array(value, dtype="<f4", copy=True))  # its own storage: only its bytes saved
+        # a tensor over exactly the chunk's bytes (a contiguous view is not copied): torch.save writes its storage
+        t = torch.from_numpy(np.ascontiguousarray(value, dtype="<f4"))
         meta = self.tensors.setdefault(
             key, TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(shape), [])
         )
@@ -330,3 +331,15 @@ def _unbuild(entry: Entry, value: np.ndarray, name: str, spec: ModelSpec) -> np.
     if entry.build == "fc1":
         return np.ascontiguousarray(np.split(value, 2, axis=0)[i])
     return value
+
+
+def checked(native: Path, spec: ModelSpec, state: CanonicalState, before: str) -> str:
+    """The canonical checksum of what the files of ``native/`` hold: each tensor read back (torch.load,
+    chunk by chunk, mapped back) and compared bit for bit with the source's, in name order; all equal,
+    it is ``before`` (SHA-256 over equal names, shapes, bytes and step), which needs no second hashing
+    pass; any difference, the files' own checksum."""
+    back = read_back(native, spec, state.step)
+    for (name, value), (other, source) in zip(stream(back), stream(state), strict=True):
+        if name != other or value.shape != source.shape or not np.array_equal(value.view("<i4"), source.view("<i4")):
+            return checksum(read_back(native, spec, state.step))
+    return before

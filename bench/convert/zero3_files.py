@@ -54,20 +54,20 @@ class TensorRef:
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    def read(self, first: int, count: int) -> np.ndarray:
-        """Values ``first .. first + count`` of the flattened tensor, read from the file."""
+    def read(self, first: int, count: int, into: np.ndarray | None = None) -> np.ndarray:
+        """Values ``first .. first + count`` of the flattened tensor, read from the file (into ``into``,
+        an array of ``count`` values of this dtype, where given)."""
         if first < 0 or first + count > self.numel:
             raise RunFailed(f"{self.path}: values {first}..{first + count} of a tensor of {self.numel}")
-        size = self.dtype.itemsize
-        out = bytearray(count * size)
-        view, done = memoryview(out), 0
+        out = np.empty(count, dtype=self.dtype) if into is None else into
+        view, done, size = memoryview(out).cast("B"), 0, self.dtype.itemsize
         with open(self.path, "rb", buffering=0) as f:
-            while done < len(out):  # pread may return less than asked (2 GiB at most on Linux)
+            while done < len(view):  # pread may return less than asked (2 GiB at most on Linux)
                 got = os.preadv(f.fileno(), [view[done:]], self.start + first * size + done)
                 if got <= 0:
                     raise RunFailed(f"{self.path}: ends inside a tensor")
                 done += got
-        return np.frombuffer(out, dtype=self.dtype)
+        return out
 
 
 class _Inert:
@@ -167,15 +167,15 @@ class _Piece:
     partitioned: int  # ceil(numel / world)
 
 
-def _flat(groups: list[TensorRef], first: int, count: int) -> np.ndarray:
-    """Values ``first .. first + count`` of the concatenation of ``groups``."""
-    parts, at = [], 0
+def _flat(groups: list[TensorRef], first: int, into: np.ndarray) -> None:
+    """Values ``first ..`` of the concatenation of ``groups`` read into ``into`` (all of it)."""
+    at, done = 0, 0
     for g in groups:
-        lo, hi = max(first, at), min(first + count, at + g.numel)
+        lo, hi = max(first + done, at), min(first + into.size, at + g.numel)
         if lo < hi:
-            parts.append(g.read(lo - at, hi - lo))
+            g.read(lo - at, hi - lo, into[done : done + hi - lo])
+            done += hi - lo
         at += g.numel
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def _rank_groups(path: Path) -> tuple[dict[str, list[TensorRef]], set[int]]:
@@ -218,8 +218,12 @@ def read(native: Path, world: int, shapes: dict[str, tuple[int, ...]]) -> Canoni
 
     def value(name: str, state: str) -> np.ndarray:
         p, shape = pieces[name], shapes[name]
-        full = np.concatenate([_flat(groups[state], p.offset, p.partitioned) for groups, _ in ranks])
-        return full[: math.prod(shape)].astype("<f4", copy=False).reshape(shape)
+        full = np.empty(p.partitioned * world, dtype="<f4")  # each rank's piece read into its place
+        for r, (groups, _) in enumerate(ranks):
+            if groups[state][0].dtype != full.dtype:
+                raise RunFailed(f"{tag}: rank {r}'s {state} is {groups[state][0].dtype}, not fp32")
+            _flat(groups[state], p.offset, full[r * p.partitioned : (r + 1) * p.partitioned])
+        return full[: math.prod(shape)].reshape(shape)
 
     weights = Lazy(shapes, lambda n: value(n, "fp32"))
     moments = {m: Lazy(shapes, lambda n, m=m: value(n, m)) for m in MOMENTS}
