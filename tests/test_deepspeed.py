@@ -170,7 +170,7 @@ def test_workers_import_deepspeed_without_its_autotuners_mlflow():
 
     code = (
         "import sys, torch; compile_ = torch.compile\n"
-        "from parabench.adapters.deepspeed import MUON, import_deepspeed; import_deepspeed()\n"
+        "from parabench.adapters.deepspeed_engine import MUON, import_deepspeed; import_deepspeed()\n"
         "import deepspeed.autotuning.autotuner as tuner; print('mlflow' in sys.modules, tuner.has_mlflow)\n"
         "print(MUON in sys.modules, 'torch._inductor.compile_fx' in sys.modules, torch.compile is compile_)\n"
         "import mlflow; print(mlflow.__name__)"

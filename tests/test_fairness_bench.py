@@ -133,7 +133,7 @@ def test_launch_commands(tmp_path):
 def test_deepspeed_native_config_is_the_adapters_where_it_shapes_the_step():
     import deepspeed_native
 
-    from parabench.adapters.deepspeed import harness_config
+    from parabench.adapters.deepspeed_config import harness_config
 
     for world in (1, 2):
         job = compose_job(fairness.job_overrides("deepspeed", world, 1, 1))
