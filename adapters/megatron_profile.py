@@ -131,8 +131,9 @@ def _mg_experts(options: dict[str, Any], world: int, experts: int) -> Iterator[d
     (megatron-core carves the ep groups out of the data-parallel ranks). The adapter's validate refuses
     what it cannot run (with MoE: vpp, cp > 1, tp > 1 without sequence parallelism or with pp > 1,
     full recompute), counted like any other refusal. Not searched: tp > 1 with a MoE model (expert
-    tensor parallelism runs, but its token dispatcher's collectives over the tensor ranks are not in
-    the communication formula yet, so such a layout would be priced too cheap)."""
+    tensor parallelism runs, and its token dispatcher's gathers over the tensor ranks are in the
+    communication formula, commvolume.moe_all_to_all, but the estimate would hide them as the dense
+    layers' fused tensor-parallel collectives: such a layout would be priced too cheap)."""
     if not experts:
         yield {}
         return

@@ -4,6 +4,9 @@ expert-data-parallel group (dp / ep ranks), the dense ones over dp - the formula
 ddp on 2 ranks, the measured bytes, a killed run resumed bitwise through megatron-core's sharded state
 dict and its checkpoint converted to ddp. Pipeline stages: each stage's experts, and Mixtral's
 load-balancing loss over all layers exchanged between the stages - parity with ddp on 2 ranks.
+Expert tensor parallelism (tp=2 under sequence parallelism): parity, and the token dispatcher's
+gathers over the tensor ranks in the communication formula. Conversion into megatron's experts: ddp
+and fsdp checkpoints continued on ep=2.
 
 moe-tiny (conf/model/moe-tiny.yaml): h = 128, 2 layers, 4 query / 2 key-value heads of d = 32, 4
 experts of width 256, top-2, vocabulary 2,048, untied embeddings.
