@@ -4,6 +4,7 @@ test tiers and the rules that keep them honest (see "Test tiers" below)."""
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -11,8 +12,10 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+import benchfork
 import pytest
 import run_matrix
 from schedule import longest_modules_first, measured_seconds
@@ -21,6 +24,7 @@ from tiers import CURRENT_ITEM, TIER_MARKERS, install_process_guard, promote_ci_
 pytest_plugins = ["pytester"]  # tests/test_tiers.py runs small test projects
 
 REPO = Path(__file__).resolve().parents[1]
+BENCHFORK = Path(__file__).with_name("benchfork.py")
 
 # The suite runs two test workers on a machine of two cores, each starting ranks, so a rank's second
 # OpenMP thread (a 1-rank run's, a worker's in-process torch) often waits for a core the other
@@ -110,6 +114,22 @@ def assert_trains_like_the_canonical_model(engine, job, steps: int = 3) -> None:
         assert math.isclose(got, want, rel_tol=1e-5), (step, got, want)
 
 
+@functools.cache
+def bench_fork_server() -> str | None:
+    """The socket of this pytest process's `bench` fork server (tests/benchfork.py), started on first
+    use; None when PARABENCH_TEST_FORK=0. Until it listens, clients start fresh interpreters."""
+    if os.environ.get("PARABENCH_TEST_FORK", "1") == "0":
+        return None
+    where = Path(tempfile.mkdtemp(prefix="pbfork-"))  # short: a socket's path holds < 108 bytes
+    env = {**os.environ, **benchfork.SERVER_ENV, "MLFLOW_DISABLE_TELEMETRY": "true"}
+    with open(where / "server.log", "w") as log:
+        subprocess.Popen(
+            [sys.executable, str(BENCHFORK), "serve", str(where / "socket")],
+            env=env, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+        )  # fmt: skip
+    return str(where / "socket")
+
+
 def bench(
     args: list[str],
     results: Path,
@@ -118,7 +138,11 @@ def bench(
     cwd: Path | None = None,
     python_args: tuple[str, ...] = (),
 ):
-    cmd = [sys.executable, *python_args, "-m", "parabench", *args]
+    """``python -m parabench ARGS`` in a subprocess (a `run` writes under ``results``): a fork of the
+    fork server when there is one, as a fresh interpreter otherwise (and with ``python_args``)."""
+    server = None if python_args else bench_fork_server()
+    front = [sys.executable, "-S", str(BENCHFORK), "run", server] if server else [sys.executable, *python_args]
+    cmd = [*front, "-m", "parabench", *args]
     if args and args[0] == "run":
         cmd.append(f"run.results_dir={results}")
     full_env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", **(env or {})}
