@@ -84,30 +84,53 @@ def _write_qwen2_moe(directory: Path) -> dict[str, torch.Tensor]:
     return canonical
 
 
+@pytest.fixture(scope="module")
+def qwen2_moe(tmp_path_factory) -> tuple[list[str], str, dict]:
+    """(the run's model arguments, the file's checksum, ddp's summary): a tiny Qwen2-MoE checkpoint
+    trained 20 steps on 2 ddp ranks."""
+    root = tmp_path_factory.mktemp("qwen2-moe-hf")
+    tensors = _write_qwen2_moe(root / "tiny-qwen2-moe")
+    model = ["+model=hf", f"model.path={root / 'tiny-qwen2-moe'}", "run.steps=20", "optim.lr=1e-3", *TWO]
+    return model, weights_checksum(tensors), run_ok([*model, "backend=ddp"], root / "ddp", timeout=900)
+
+
+QWEN_LAYOUTS = {
+    "ep2": ["backend.ep=2"],
+    "ep2-distopt": ["backend.ep=2", "backend.distributed_optimizer=true"],
+    "pp2": ["backend.pp=2"],
+}
+
+
 @pytest.mark.full
-def test_a_qwen2_moe_checkpoint_trains_on_megatron_ep2_as_on_ddp(tmp_path):
-    """The Qwen2-MoE layer launched on megatron with expert parallelism (ep=2 on 2 ranks: the shared
-    expert and its sigmoid gate whole on each rank, two routed experts per rank, megatron-core's
-    moe_router_pre_softmax for norm_topk_prob false), 20 steps against ddp: the file's checksum on
-    both, step 0 within 1e-6 and every step within 1e-5 relative (the pipeline test's per-step check;
-    measured at most 8.5e-8), the same tokens per expert, each rank's model states = the formula (the
-    shared expert and q/k/v biases counted) and the all-to-all bytes = the dispatcher formula."""
-    tensors = _write_qwen2_moe(tmp_path / "tiny-qwen2-moe")
-    model = ["+model=hf", f"model.path={tmp_path / 'tiny-qwen2-moe'}", "run.steps=20", "optim.lr=1e-3", *TWO]
-    ddp = run_ok([*model, "backend=ddp"], tmp_path / "ddp", timeout=900)
-    mg = run_ok([*model, "backend=megatron", "backend.ep=2"], tmp_path / "megatron", timeout=900)
-    assert ddp["initial_checksum"] == mg["initial_checksum"] == weights_checksum(tensors)
+@pytest.mark.parametrize("layout", list(QWEN_LAYOUTS))
+def test_a_qwen2_moe_checkpoint_trains_on_megatron_as_on_ddp(qwen2_moe, layout, tmp_path):
+    """The Qwen2-MoE layer launched on megatron (the shared expert and its sigmoid gate whole on each
+    rank, megatron-core's moe_router_pre_softmax for norm_topk_prob false) on 2 ranks - ep=2 (two
+    routed experts per rank), ep=2 with the distributed optimizer, pp=2 (one layer and its experts per
+    stage) - 20 steps against ddp: the file's checksum on both, step 0 within 1e-6 and every step
+    within 1e-5 relative (the pipeline test's per-step check; measured at ep=2 at most 8.5e-8), the
+    same tokens per expert, each rank's model states = the formula (the shared expert and q/k/v biases
+    counted; with pp the largest stage's) and, with ep, the all-to-all bytes = the dispatcher formula."""
+    model, checksum, ddp = qwen2_moe
+    mg = run_ok([*model, "backend=megatron", *QWEN_LAYOUTS[layout]], tmp_path, timeout=900)
+    assert ddp["initial_checksum"] == mg["initial_checksum"] == checksum
     ref, got = ddp["losses"], mg["losses"]
     assert len(got) == len(ref) == 20 and ref[19] < ref[0] - 0.1  # it trains
     assert abs(got[0] - ref[0]) <= 1e-6 * abs(ref[0]), (got[0], ref[0])
     assert all(abs(g - r) <= 1e-5 * abs(r) for g, r in zip(got, ref, strict=True)), (got, ref)
     assert mg["moe_tokens_per_expert"] == ddp["moe_tokens_per_expert"]
-    for rank in mg["model_state_per_rank"]:
-        assert rank["params"] + rank["grads"] + rank["optimizer"] == mg["model_state_expected_bytes"], rank
-    # per step, mean over the ranks: 2 layers x T = 2 x 64 tokens x k = 2 rows x (4 token all-to-alls of
-    # h = 32 fp32 + 2 of one fp32 probability)
-    assert (
-        mg["comm_all_to_all_rank_mean_bytes"]
-        == mg["comm_all_to_all_formula_bytes"]
-        == 2 * 128 * 2 * (4 * 32 * 4 + 2 * 4)
-    )
+    held = [r["params"] + r["grads"] + r["optimizer"] for r in mg["model_state_per_rank"]]
+    want = mg["model_state_expected_bytes"]
+    if layout == "ep2-distopt":  # the formula "+ buffer padding", as tests/test_megatron.py bounds it:
+        # megatron-core pads the buffers, and the shards' moments cover some of it (measured +2,432 B
+        # and +2,176 B here; moe-tiny's sizes pad nothing)
+        assert all(want <= h <= want + 64 * 1024 for h in held) and len(held) == 2, (held, want)
+    elif layout == "pp2":  # the largest stage's
+        assert max(held) == want and len(held) == 2, (held, want)
+    else:
+        assert held == [want, want], (held, want)
+    if layout != "pp2":
+        # per step, mean over the ranks: 2 layers x T = 2 x 64 tokens x k = 2 rows x (4 token
+        # all-to-alls of h = 32 fp32 + 2 of one fp32 probability)
+        want = 2 * 128 * 2 * (4 * 32 * 4 + 2 * 4)
+        assert mg["comm_all_to_all_rank_mean_bytes"] == mg["comm_all_to_all_formula_bytes"] == want
