@@ -130,6 +130,14 @@ def bench_fork_server() -> str | None:
     return str(where / "socket")
 
 
+def bench_argv(args: list[str], python_args: tuple[str, ...] = ()) -> list[str]:
+    """The command line of ``python -m parabench ARGS``: through this process's fork server when it has
+    one (not with ``python_args``, which only a fresh interpreter takes)."""
+    server = None if python_args else bench_fork_server()
+    front = [sys.executable, "-S", str(BENCHFORK), "run", server] if server else [sys.executable, *python_args]
+    return [*front, "-m", "parabench", *args]
+
+
 def bench(
     args: list[str],
     results: Path,
@@ -140,9 +148,7 @@ def bench(
 ):
     """``python -m parabench ARGS`` in a subprocess (a `run` writes under ``results``): a fork of the
     fork server when there is one, as a fresh interpreter otherwise (and with ``python_args``)."""
-    server = None if python_args else bench_fork_server()
-    front = [sys.executable, "-S", str(BENCHFORK), "run", server] if server else [sys.executable, *python_args]
-    cmd = [*front, "-m", "parabench", *args]
+    cmd = bench_argv(args, python_args)
     if args and args[0] == "run":
         cmd.append(f"run.results_dir={results}")
     full_env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", **(env or {})}

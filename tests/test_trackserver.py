@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST, MLFLOW_SERVER_ENV, REPO, assert_refused_before_launch, bench
+from conftest import FAST, MLFLOW_SERVER_ENV, REPO, assert_refused_before_launch, bench, bench_argv
 
 CONCURRENT = 8
 TINY = [*FAST, "run.steps=2", "run.checksum=false", "device=cpu"]
@@ -149,7 +149,7 @@ def _concurrent_runs(tmp_path: Path, uri_args: list[str], experiment: str) -> li
     procs = []
     for i in range(CONCURRENT):
         results = tmp_path / f"r{i}"
-        cmd = [sys.executable, "-m", "parabench", "run", *TINY, f"tracking.experiment={experiment}", *uri_args]
+        cmd = bench_argv(["run", *TINY, f"tracking.experiment={experiment}", *uri_args])
         cmd += [f"run.results_dir={results}", f"hydra.run.dir={tmp_path / f'out{i}'}"]
         procs.append(
             subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -288,7 +288,7 @@ URI_SECRET = "alice-uri-user:uri-secret-pw"
 
 
 def _start_run(tmp_path: Path, name: str, uri: str, env: dict | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "parabench", "run", *STEPS, f"tracking.uri={uri}", "tracking.experiment=outage"]
+    cmd = bench_argv(["run", *STEPS, f"tracking.uri={uri}", "tracking.experiment=outage"])
     cmd += [f"run.results_dir={tmp_path / name}", f"hydra.run.dir={tmp_path / name / 'run'}"]
     full_env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", **(env or {})}
     return subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
