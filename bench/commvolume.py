@@ -361,18 +361,42 @@ def _tensor_parallel(model: ModelSpec, layout: Layout, batch: Batch, widths: Wid
     else:
         again = (1 if layout.recompute_stops_early else 2) * redo
         out = [c("all_reduce", m * layers * (2 + 2 + again), "TP: 2 fwd + 2 bwd all-reduces per layer")]
+    if layout.sequence_parallel:
+        out.append(_sp_param_grads(model, layout, widths))
     if not layout.vocab_parallel:  # embedding, lm_head and loss replicated: nothing beyond the layers
         return out
     if layout.pp == 1:  # the busiest rank: with pp > 1 the last stage (lm_head, cross entropy)
         kind: Kind = "reduce_scatter" if layout.sequence_parallel else "all_reduce"
         out.append(c(kind, m, "vocab-parallel embedding output"))
-    if layout.sequence_parallel:
-        out += [c("all_gather", m, "lm_head input (fwd)"), c("reduce_scatter", m, "lm_head input grad (bwd)")]
+    if layout.pp == 1 and layout.sequence_parallel:  # its backward (mappings.py _ReduceScatterToSequenceParallelRegion)
+        out.append(c("all_gather", m, "vocab-parallel embedding output grad (bwd)"))
+    if layout.sequence_parallel:  # the column-parallel lm_head re-gathers its input for wgrad (layers.py backward)
+        out += [
+            c("all_gather", 2 * m, "lm_head input (fwd, bwd wgrad re-gather)"),
+            c("reduce_scatter", m, "lm_head input grad (bwd)"),
+        ]
     else:
         out.append(c("all_reduce", m, "lm_head input grad (bwd)"))
     ce = batch.micro_batch_size * batch.seq_len // layout.cp * 4
     out.append(c("all_reduce", 3 * m, "vocab-parallel cross entropy (max, target logit, sum exp)", ce))
     return out
+
+
+_SP_PARAMS = ("norm.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight")
+
+
+def _sp_param_grads(model: ModelSpec, layout: Layout, widths: Widths) -> Collective:
+    """The tensor ranks' one coalesced all-reduce of the replicated parameters marked
+    ``sequence_parallel`` (megatron-core 0.16 ``distributed/finalize_model_grads.py``
+    ``_allreduce_non_tensor_model_parallel_grads``): the layer norms (``extensions/transformer_engine.py``),
+    a MoE router's weight (``transformer/moe/router.py``) and a shared expert's gate
+    (``transformer/moe/shared_experts.py``); the busiest rank's layers and the final norm."""
+    shapes = model.parameter_shapes()
+    per_layer = sum(
+        math.prod(s) for n, s in shapes.items() if n.startswith("model.layers.0.") and n.endswith(_SP_PARAMS)
+    )
+    size = (per_layer * (model.num_hidden_layers // layout.pp) + model.hidden_size) * widths.grad
+    return Collective("all_reduce", "tp", layout.tp, size, 1, "SP: sequence-parallel params' grads", SRC_TP)
 
 
 def _sp_blocks(model: ModelSpec) -> int:

@@ -97,8 +97,8 @@ def test_tp_overlap_hides_tensor_parallel_collectives_behind_their_gemms():
     # (test_plan.py::test_column_parallel_backward_hides_its_collectives_behind_its_gemms)
     assert 0 < plain.overlap.hidden["tp"] < plain.overlap.total["tp"]
     assert (
-        plain.overlap.hidden["tp"] < over.overlap.hidden["tp"] <= plain.overlap.total["tp"]
-    )  # at most the GEMMs' time
+        plain.overlap.hidden["tp"] < over.overlap.hidden["tp"] <= plain.overlap.total["tp"] * (1 + 1e-12)
+    )  # at most the GEMMs' time (and the total: equal here but for the float sums' order)
     assert over.step_s == pytest.approx(plain.step_s - (over.overlap.hidden["tp"] - plain.overlap.hidden["tp"]))
     # each collective behind the GEMM it is fused with (mc2, TE userbuffers), not behind all of them
     gemm_s = _fused_tp_gemms_s(job, plan_profile(job).layout(job), load("h100-sxm"), 989.0, Calibration())
