@@ -25,27 +25,33 @@ def _server() -> str:
     return sock
 
 
-def _both(args: list[str], cwd: Path, env: dict | None = None) -> tuple:
-    sock = _server()
+def _one(forked: bool, args: list[str], cwd: Path, env: dict | None = None) -> tuple:
+    front = [sys.executable, "-S", str(BENCHFORK), "run", _server()] if forked else [sys.executable]
     full_env = {**os.environ, **(env or {})}
-    forked = [sys.executable, "-S", str(BENCHFORK), "run", sock, "-m", "parabench", *args]
-    direct = [sys.executable, "-m", "parabench", *args]
-    run = [
-        subprocess.run(c, capture_output=True, text=True, cwd=cwd, env=full_env, timeout=120) for c in (forked, direct)
-    ]
-    return tuple((p.returncode, p.stdout, p.stderr) for p in run)
+    proc = subprocess.run([*front, "-m", "parabench", *args], capture_output=True, text=True, cwd=cwd, env=full_env)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def _both(args: list[str], cwd: Path, env: dict | None = None) -> tuple:
+    return _one(True, args, cwd, env), _one(False, args, cwd, env)
 
 
 def test_a_forked_command_prints_and_exits_as_a_fresh_interpreter(tmp_path):
     """Exit code, stdout and stderr of a refused and of a finished command, in the client's directory."""
     refused_forked, refused_direct = _both(["compare", "no-such-dir"], cwd=tmp_path)
     assert refused_forked == refused_direct and refused_forked[0] == 2, refused_forked
-    (tmp_path / "x").mkdir()
-    listed_forked, listed_direct = _both(
-        ["run", "+model=llama", "launcher.dry_run=true", "run.results_dir=x"], tmp_path
-    )
-    assert listed_forked[0] == listed_direct[0] == 0, listed_forked
-    assert len(list((tmp_path / "x").glob("runs/*/*/*/launch.sh"))) == 2  # relative to the client's cwd
+    for forked in (True, False):  # run dirs are named by the second: one experiment each
+        args = [
+            "run",
+            "+model=llama",
+            "launcher.dry_run=true",
+            "run.results_dir=x",
+            f"tracking.experiment=forked-{forked}",
+        ]
+        code, out, err = _one(forked, args, tmp_path)
+        assert code == 0 and "launch bundle written" in out, err
+    for forked in ("forked-True", "forked-False"):  # relative to the client's directory
+        assert len(list((tmp_path / "x" / "runs" / forked).glob("*/*/launch.sh"))) == 1, forked
 
 
 def test_an_interpreter_setting_the_fork_cannot_apply_starts_a_fresh_interpreter(tmp_path):

@@ -41,7 +41,7 @@ def test_what_needs_a_tier_marker(argv, what):
 
 def _project(pytester: pytest.Pytester, body: str) -> None:
     """A pytest project with this suite's conftest.py (and the modules it imports), its markers and one test module."""
-    for name in ("conftest.py", "tiers.py", "run_matrix.py", "schedule.py"):
+    for name in ("conftest.py", "tiers.py", "run_matrix.py", "schedule.py", "benchfork.py"):
         shutil.copy(HERE / name, pytester.path / name)
     pytester.makeini("[pytest]\naddopts = --strict-markers\nmarkers =\n    e2e: x\n    full: x\n")
     pytester.makepyfile(test_sample=body)
