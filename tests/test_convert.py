@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST, TINY, bench
+from conftest import FAST, TINY, bench
 
 DS3 = ["backend=deepspeed", "backend.zero_stage=3"]
 MEGATRON = ["backend.tp=2", "backend.pp=2", "launcher.nproc_per_node=4"]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST, TINY, bench, torchrun_script
+from conftest import FAST, TINY, bench, torchrun_script
 
 pytest.importorskip("megatron.core")
 
@@ -197,8 +197,7 @@ def test_megatron_lm_distopt_checkpoint_to_canonical(tp, mcore_distopt, tmp_path
     dp=2 and at tp=2 x dp=2: every canonical weight and AdamW moment bit-equal to the training ranks'
     own weights and megatron-core's own gathered optimizer state, step 3."""
     import torch
-
-    from tests.test_convert_mcore_native import _assert_bit_equal_to_the_ranks
+    from test_convert_mcore_native import _assert_bit_equal_to_the_ranks
 
     trained = mcore_distopt(tp)
     canon = tmp_path / "canon"
@@ -214,7 +213,7 @@ def test_megatron_lm_distopt_checkpoint_to_canonical(tp, mcore_distopt, tmp_path
 def test_megatron_lm_distopt_checkpoint_to_ddp_continues(mcore_distopt, tmp_path):
     """The dp=2 checkpoint -> ddp x2, resumed 2 steps: the losses those steps give computed without a
     backend from the same canonical state (tests/test_convert.py's continued_by_hand)."""
-    from tests.test_convert import continued_by_hand
+    from test_convert import continued_by_hand
 
     out = tmp_path / "ddp"
     printed = _convert([str(mcore_distopt(1) / "ckpt"), "--to", "ddp", "--out", str(out), "launcher.nproc_per_node=2"])

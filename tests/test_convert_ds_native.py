@@ -11,9 +11,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from test_convert import _convert, _losses, _refused, _run, continued_by_hand  # the tiny model's helpers
 
-from tests.conftest import torchrun_script
-from tests.test_convert import _convert, _losses, _refused, _run, continued_by_hand  # the tiny model's helpers
+from conftest import torchrun_script
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")

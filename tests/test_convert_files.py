@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import TINY
 from parabench import canonical
 from parabench.convert import megatron_files, zero3_files
 from parabench.errors import SpecError
-from tests.conftest import TINY
 
 MiB = 2**20
 

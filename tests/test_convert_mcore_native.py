@@ -12,9 +12,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from test_convert import _canonical_model, _convert, _losses, _refused, _run, continued_by_hand  # tiny model
 
-from tests.conftest import torchrun_script
-from tests.test_convert import _canonical_model, _convert, _losses, _refused, _run, continued_by_hand  # tiny model
+from conftest import torchrun_script
 
 pytest.importorskip("megatron.core")
 

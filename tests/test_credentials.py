@@ -169,8 +169,9 @@ def test_convert_keeps_a_login_in_tracking_uri_out_of_everything_it_writes(tmp_p
     variable."""
     import socket
 
+    from test_convert import _tiny_hf
+
     from parabench.cli import main
-    from tests.test_convert import _tiny_hf
 
     with socket.socket() as sock:  # a loopback port nothing listens on
         sock.bind(("127.0.0.1", 0))

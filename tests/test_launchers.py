@@ -237,7 +237,7 @@ def _rank_pids(run_dir: Path, world: int) -> list[int]:
 @pytest.mark.full
 def test_a_convert_launch_that_does_not_finish_is_killed_by_the_watchdog(tmp_path):
     """bench convert ran its launcher with a timeout that killed torchrun alone, its ranks orphaned."""
-    from tests.test_convert import TINY, _tiny_hf
+    from test_convert import TINY, _tiny_hf
 
     hf, out = _tiny_hf(tmp_path / "hf"), tmp_path / "ddp"
     args = ["convert", str(hf), "--to", "ddp", "--out", str(out), *TINY[-2:], "launcher.setup_timeout_s=1"]

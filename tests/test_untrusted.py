@@ -14,9 +14,9 @@ import pickle
 from pathlib import Path
 
 import pytest
+from test_convert import TINY, _refused
 
-from tests.conftest import FAST, bench
-from tests.test_convert import TINY, _refused
+from conftest import FAST, bench
 
 
 class Payload:
@@ -79,8 +79,7 @@ def test_a_dcp_metadata_file_with_a_payload_is_refused_unread(tmp_path, capsys):
     would ``pickle.load``."""
     pytest.importorskip("megatron.core")
     import megatron.core.distributed  # noqa: F401 (its import-time log lines land here, not in the refusal's stderr)
-
-    from tests.mcore_native_train import megatron_lm_args
+    from mcore_native_train import megatron_lm_args
 
     marker, out = tmp_path / "ran", tmp_path / "out"
     common = {"args": megatron_lm_args(3, 1, 1, False, None), "checkpoint_version": 3.0, "iteration": 3}

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import TINY
 from parabench.errors import RunFailed, SpecError
-from tests.conftest import TINY
 
 
 def _canonical(directory: Path) -> Path:
