@@ -498,35 +498,38 @@ def moe_all_to_all(
         return []
     m, layers = batch.micro_batches, model.num_hidden_layers // pp
     rows = batch.micro_batch_size * batch.seq_len // cp // tp * model.num_experts_per_tok
-    out = (
-        []
-        if ep <= 1
-        else [
-            Collective(
-                "all_to_all",
-                "ep",
-                ep,
-                rows * model.hidden_size * widths.activation,
-                4 * m * layers,
-                "MoE token dispatch + combine, forward and backward (mean over ep ranks)",
-                SRC_EP,
-            ),
-            Collective(
-                "all_to_all",
-                "ep",
-                ep,
-                rows * widths.activation,
-                2 * m * layers,
-                "MoE routing probabilities with the dispatch, forward and backward",
-                SRC_EP,
-            ),
-        ]
-    )
+    out = _moe_dispatch(model, widths, ep, rows, m * layers) if ep > 1 else []
     out += _moe_tensor_parallel(model, batch, widths, tp, pp=pp, cp=cp)
     counts = tp * ep * model.num_local_experts
     if counts > scalar_elements:
         out.append(Collective("all_gather", "ep", tp * ep, counts * 8, m * layers, "MoE tokens per expert", SRC_EP))
     return out
+
+
+def _moe_dispatch(model: ModelSpec, widths: Widths, ep: int, rows: int, passes: int) -> list[Collective]:
+    """The expert ranks' all-to-alls of ``rows`` routed rows per MoE layer pass (``passes``: micro-batches
+    x local layers): activations in the dispatch and combine, forward and backward, and the routing
+    probabilities with the dispatch, forward and backward (see :func:`moe_all_to_all`)."""
+    return [
+        Collective(
+            "all_to_all",
+            "ep",
+            ep,
+            rows * model.hidden_size * widths.activation,
+            4 * passes,
+            "MoE token dispatch + combine, forward and backward (mean over ep ranks)",
+            SRC_EP,
+        ),
+        Collective(
+            "all_to_all",
+            "ep",
+            ep,
+            rows * widths.activation,
+            2 * passes,
+            "MoE routing probabilities with the dispatch, forward and backward",
+            SRC_EP,
+        ),
+    ]
 
 
 def _moe_tensor_parallel(
