@@ -210,11 +210,11 @@ def _assert_measured_equals_formula(summary: dict) -> dict:
 @pytest.fixture(scope="module")
 def comm_runs(tmp_path_factory):
     """(results dir, stdout of the megatron pp=2 run): a sweep of its own (ddp, fsdp, ZeRO 1-3, megatron
-    tp=2) and megatron pp=2 beside it, in one MLflow store. One warm-up and one measured step is all a
+    tp=2 without and with sequence parallelism) and megatron pp=2 beside it, in one MLflow store. One warm-up and one measured step is all a
     per-step byte count needs (the run matrix trains 20 and has no warm-up step, and ZeRO-3 traces the
     module order in its first). Read by the formula test and by the compare test (its ddp and fsdp rows)."""
     results = tmp_path_factory.mktemp("comm_runs")
-    backends = "ddp,fsdp,deepspeed/zero1,deepspeed/zero2,deepspeed/zero3,megatron/tp"
+    backends = "ddp,fsdp,deepspeed/zero1,deepspeed/zero2,deepspeed/zero3,megatron/tp,megatron/tp_sp"
     proc = bench(["run", "-m", *TINY, f"backend={backends}", "launcher.nproc_per_node=2"], results, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = bench(["run", *TINY, "backend=megatron", "backend.pp=2", "launcher.nproc_per_node=2"], results)
@@ -229,13 +229,15 @@ def test_measured_bytes_per_step_equal_the_formula(comm_runs):
     results, pp_stdout = comm_runs
     assert "communication" in pp_stdout and "measured - formula = +0 B" in pp_stdout  # pp=2
     found = summaries(results)
-    assert len(found) == 7, sorted(found)
+    assert len(found) == 8, sorted(found)
     extras = {}  # by run directory: one per job, so the ZeRO stages (and megatron's layouts) stay apart
     for job_dir, summary in found.items():
         extras[job_dir] = _assert_measured_equals_formula(summary)
-    assert len(extras) == 7
+    assert len(extras) == 8
     # what the formulas leave out, pinned: DeepSpeed ZeRO-3 broadcasts a few hundred bytes per step
     specs = {d: json.loads(next(results.glob(f"runs/*/*/{d}/spec.json")).read_text())["backend"] for d in found}
+    megatron = {d: spec["options"]["sequence_parallel"] for d, spec in specs.items() if spec["name"] == "megatron"}
+    assert sorted(megatron.values()) == [False, False, True], megatron  # tp, tp_sp and pp=2
     stage = {d: spec["options"]["zero_stage"] for d, spec in specs.items() if spec["name"] == "deepspeed"}
     assert sorted(stage.values()) == [1, 2, 3], stage
     assert all(not e for d, e in extras.items() if stage.get(d) != 3), extras
