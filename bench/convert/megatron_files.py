@@ -36,6 +36,7 @@ import numpy as np
 from parabench import untrusted
 from parabench.adapters.megatron_mapping import fuse_qkv, split_qkv
 from parabench.canonical import MOMENTS, CanonicalState, Lazy, checksum, stream
+from parabench.convert.megatron_checkpoint import megatron_shapes
 from parabench.errors import RunFailed
 from parabench.spec import ModelSpec
 
@@ -60,31 +61,30 @@ class Entry:
 
 
 def entries(spec: ModelSpec) -> list[Entry]:
-    """Every global tensor of the model part, in the order written (layer by layer)."""
-    shapes, L = spec.parameter_shapes(), spec.num_hidden_layers
-    out = [Entry("embedding.word_embeddings.weight", shapes["model.embed_tokens.weight"], None,
+    """Every global tensor of the model part, in the order written (layer by layer); the keys and
+    global shapes are those a Megatron checkpoint of ``spec`` holds (``megatron_shapes``, the names of
+    the TE-compatible norms megatron-core saves)."""
+    g, L = megatron_shapes(spec, te_names=True), spec.num_hidden_layers
+    out = [Entry("embedding.word_embeddings.weight", g["embedding.word_embeddings.weight"], None,
                  ("model.embed_tokens.weight",), "copy", 0)]  # fmt: skip
     for i in range(L):
         c, d = f"model.layers.{i}.", "decoder.layers."
         qkv = tuple(c + f"self_attn.{x}_proj.weight" for x in "qkv")
-        rows = sum(shapes[n][0] for n in qkv)
         gate_up = (c + "mlp.gate_proj.weight", c + "mlp.up_proj.weight")
-        out += [
-            Entry(d + "self_attention.linear_qkv.layer_norm_weight", (L, spec.hidden_size), i,
-                  (c + "input_layernorm.weight",), "copy", None),
-            Entry(d + "self_attention.linear_qkv.weight", (L, rows, spec.hidden_size), i, qkv, "qkv", 0),
-            Entry(d + "self_attention.linear_proj.weight", (L, *shapes[c + "self_attn.o_proj.weight"]), i,
-                  (c + "self_attn.o_proj.weight",), "copy", 1),
-            Entry(d + "mlp.linear_fc1.layer_norm_weight", (L, spec.hidden_size), i,
-                  (c + "post_attention_layernorm.weight",), "copy", None),
-            Entry(d + "mlp.linear_fc1.weight", (L, 2 * spec.intermediate_size, spec.hidden_size), i, gate_up, "fc1", 0),
-            Entry(d + "mlp.linear_fc2.weight", (L, *shapes[c + "mlp.down_proj.weight"]), i,
-                  (c + "mlp.down_proj.weight",), "copy", 1),
-        ]  # fmt: skip
+        layer = [  # (key, canonical sources, build, split axis)
+            ("self_attention.linear_qkv.layer_norm_weight", (c + "input_layernorm.weight",), "copy", None),
+            ("self_attention.linear_qkv.weight", qkv, "qkv", 0),
+            ("self_attention.linear_proj.weight", (c + "self_attn.o_proj.weight",), "copy", 1),
+            ("mlp.linear_fc1.layer_norm_weight", (c + "post_attention_layernorm.weight",), "copy", None),
+            ("mlp.linear_fc1.weight", gate_up, "fc1", 0),
+            ("mlp.linear_fc2.weight", (c + "mlp.down_proj.weight",), "copy", 1),
+        ]
+        out += [Entry(d + key, g[d + key], i, sources, how, split) for key, sources, how, split in layer]
     out.append(
-        Entry("decoder.final_layernorm.weight", shapes["model.norm.weight"], None, ("model.norm.weight",), "copy", None)
-    )
-    out.append(Entry("output_layer.weight", shapes["lm_head.weight"], None, ("lm_head.weight",), "copy", 0))
+        Entry("decoder.final_layernorm.weight", g["decoder.final_layernorm.weight"], None, ("model.norm.weight",),
+              "copy", None)
+    )  # fmt: skip
+    out.append(Entry("output_layer.weight", g["output_layer.weight"], None, ("lm_head.weight",), "copy", 0))
     return out
 
 
@@ -278,6 +278,7 @@ class _Reader:
 
     def layer(self, key: str, layer: int | None) -> np.ndarray:
         import torch
+        from torch.distributed.checkpoint.metadata import MetadataIndex
 
         md = self.meta.state_dict_metadata.get(key)
         if md is None or not hasattr(md, "chunks"):
@@ -287,8 +288,6 @@ class _Reader:
         for c in md.chunks:
             if layer is not None and c.offsets[0] != layer:
                 continue
-            from torch.distributed.checkpoint.metadata import MetadataIndex
-
             info = self.meta.storage_data[MetadataIndex(key, c.offsets)]
             with open(self.native / info.relative_path, "rb") as f:
                 f.seek(info.offset)
